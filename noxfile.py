@@ -1,0 +1,73 @@
+"""Sessions: `tests` (CPU: unit tests + specs + reproducers), `gpu_tests`, `bench`, `lint`.
+
+GPU sessions must also work as `nox --no-venv -s gpu_tests` on the GPU machine, which has torch, triton and
+transformers installed but no package registry: with --no-venv nothing is installed and `src/` is put on
+PYTHONPATH instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.sessions = ["tests", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+# The CPU torch wheel lies on this machine's disk; asking for exactly it never pulls a CUDA build.
+CPU_TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *extras: str) -> dict[str, str]:
+    """Install the project (CPU) or, without a venv, only point PYTHONPATH at src/."""
+    env = {"PYTHONPATH": str(ROOT / "src")}
+    if session.venv_backend == "none":
+        return env
+    session.install(CPU_TORCH)
+    spec = f".[{','.join(extras)}]" if extras else "."
+    session.install("-e", spec)
+    return env
+
+
+def _run_reproducers(session: nox.Session, env: dict[str, str]) -> None:
+    scripts = sorted((ROOT / "reproducers").glob("*.py"))
+    for script in scripts:
+        session.run(sys.executable if session.venv_backend == "none" else "python", str(script), env=env)
+    session.log(f"{len(scripts)} reproducers exited 0")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """CPU: unit/integration/parity tests, property-based specs, then every reproducer."""
+    env = _install(session, "test")
+    env["TRITON_INTERPRET"] = "1"
+    env.setdefault("HYPOTHESIS_PROFILE", os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    session.run("pytest", "-m", "not gpu", *session.posargs, env=env)
+    _run_reproducers(session, env)
+
+
+@nox.session(python=False)
+def gpu_tests(session: nox.Session) -> None:
+    """GPU (run with --no-venv on the H200): tests marked `gpu`."""
+    env = {"PYTHONPATH": str(ROOT / "src")}
+    session.run(sys.executable, "-m", "pytest", "-m", "gpu", *session.posargs, env=env)
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """GPU benchmarks (run with --no-venv on the H200)."""
+    env = {"PYTHONPATH": str(ROOT / "src")}
+    benches = sorted((ROOT / "bench").glob("bench_*.py"))
+    if not benches:
+        session.error("no benchmarks in bench/ yet")
+    for script in benches:
+        session.run(sys.executable, str(script), *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "specs", "tests", "reproducers", "noxfile.py")
