@@ -1,0 +1,232 @@
+"""Stateful spec of the KV core (REFERENCE §2, invariants 1-3, 5-8): the real KVCacheManager over real
+scaled-FP8 pool tensors, driven through random interleavings of admit, chunk, step, decode, fork,
+cancel, finish, evict and swap. After every rule the manager's own accounting is checked; after every
+step, the KV bytes themselves (see prism.testing.kv_world: each slot's bytes fingerprint its content).
+
+Invariants checked, by name:
+- publish after compute: findable rows hold their content's KV (check_findable_kv)
+- tail without old key: keyed records are full pages whose key is recomputed from their content;
+  copy_prefix leaves the rows past the common prefix untouched (snapshot check in KVWorld.step)
+- unique-page reclaim: num_allocatable == pages freed by really evicting everything (on a deep copy)
+- transfer order: every executed plan equals its snapshot meaning (KVWorld.step)
+- exact refcounts / no leaks: check_invariants after every rule; teardown frees every page
+- prefix identity + hit correctness: every computed position of every live sequence holds its own KV
+- >= 1 computed token: every hit leaves the last prompt token to compute and never ends inside an image
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prism.kv.keys import page_key
+from prism.kv.pages import OutOfPages
+from prism.kv.transfers import PlanConflict
+from prism.testing.kv_world import KVWorld
+from specs.kv_strategies import build, contents
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.world: KVWorld | None = None
+        self.history: list[list] = []
+        self.next_id = 0
+
+    @initialize(
+        page_size=st.integers(1, 4),
+        num_gpu_pages=st.integers(3, 12),
+        num_cpu_pages=st.integers(0, 4),
+    )
+    def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int) -> None:
+        self.world = KVWorld(num_gpu_pages=num_gpu_pages, page_size=page_size, num_cpu_pages=num_cpu_pages)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def m(self):
+        assert self.world is not None
+        return self.world.manager
+
+    def _any(self, condition) -> bool:
+        return self.world is not None and any(condition(seq) for seq in self.m.seqs.values())
+
+    def _seq_ids(self, data: st.DataObject, condition) -> int | None:
+        ids = sorted(s for s, seq in self.m.seqs.items() if condition(seq))
+        return data.draw(st.sampled_from(ids)) if ids else None
+
+    # -- rules -----------------------------------------------------------------------------------
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def admit(self, data: st.DataObject, chunk: int) -> None:
+        parts = data.draw(contents(self.history))
+        content = build(parts)
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        try:
+            hit = self.world.admit(seq_id, content, chunk)
+        except OutOfPages:
+            assert seq_id not in self.m.seqs
+            return
+        self.history.append(parts)
+        event("admit: " + ("no hit" if hit == 0 else "hit ends mid-page" if hit % self.m.page_size else "page-aligned hit"))
+        assert hit <= len(content) - 1, "a full hit must leave at least one token to compute"
+        assert content.span_containing(hit) is None, "a hit must not end inside an image"
+
+    @precondition(lambda self: self.world is not None and self.history)
+    @rule(data=st.data(), chunk=st.integers(1, 12), question=st.lists(st.integers(1, 3), min_size=1, max_size=6))
+    def admit_new_question(self, data: st.DataObject, chunk: int, question: list[int]) -> None:
+        """The workload Prism exists for: an earlier prompt's images (and maybe text) + a new question."""
+        base = data.draw(st.sampled_from(self.history))
+        parts = list(base[: data.draw(st.integers(1, len(base)))]) + [(question, None)]
+        content = build(parts)
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        try:
+            hit = self.world.admit(seq_id, content, chunk)
+        except OutOfPages:
+            return
+        event("new question: " + ("no hit" if hit == 0 else "hit"))
+        assert hit <= len(content) - 1 and content.span_containing(hit) is None
+
+    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed < len(s.content)))
+    @rule(data=st.data(), n=st.integers(1, 8))
+    def schedule_chunk(self, data: st.DataObject, n: int) -> None:
+        seq_id = self._seq_ids(
+            data, lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed < len(s.content)
+        )
+        if seq_id is None:
+            return
+        try:
+            self.world.schedule(seq_id, n)
+        except (OutOfPages, PlanConflict):
+            pass
+
+    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed == len(s.content)))
+    @rule(data=st.data(), token=st.integers(1, 3))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        seq_id = self._seq_ids(
+            data, lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed == len(s.content)
+        )
+        if seq_id is None:
+            return
+        try:
+            self.world.decode(seq_id, token)
+        except (OutOfPages, PlanConflict):
+            self.m.seqs[seq_id].content.tokens.pop()  # the scheduler would retry the token later
+
+    @rule()
+    def step(self) -> None:
+        plan = self.world.step()
+        for kind in ("swap_in", "swap_out", "copy_prefix", "copy_on_write"):
+            if getattr(plan, kind):
+                event(f"plan has {kind}")
+        if plan.swap_out and (plan.copy_prefix or plan.copy_on_write):
+            event("plan swaps out and copies")
+        self.world.check_live_kv()
+        self.world.check_findable_kv()
+
+    @precondition(lambda self: self._any(lambda s: True))
+    @rule(data=st.data(), keep=st.booleans())
+    def cancel(self, data: st.DataObject, keep: bool) -> None:
+        seq_id = self._seq_ids(data, lambda s: True)
+        if seq_id is not None:
+            self.world.release(seq_id, keep_in_cache=keep)
+
+    @precondition(lambda self: self._any(lambda s: s.seq_id not in self.world.pending))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        seq_id = self._seq_ids(data, lambda s: s.seq_id not in self.world.pending)
+        if seq_id is not None:
+            self.world.release(seq_id, keep_in_cache=True)
+
+    @rule(n=st.integers(1, 4))
+    def evict(self, n: int) -> None:
+        before = self.m.gpu.num_free
+        wanted = min(n, self.m.num_allocatable() - before)
+        self.m.evict(n)
+        if self.m.gpu.num_free > before:
+            event("evicted pages")
+        assert self.m.gpu.num_free >= before + wanted, "eviction freed less than can_allocate promised"
+
+    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending))
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq_id = self._seq_ids(data, lambda s: s.is_resident and s.seq_id not in self.world.pending)
+        if seq_id is None:
+            return
+        try:
+            self.m.swap_out(seq_id)
+        except (OutOfPages, PlanConflict):
+            pass
+
+    @precondition(lambda self: self._any(lambda s: not s.is_resident))
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        seq_id = self._seq_ids(data, lambda s: not s.is_resident)
+        if seq_id is None:
+            return
+        try:
+            self.m.swap_in(seq_id)
+        except (OutOfPages, PlanConflict):
+            pass
+
+    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        seq_id = self._seq_ids(data, lambda s: s.is_resident and s.seq_id not in self.world.pending)
+        if seq_id is None:
+            return
+        child, self.next_id = self.next_id, self.next_id + 1
+        try:
+            self.m.fork(seq_id, child)
+        except PlanConflict:
+            pass
+
+    # -- invariants after every rule ---------------------------------------------------------------
+    @precondition(lambda self: self.world is not None)
+    @invariant()
+    def accounting_exact(self) -> None:
+        self.m.check_invariants()
+
+    @precondition(lambda self: self.world is not None)
+    @invariant()
+    def can_allocate_is_what_eviction_frees(self) -> None:
+        promised = self.m.num_allocatable()
+        dry_run = copy.deepcopy(self.m)
+        dry_run.entries.evict_until(dry_run.gpu.num_pages)
+        assert dry_run.gpu.num_free == promised, (
+            f"can_allocate promises {promised} pages, evicting everything frees {dry_run.gpu.num_free}"
+        )
+
+    @precondition(lambda self: self.world is not None)
+    @invariant()
+    def keys_only_on_full_pages_of_their_content(self) -> None:
+        for record in self.m.index.records():
+            if record.key is None:
+                assert 0 < len(record.tokens) < self.m.page_size
+            else:
+                assert len(record.tokens) == self.m.page_size
+                assert record.key == page_key(record.parent, record.tokens, record.media)
+
+    def teardown(self) -> None:
+        if self.world is None:
+            return
+        self.world.step()  # run what is pending so plan pins are released
+        for seq_id in list(self.m.seqs):
+            self.world.release(seq_id, keep_in_cache=False)
+        self.m.clear_cache()
+        self.m.check_invariants()
+        assert self.m.gpu.num_free == self.m.gpu.num_pages, "GPU pages leaked"
+        assert self.m.cpu.num_free == self.m.cpu.num_pages, "CPU pages leaked"
+
+
+KVCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+test_kv_cache_machine = KVCacheMachine.TestCase
+
+
+class LongKVCacheRuns(KVCacheMachine):
+    """Fewer, longer interleavings: deep states (full pools, chains of hits, swap after CoW)."""
+
+
+LongKVCacheRuns.TestCase.settings = settings(max_examples=25, stateful_step_count=400, deadline=None)
+test_long_kv_cache_runs = LongKVCacheRuns.TestCase

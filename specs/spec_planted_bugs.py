@@ -1,0 +1,136 @@
+"""Proof that the specs bite: plant each historical bug (REFERENCE §2) and require a counterexample.
+
+Each test monkeypatches one buggy variant into the real component, runs the spec that owns the
+invariant, and asserts that the spec fails. A spec that still passed with the bug planted would be
+a spec that cannot fail. Shrinking is off: finding the counterexample is all that matters here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from prism.kv import keys, prefix, transfers
+from prism.kv.manager import KVCacheManager
+from prism.kv.reclaim import CacheEntries
+from specs import spec_prefix_identity, spec_transfer_plans
+from specs.spec_kv_cache import KVCacheMachine
+
+FIND_ONLY = settings(
+    max_examples=400, stateful_step_count=50, deadline=None, phases=[Phase.generate], database=None, derandomize=True
+)
+
+
+def _machine_fails(match: str) -> None:
+    with pytest.raises(AssertionError, match=match):
+        run_state_machine_as_test(KVCacheMachine, settings=FIND_ONLY)
+
+
+def _spec_fails(spec, match: str) -> None:
+    """Run a @given spec with its own settings; it must find a counterexample."""
+    with pytest.raises(AssertionError, match=match):
+        spec()
+
+
+def test_publish_at_allocation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: pages became findable when allocated, before their KV was computed."""
+    admit = KVCacheManager.admit
+
+    def admit_publishing_at_allocation(self, seq_id, content, reserve_tokens):
+        seq = admit(self, seq_id, content, reserve_tokens)
+        end = min(seq.num_computed + reserve_tokens, len(content))
+        parent = seq.keys[-1] if seq.keys else self.root
+        size = self.page_size
+        for j in range(len(seq.keys), end // size):
+            tokens = tuple(content.tokens[j * size : (j + 1) * size])
+            parent = self.index.publish_full(seq.pages[j][1], parent, tokens, content.media_runs(j * size, (j + 1) * size))
+        return seq
+
+    monkeypatch.setattr(KVCacheManager, "admit", admit_publishing_at_allocation)
+    _machine_fails("holds KV of other content|does not hold its content's KV")
+
+
+def test_tail_copy_keeping_the_old_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: the private tail page inherited the source page's hash/record."""
+    admit = KVCacheManager.admit
+
+    def admit_with_inherited_tail_record(self, seq_id, content, reserve_tokens):
+        seq = admit(self, seq_id, content, reserve_tokens)
+        for src, dst, _rows in self.plan.copy_prefix:
+            record = self.index.record(src)
+            if record is not None and self.index.record(dst) is None:
+                inherited = dataclasses.replace(record, page=dst)
+                if record.key is not None:
+                    self.index._by_key[record.key] = inherited
+                self.index._add(inherited)
+        return seq
+
+    monkeypatch.setattr(KVCacheManager, "admit", admit_with_inherited_tail_record)
+    _machine_fails("does not hold its content's KV|holds KV of other content|assert")
+
+
+def test_tail_copy_of_all_rows_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: the tail copy moved the whole source page, old question's rows included."""
+    execute = transfers.execute_plan
+
+    def execute_copying_whole_pages(plan, gpu, cpu):
+        whole = [(s, d, gpu.layout.page_size) for s, d, _ in plan.copy_prefix]
+        execute(dataclasses.replace(plan, copy_prefix=whole), gpu, cpu)
+
+    monkeypatch.setattr(transfers, "execute_plan", execute_copying_whole_pages)
+    _machine_fails("differs from its snapshot meaning")
+
+
+def test_refcount_one_reclaim_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: reclaimable counted pages with refcount == 1, missing pages shared by two entries."""
+
+    def refcount_one(self, page):
+        return self.entry_refs.get(page, 0) > 0 and self.pool.refcount[page] == 1
+
+    monkeypatch.setattr(CacheEntries, "is_reclaimable", refcount_one)
+    _machine_fails("can_allocate promises|reclaimable pages disagree")
+
+
+def test_other_transfer_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: copies ran before the swap-out that read the page they overwrote."""
+    execute = transfers.execute_plan
+
+    def copies_before_swap_out(plan, gpu, cpu):
+        execute(dataclasses.replace(plan, swap_in=[], swap_out=[]), gpu, cpu)
+        execute(dataclasses.replace(plan, copy_prefix=[], copy_on_write=[]), gpu, cpu)
+
+    monkeypatch.setattr(transfers, "execute_plan", copies_before_swap_out)
+    _spec_fails(spec_transfer_plans.spec_one_plan_has_snapshot_semantics, "snapshot meaning")
+
+
+def test_unframed_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key over an unframed serialization (digits of token ids run together) collides."""
+
+    def unframed_page_key(parent, tokens, media):
+        data = parent + "".join(str(t) for t in tokens).encode() + b"".join(m.digest for m in media)
+        return keys._hash(data)
+
+    monkeypatch.setattr(spec_prefix_identity, "page_key", unframed_page_key)
+    _spec_fails(spec_prefix_identity.spec_page_keys_are_injective, "share a key")
+
+
+def test_weak_unverified_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: a short chain hash trusted without checking stored tokens and predecessor
+    (8 bits here, so that collisions a 64-bit hash makes at scale show up in a small test)."""
+    monkeypatch.setattr(keys, "_hash", lambda data: keys.hashlib.blake2b(data, digest_size=1).digest())
+    monkeypatch.setattr(prefix.PrefixIndex, "_verified", staticmethod(lambda *args: True))
+    _spec_fails(spec_prefix_identity.spec_lookup_returns_only_verified_content, "was served page")
+
+
+def test_int32_offsets_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: FP8 compaction computed offsets in int32 and overflowed at K/V row 38 of the 8B pool."""
+    import triton.language as tl
+
+    from prism.ops import page_copy
+    from specs import spec_fp8_addressing
+
+    monkeypatch.setattr(page_copy, "_OFFSET_DTYPE", tl.int32)
+    _spec_fails(spec_fp8_addressing.spec_kernel_offsets_are_exact_on_the_8b_pool, "kernel offsets")

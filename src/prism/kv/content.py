@@ -1,0 +1,83 @@
+"""What a sequence's KV depends on: its token ids and the media items at their positions.
+
+Owns the *prefix identity* inputs (invariant 7): the KV at position i is a function of every token id,
+every media content digest and every media position in [0, i]. Two sequences may share the KV of a
+page only if this content is identical up to the end of that page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ContentError(ValueError):
+    """A sequence's content is malformed (overlapping media, spans out of range, empty digest...)."""
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """One image or video occupying tokens [start, start + length) of a sequence.
+
+    `digest` identifies the decoded pixels *and* the processor layout (grid, resize settings): the
+    media layer computes it; the KV core only compares it.
+    """
+
+    start: int
+    length: int
+    digest: bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class MediaRun:
+    """The part of one media item that falls inside a page: rows [row, row + length) of the page hold
+    tokens [offset, offset + length) of the item with this digest."""
+
+    row: int
+    length: int
+    digest: bytes
+    offset: int
+
+
+@dataclass
+class SeqContent:
+    """Token ids (growing during decode) plus the media spans of the prompt."""
+
+    tokens: list[int]
+    media: tuple[MediaSpan, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        self.media = tuple(sorted(self.media, key=lambda m: m.start))
+        previous_end = 0
+        for span in self.media:
+            if span.length <= 0 or span.start < 0:
+                raise ContentError(f"media span {span.start}+{span.length} is empty or negative")
+            if span.start < previous_end:
+                raise ContentError(f"media spans overlap at token {span.start}")
+            if span.end > len(self.tokens):
+                raise ContentError(f"media span ends at {span.end}, past the {len(self.tokens)} prompt tokens")
+            if len(span.digest) < 16:
+                raise ContentError("a media digest must have at least 128 bits")
+            previous_end = span.end
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def media_runs(self, start: int, end: int) -> tuple[MediaRun, ...]:
+        """The media inside positions [start, end), as runs with rows relative to `start`."""
+        runs: list[MediaRun] = []
+        for span in self.media:
+            lo, hi = max(start, span.start), min(end, span.end)
+            if lo < hi:
+                runs.append(MediaRun(lo - start, hi - lo, span.digest, lo - span.start))
+        return tuple(runs)
+
+    def span_containing(self, position: int) -> MediaSpan | None:
+        """The media span with start < position < end (a boundary strictly inside it), if any."""
+        for span in self.media:
+            if span.start < position < span.end:
+                return span
+        return None

@@ -1,0 +1,130 @@
+"""Evictable cache entries, reclaimable capacity over unique pages, and the eviction order.
+
+Owns *unique-page reclaim accounting* (invariant 3): reclaimable = the distinct physical pages all of
+whose references come from evictable cache entries. A page held by two entries counts once; a page held
+by a live request (or a pending transfer) never counts. `num_reclaimable` is exactly what evicting every
+entry frees, which is what makes `can_allocate` exact. (The historical bug counted `refcount == 1` pages,
+missing pages shared by two idle entries, and refused requests that eviction could have served.)
+
+Eviction order: first the private tail pages of idle entries (a tail saves less than a page of prefill
+but costs a whole page), then whole entries by lowest benefit per page they alone hold, oldest use first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .pages import PagePool
+
+
+@dataclass
+class CacheEntry:
+    """The computed prefix of a finished request, kept to serve later hits."""
+
+    entry_id: int
+    pages: list[int]  # full pages, in sequence order
+    tail_page: int | None  # a partly filled last page (unkeyed), if any
+    num_tokens: int
+    last_used: int
+    hits: int = 0
+
+    def all_pages(self) -> list[int]:
+        return self.pages + ([self.tail_page] if self.tail_page is not None else [])
+
+
+@dataclass
+class CacheEntries:
+    pool: PagePool
+    entries: dict[int, CacheEntry] = field(default_factory=dict)
+    entry_refs: Counter = field(default_factory=Counter)  # page -> references held by entries
+    _holders: dict[int, set[int]] = field(default_factory=dict)  # page -> entry ids
+    _next_id: int = 0
+    evictions: int = 0
+
+    def add(self, pages: list[int], tail_page: int | None, num_tokens: int, clock: int) -> CacheEntry:
+        """Keep `pages` (+ tail) alive as an entry: takes one reference on each."""
+        entry = CacheEntry(self._next_id, list(pages), tail_page, num_tokens, clock)
+        self._next_id += 1
+        self.entries[entry.entry_id] = entry
+        for page in entry.all_pages():
+            self._ref(entry, page)
+        return entry
+
+    def touch(self, pages: Iterable[int], clock: int) -> None:
+        """A hit used these pages: the entries holding them gain a hit and become most recently used."""
+        seen: set[int] = set()
+        for page in pages:
+            seen |= self._holders.get(page, set())
+        for entry_id in seen:
+            entry = self.entries[entry_id]
+            entry.hits += 1
+            entry.last_used = clock
+
+    def is_reclaimable(self, page: int) -> bool:
+        refs = self.entry_refs.get(page, 0)
+        return refs > 0 and self.pool.refcount[page] == refs
+
+    def reclaimable_pages(self) -> set[int]:
+        return {p for p in self.entry_refs if self.is_reclaimable(p)}
+
+    def num_reclaimable(self) -> int:
+        return sum(1 for p in self.entry_refs if self.is_reclaimable(p))
+
+    def evict_until(self, num_free: int) -> None:
+        """Evict in policy order until the pool has `num_free` free pages or nothing is left to evict."""
+        while self.pool.num_free < num_free:
+            if not self._drop_one_idle_tail() and not self._evict_one_entry():
+                return
+
+    def clear(self) -> None:
+        for entry_id in list(self.entries):
+            self._remove(self.entries[entry_id])
+
+    def _drop_one_idle_tail(self) -> bool:
+        tails = [e for e in self.entries.values() if e.tail_page is not None and self.is_reclaimable(e.tail_page)]
+        if not tails:
+            return False
+        entry = min(tails, key=lambda e: (e.last_used, e.entry_id))
+        page = entry.tail_page
+        assert page is not None
+        entry.tail_page = None
+        self._unref(entry, page)
+        if not entry.pages:
+            self._remove(entry)
+        return True
+
+    def _evict_one_entry(self) -> bool:
+        candidates = []
+        for entry in self.entries.values():
+            alone = sum(1 for p in entry.all_pages() if self.pool.refcount[p] == 1 and self.entry_refs[p] == 1)
+            if any(self.is_reclaimable(p) for p in entry.all_pages()):
+                benefit = (1 + entry.hits) * entry.num_tokens
+                candidates.append((benefit / max(alone, 1), entry.last_used, entry.entry_id))
+        if not candidates:
+            return False
+        _, _, entry_id = min(candidates)
+        self._remove(self.entries[entry_id])
+        self.evictions += 1
+        return True
+
+    def _remove(self, entry: CacheEntry) -> None:
+        del self.entries[entry.entry_id]
+        for page in entry.all_pages():
+            self._unref(entry, page)
+
+    def _ref(self, entry: CacheEntry, page: int) -> None:
+        self.pool.incref(page)
+        self.entry_refs[page] += 1
+        self._holders.setdefault(page, set()).add(entry.entry_id)
+
+    def _unref(self, entry: CacheEntry, page: int) -> None:
+        self.entry_refs[page] -= 1
+        if self.entry_refs[page] == 0:
+            del self.entry_refs[page]
+        holders = self._holders[page]
+        holders.discard(entry.entry_id)
+        if not holders:
+            del self._holders[page]
+        self.pool.decref(page)

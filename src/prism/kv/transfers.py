@@ -1,0 +1,117 @@
+"""Transfer plans: the page moves one step needs before the model runs, and their one executor.
+
+Owns *transfer order = snapshot semantics* (invariant 5). A plan has four kinds of moves, executed in the
+fixed order swap-in -> swap-out -> copy-prefix -> copy-on-write (then the model). The planner may reuse,
+inside one plan, a slot freed by an earlier-executing move (a GPU page swapped out becomes a CoW target),
+so the order is part of the meaning. `validate` proves a plan has snapshot semantics under that order:
+no move writes a page that the same or an earlier-executing move reads, and no two moves write the same
+page; executing it then equals applying every move to a snapshot of the pools taken before the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..ops.page_copy import copy_page_rows, swap_pages
+from .fp8 import KVPool
+
+PoolName = Literal["gpu", "cpu"]
+Slot = tuple[PoolName, int]
+
+EXECUTION_ORDER = ("swap_in", "swap_out", "copy_prefix", "copy_on_write")
+
+
+class PlanConflict(RuntimeError):
+    """A move would break snapshot semantics (read-after-write or write-write inside one plan)."""
+
+
+@dataclass(frozen=True)
+class Move:
+    kind: str
+    src: Slot
+    dst: Slot
+    rows: int | None = None  # copy_prefix only: how many leading rows
+
+
+@dataclass
+class TransferPlan:
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu page, gpu page)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu page, cpu page)
+    copy_prefix: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, rows), gpu
+    copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), gpu
+    pinned: list[Slot] = field(default_factory=list)  # pages the plan touches, referenced until it has run
+
+    def is_empty(self) -> bool:
+        return not (self.swap_in or self.swap_out or self.copy_prefix or self.copy_on_write)
+
+    def moves(self) -> list[Move]:
+        """Every move, in execution order."""
+        return (
+            [Move("swap_in", ("cpu", c), ("gpu", g)) for c, g in self.swap_in]
+            + [Move("swap_out", ("gpu", g), ("cpu", c)) for g, c in self.swap_out]
+            + [Move("copy_prefix", ("gpu", s), ("gpu", d), r) for s, d, r in self.copy_prefix]
+            + [Move("copy_on_write", ("gpu", s), ("gpu", d)) for s, d in self.copy_on_write]
+        )
+
+    def written(self) -> set[Slot]:
+        return {m.dst for m in self.moves()}
+
+    def add(self, move: Move) -> None:
+        """Append a move, refusing one that would break snapshot semantics."""
+        check_snapshot_semantics(self.moves() + [move])
+        if move.kind == "swap_in":
+            self.swap_in.append((move.src[1], move.dst[1]))
+        elif move.kind == "swap_out":
+            self.swap_out.append((move.src[1], move.dst[1]))
+        elif move.kind == "copy_prefix":
+            assert move.rows is not None
+            self.copy_prefix.append((move.src[1], move.dst[1], move.rows))
+        elif move.kind == "copy_on_write":
+            self.copy_on_write.append((move.src[1], move.dst[1]))
+        else:
+            raise ValueError(f"unknown move kind {move.kind!r}")
+
+
+def check_snapshot_semantics(moves: list[Move]) -> None:
+    """Raise PlanConflict unless executing `moves` in EXECUTION_ORDER equals reading every source from
+    a snapshot: each write must land on a slot no same-or-earlier move reads, and writes must be unique."""
+    rank = {kind: i for i, kind in enumerate(EXECUTION_ORDER)}
+    last_read: dict[Slot, int] = {}
+    writers: dict[Slot, Move] = {}
+    for move in moves:
+        r = rank[move.kind]
+        last_read[move.src] = max(last_read.get(move.src, -1), r)
+        if move.dst in writers:
+            raise PlanConflict(f"{move.kind} writes {move.dst} already written by {writers[move.dst].kind}")
+        writers[move.dst] = move
+    for slot, move in writers.items():
+        if last_read.get(slot, -1) >= rank[move.kind]:
+            raise PlanConflict(f"{move.kind} writes {slot}, which a move at or after it reads")
+
+
+def execute_plan(plan: TransferPlan, gpu: KVPool, cpu: KVPool | None) -> None:
+    """Run the plan's moves on real tensors, in EXECUTION_ORDER. Payload and scales move together."""
+    device = gpu.payload.device
+
+    def idx(values: list[int], on: torch.device) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=on)
+
+    if plan.swap_in or plan.swap_out:
+        if cpu is None:
+            raise ValueError("the plan swaps pages but there is no CPU swap pool")
+    if plan.swap_in:
+        cpu_pages, gpu_pages = zip(*plan.swap_in, strict=True)
+        swap_pages(cpu, gpu, idx(list(cpu_pages), cpu.payload.device), idx(list(gpu_pages), device))
+    if plan.swap_out:
+        gpu_pages, cpu_pages = zip(*plan.swap_out, strict=True)
+        swap_pages(gpu, cpu, idx(list(gpu_pages), device), idx(list(cpu_pages), cpu.payload.device))
+    if plan.copy_prefix:
+        src, dst, rows = zip(*plan.copy_prefix, strict=True)
+        copy_page_rows(gpu, idx(list(src), device), idx(list(dst), device), idx(list(rows), device))
+    if plan.copy_on_write:
+        src, dst = zip(*plan.copy_on_write, strict=True)
+        full = [gpu.layout.page_size] * len(src)
+        copy_page_rows(gpu, idx(list(src), device), idx(list(dst), device), idx(full, device))

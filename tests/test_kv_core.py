@@ -1,0 +1,146 @@
+"""Unit tests of the KV core: pool policy (FIFO reuse, lazy retention), eviction order, hit rules and
+every bad input's typed error. The invariants themselves are specified in specs/."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism.kv.content import ContentError, MediaSpan, SeqContent
+from prism.kv.manager import KVCacheManager, SequenceError
+from prism.kv.pages import OutOfPages, PagePool, PageRefError
+from prism.kv.transfers import Move, PlanConflict, TransferPlan
+from prism.testing.kv_world import KVWorld
+
+
+def test_pool_reuses_oldest_freed_page_first_and_revives_retained_pages() -> None:
+    pool = PagePool(3)
+    reused: list[int] = []
+    pool.on_reuse = reused.append
+    a, b, c = pool.allocate(3)
+    pool.decref(b)
+    pool.decref(a)
+    pool.incref(a)  # revived: off the free list, contents intact, no reuse callback
+    assert pool.free_pages() == [b] and reused == [a, b, c]
+    pool.decref(a)
+    assert pool.free_pages() == [b, a]
+    assert pool.allocate(1) == [b]  # oldest freed first
+    assert reused[-1] == b
+
+
+def test_pool_errors() -> None:
+    pool = PagePool(2)
+    with pytest.raises(OutOfPages, match="asked for 3 pages"):
+        pool.allocate(3)
+    with pytest.raises(PageRefError, match="decref of a free page"):
+        pool.decref(0)
+    with pytest.raises(PageRefError, match="out of range"):
+        pool.incref(7)
+    with pytest.raises(ValueError, match="non-negative"):
+        PagePool(-1)
+
+
+def test_content_errors() -> None:
+    digest = b"\x01" * 16
+    with pytest.raises(ContentError, match="overlap"):
+        SeqContent([9] * 6, (MediaSpan(0, 4, digest), MediaSpan(2, 2, digest)))
+    with pytest.raises(ContentError, match="past the 3 prompt tokens"):
+        SeqContent([9] * 3, (MediaSpan(1, 4, digest),))
+    with pytest.raises(ContentError, match="128 bits"):
+        SeqContent([9] * 3, (MediaSpan(0, 2, b"short"),))
+    with pytest.raises(ContentError, match="empty"):
+        SeqContent([9] * 3, (MediaSpan(0, 0, digest),))
+
+
+def test_manager_errors_change_nothing() -> None:
+    m = KVCacheManager(num_gpu_pages=2, page_size=4)
+    with pytest.raises(SequenceError, match="empty"):
+        m.admit(1, SeqContent([]), 1)
+    with pytest.raises(OutOfPages, match="needs 3 new pages"):
+        m.admit(1, SeqContent(list(range(1, 12))), 11)
+    assert m.gpu.num_free == 2 and not m.seqs
+    m.admit(1, SeqContent([1, 2, 3]), 3)
+    with pytest.raises(SequenceError, match="already admitted"):
+        m.admit(1, SeqContent([1]), 1)
+    with pytest.raises(SequenceError, match="publish"):
+        m.publish_computed(1, 1, 2)  # not starting at num_computed
+    with pytest.raises(SequenceError, match="reserving past"):
+        m.reserve(1, 9)
+    with pytest.raises(SequenceError, match="unknown sequence 5"):
+        m.release(5)
+    m.check_invariants()
+
+
+def test_full_hit_leaves_one_token_and_decode_after_page_aligned_hit() -> None:
+    world = KVWorld(num_gpu_pages=8, page_size=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    world.admit(1, SeqContent(list(prompt)), 8)
+    world.step()
+    world.release(1)
+    hit = world.admit(2, SeqContent(list(prompt)), 8)
+    assert hit == 7, "a full hit must still compute the last prompt token"
+    world.step()
+    for token in (3, 1, 2, 2, 1):  # decode across a page boundary after the hit
+        world.decode(2, token)
+        world.step()
+    world.check_all()
+
+
+def test_hit_inside_an_image_snaps_to_the_image_start() -> None:
+    world = KVWorld(num_gpu_pages=16, page_size=4)
+    image = MediaSpan(2, 8, b"\x07" * 16)
+    tokens = [1, 2] + [9] * 8 + [3, 4]
+    world.admit(1, SeqContent(list(tokens), (image,)), 12)
+    world.step()
+    world.release(1)
+    # Evict the page holding the image's tail: a plain lookup would end inside the image.
+    entry = next(iter(world.manager.entries.entries.values()))
+    for page in entry.pages[2:]:
+        world.manager.index.forget_page(page)
+    hit = world.admit(2, SeqContent(list(tokens), (image,)), 12)
+    assert hit == 2, f"hit {hit} must snap down to the image start (2)"
+    world.step()
+    world.check_all()
+
+
+def test_eviction_drops_idle_private_tails_first_then_lowest_benefit() -> None:
+    world = KVWorld(num_gpu_pages=10, page_size=4)
+    world.admit(1, SeqContent([1, 2, 3, 4, 5, 6]), 6)  # one full page + a 2-row tail
+    world.admit(2, SeqContent([7, 7, 7, 7, 8, 8, 8, 8]), 8)  # two full pages, no tail
+    world.step()
+    world.release(1)
+    world.release(2)
+    entries = world.manager.entries
+    first, second = sorted(entries.entries.values(), key=lambda e: e.entry_id)
+    assert first.tail_page is not None
+    world.manager.evict(1)
+    assert first.tail_page is None and first.entry_id in entries.entries, "the idle tail goes first"
+    # Now benefit per page: entry 1 covers 6 tokens on 1 page left, entry 2 covers 8 tokens on 2 pages.
+    world.manager.evict(1)
+    assert second.entry_id not in entries.entries and first.entry_id in entries.entries
+    world.check_all()
+
+
+def test_plan_refuses_reads_after_writes() -> None:
+    plan = TransferPlan()
+    plan.add(Move("copy_on_write", ("gpu", 1), ("gpu", 2)))
+    with pytest.raises(PlanConflict, match="writes"):
+        plan.add(Move("copy_prefix", ("gpu", 3), ("gpu", 1), 2))  # copy-prefix runs before CoW reads page 1
+    with pytest.raises(PlanConflict, match="already written"):
+        plan.add(Move("swap_in", ("cpu", 0), ("gpu", 2)))
+    plan.add(Move("swap_out", ("gpu", 2), ("cpu", 1)))  # swap-out reads before CoW writes: allowed
+    assert [m.kind for m in plan.moves()] == ["swap_out", "copy_on_write"]
+
+
+def test_fork_and_swap_refuse_sequences_with_pending_writes() -> None:
+    world = KVWorld(num_gpu_pages=8, page_size=4, num_cpu_pages=4)
+    world.admit(1, SeqContent([1, 2, 3, 4, 5, 6]), 6)
+    world.step()
+    world.release(1)
+    world.admit(2, SeqContent([1, 2, 3, 4, 5, 9]), 6)  # tail copy pending into sequence 2's page
+    with pytest.raises(PlanConflict):
+        world.manager.fork(2, 3)
+    with pytest.raises(PlanConflict):
+        world.manager.swap_out(2)
+    world.step()
+    world.manager.fork(2, 3)
+    world.check_all()
