@@ -1,0 +1,122 @@
+"""Content digests of media: the identity the prefix cache and the encoder cache key on.
+
+Owns the invariant "same pixels <=> same digest": `media_digest` hashes the DECODED, PREPROCESSED pixels
+(pixel_values as fed to the vision encoder), so the same picture stored as PNG, lossless JPEG/WebP or with
+other metadata bytes gives one digest, while any pixel change, grid change or processor-setting change
+gives another. `raw_digest` hashes the encoded file bytes (the cheap key of the CPU preprocessing cache).
+
+Hash: BLAKE2b with a 256-bit output (never truncated below 128 bits by callers: `DIGEST_SIZE`).
+
+Framing (explicit, so no two different field lists can produce the same byte stream; a peer's collision
+bug came from hashing unframed concatenations). The hash input is a sequence of fields, each encoded as
+
+    u64le(len(name)) || name || u64le(len(value)) || value
+
+with names ASCII and fixed, values raw bytes, in this order:
+  media_digest: scheme ("prism.media.v1"), model_id (UTF-8), settings (processor fingerprint, UTF-8),
+                kind ("image" | "video"), grid (3 x i64le: t, h, w), dtype (numpy dtype.str, e.g. "<f4"),
+                shape (i64le per dim), [timestamps (f64le per temporal patch), video only], pixels (C-order bytes).
+  raw_digest:   scheme ("prism.raw.v1"), bytes (the encoded file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .config import ImageProcessorConfig, VideoProcessorConfig
+from .errors import MediaError
+from .image import PreprocessedImage
+from .video import PreprocessedVideo
+
+DIGEST_SIZE = 32  # bytes (256 bits)
+MEDIA_SCHEME = b"prism.media.v1"
+RAW_SCHEME = b"prism.raw.v1"
+
+_U64 = struct.Struct("<Q")
+
+
+def _field(h: hashlib._Hash, name: bytes, value: bytes | memoryview) -> None:
+    h.update(_U64.pack(len(name)))
+    h.update(name)
+    h.update(_U64.pack(len(value)))
+    h.update(value)
+
+
+def _i64s(values: Sequence[int]) -> bytes:
+    return np.asarray(list(values), dtype="<i8").tobytes()
+
+
+def raw_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """Digest of the encoded file bytes (32 bytes)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MediaError(f"raw_digest needs bytes, got {type(data).__name__}")
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    _field(h, b"scheme", RAW_SCHEME)
+    _field(h, b"bytes", memoryview(data).cast("B"))
+    return h.digest()
+
+
+def _as_array(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(pixels, torch.Tensor):
+        pixels = pixels.detach().to("cpu").contiguous().numpy()
+    if not isinstance(pixels, np.ndarray):
+        raise MediaError(f"pixels must be a tensor or an array, got {type(pixels).__name__}")
+    # Explicit little-endian layout so the digest does not depend on the host byte order.
+    return np.ascontiguousarray(pixels, dtype=pixels.dtype.newbyteorder("<"))
+
+
+def media_digest(
+    pixel_values: torch.Tensor | np.ndarray,
+    grid_thw: Sequence[int],
+    *,
+    model_id: str,
+    settings: str,
+    kind: str,
+    timestamps: Sequence[float] | None = None,
+) -> bytes:
+    """Digest of preprocessed media (32 bytes). `settings` is the processor fingerprint
+    (`ImageProcessorConfig.fingerprint()` / `VideoProcessorConfig.fingerprint()`)."""
+    if kind not in ("image", "video"):
+        raise MediaError(f"kind must be 'image' or 'video', got {kind!r}")
+    grid = [int(g) for g in grid_thw]
+    if len(grid) != 3 or min(grid) <= 0:
+        raise MediaError(f"grid_thw must be 3 positive ints, got {list(grid_thw)}")
+    if kind == "video" and timestamps is None:
+        raise MediaError("a video digest needs its per-temporal-patch timestamps")
+    if kind == "image" and timestamps is not None:
+        raise MediaError("an image digest takes no timestamps")
+    arr = _as_array(pixel_values)
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    _field(h, b"scheme", MEDIA_SCHEME)
+    _field(h, b"model_id", model_id.encode("utf-8"))
+    _field(h, b"settings", settings.encode("utf-8"))
+    _field(h, b"kind", kind.encode("ascii"))
+    _field(h, b"grid", _i64s(grid))
+    _field(h, b"dtype", arr.dtype.str.encode("ascii"))
+    _field(h, b"shape", _i64s(arr.shape))
+    if timestamps is not None:
+        _field(h, b"timestamps", np.asarray(list(timestamps), dtype="<f8").tobytes())
+    _field(h, b"pixels", memoryview(arr.reshape(-1).view(np.uint8)))
+    return h.digest()
+
+
+def image_digest(image: PreprocessedImage, *, model_id: str, config: ImageProcessorConfig) -> bytes:
+    return media_digest(
+        image.pixel_values, image.grid_thw, model_id=model_id, settings=config.fingerprint(), kind="image"
+    )
+
+
+def video_digest(video: PreprocessedVideo, *, model_id: str, config: VideoProcessorConfig) -> bytes:
+    return media_digest(
+        video.pixel_values_videos,
+        video.grid_thw,
+        model_id=model_id,
+        settings=config.fingerprint(),
+        kind="video",
+        timestamps=video.timestamps,
+    )

@@ -1,0 +1,216 @@
+"""Qwen image preprocessing without torchvision or transformers: decode -> smart resize -> rescale ->
+normalize -> patchify.
+
+Owns: the pixel layout the vision encoder consumes. It reproduces HF transformers 5.17's
+`Qwen2VLImageProcessorPil` (the processor Qwen3-VL uses, with the checkpoint's settings) exactly:
+- `smart_resize`: both sides multiples of factor = patch_size * merge_size, area within [min, max] pixels,
+  aspect ratio kept; long/short side > 200 is an error. Same float arithmetic as HF (Python round, floor, ceil).
+- resize with PIL bicubic (HF's PIL backend converts to a PIL image and calls `Image.resize`).
+- rescale in float64 then cast to float32, normalize in float32 (HF's `rescale` / `normalize` order), so the
+  values are bit-identical to HF's for the same resized pixels.
+- patchify to `pixel_values [gh*gw, C*T*p*p]` in HF's order (merge-window major: gh/m, gw/m, m, m; then
+  C, T, p, p), the single image repeated T (= temporal_patch_size) times; grid_thw = (1, gh, gw).
+
+Decoding from bytes refuses oversized images from the header alone (before any pixel is decoded), maps every
+PIL failure to a typed error, applies the EXIF orientation and converts to RGB (what HF's `load_image` does).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .config import ImageProcessorConfig
+from .errors import (
+    AspectRatioError,
+    DecompressionBombError,
+    ImageTooLargeError,
+    ImageTooSmallError,
+    MediaDecodeError,
+    MediaError,
+)
+
+MAX_ASPECT_RATIO = 200  # Qwen's smart_resize limit on long side / short side
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Limits applied before / while decoding. max_pixels defaults to PIL's default
+    `Image.MAX_IMAGE_PIXELS` value (89,478,485), kept here as our own number so a global change to PIL
+    does not change our policy."""
+
+    max_pixels: int = 89_478_485
+    max_bytes: int = 64 * 1024 * 1024
+    min_side: int = 1
+
+    def check_size(self, width: int, height: int, what: str = "image") -> None:
+        if width < self.min_side or height < self.min_side:
+            raise ImageTooSmallError(f"{what} is {width}x{height}; each side must be >= {self.min_side}")
+        if width * height > self.max_pixels:
+            raise ImageTooLargeError(
+                f"{what} is {width}x{height} = {width * height} pixels; the limit is {self.max_pixels}"
+            )
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+@dataclass(frozen=True)
+class PreprocessedImage:
+    """One image ready for the vision encoder."""
+
+    pixel_values: torch.Tensor  # [gh*gw, C*T*p*p] float32
+    grid_thw: tuple[int, int, int]  # (1, gh, gw) in patches
+    image_size: tuple[int, int]  # (height, width) before resize
+    resized_size: tuple[int, int]  # (height, width) after smart resize
+
+    def num_tokens(self, merge_size: int) -> int:
+        """LM placeholder tokens for this image: t*h*w / merge^2."""
+        t, h, w = self.grid_thw
+        return t * h * w // (merge_size * merge_size)
+
+
+def smart_resize(
+    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, area in [min_pixels, max_pixels], aspect kept."""
+    if height <= 0 or width <= 0:
+        raise ImageTooSmallError(f"image is {width}x{height}; both sides must be positive")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar <= 0 or w_bar <= 0:  # only reachable with min_pixels == 0 and a side below factor / 2
+        raise ImageTooSmallError(f"image {width}x{height} resizes to an empty {w_bar}x{h_bar} grid")
+    return h_bar, w_bar
+
+
+def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Decode encoded image bytes to an RGB PIL image, refusing decompression bombs from the header."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MediaDecodeError(f"image data must be bytes, got {type(data).__name__}")
+    if len(data) == 0:
+        raise MediaDecodeError("image data is empty")
+    if len(data) > limits.max_bytes:
+        raise ImageTooLargeError(f"encoded image is {len(data)} bytes; the limit is {limits.max_bytes}")
+    try:
+        # No warnings.catch_warnings() here: it mutates process-global state and decoding runs on a
+        # worker pool. PIL's own bomb check (warning / error at 2x its global limit) may add to ours.
+        img = Image.open(io.BytesIO(bytes(data)))
+    except Image.DecompressionBombError as exc:
+        raise DecompressionBombError(f"image header announces too many pixels: {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise MediaDecodeError(f"bytes are not a decodable image: {exc}") from exc
+    except Exception as exc:  # untrusted bytes: any parser failure is a decode error, not a crash
+        raise MediaDecodeError(f"bytes are not a decodable image: {type(exc).__name__}: {exc}") from exc
+    width, height = img.size  # read from the header; nothing decoded yet
+    if width * height > limits.max_pixels:
+        raise DecompressionBombError(
+            f"image header announces {width}x{height} = {width * height} pixels; the limit is "
+            f"{limits.max_pixels} (refused before decoding)"
+        )
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        img = img.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        raise DecompressionBombError(f"image decodes to too many pixels: {exc}") from exc
+    except Exception as exc:  # truncated data, corrupt EXIF, codec errors
+        raise MediaDecodeError(f"image data is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
+    limits.check_size(*img.size)
+    return img
+
+
+def to_rgb_image(
+    image: Image.Image | np.ndarray, limits: DecodeLimits = DEFAULT_LIMITS, what: str = "image"
+) -> Image.Image:
+    """An RGB PIL image from a PIL image (any mode) or a uint8 [H, W, 3] array; size limits checked."""
+    if isinstance(image, Image.Image):
+        limits.check_size(*image.size, what=what)
+        return image if image.mode == "RGB" else image.convert("RGB")
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise MediaError(f"{what} array must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+        limits.check_size(image.shape[1], image.shape[0], what=what)
+        return Image.fromarray(np.ascontiguousarray(image), mode="RGB")
+    raise MediaError(f"{what} must be bytes, a PIL image or a uint8 array, got {type(image).__name__}")
+
+
+def resize_rgb(image: Image.Image, height: int, width: int) -> np.ndarray:
+    """PIL bicubic resize (HF's PIL backend: `Image.resize((w, h), BICUBIC)`) -> uint8 [H, W, 3]."""
+    resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
+    return np.asarray(resized, dtype=np.uint8)
+
+
+def normalize(
+    frames_u8: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float
+) -> np.ndarray:
+    """uint8 [..., C] -> float32 [..., C]: x * rescale (float64, then float32), then (x - mean) / std in float32,
+    the exact operation order of HF's numpy `rescale` and `normalize`."""
+    x = (frames_u8.astype(np.float64) * rescale_factor).astype(np.float32)
+    return (x - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+
+
+def patchify(
+    frames: np.ndarray, *, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """frames [F, H, W, C] (F a multiple of temporal_patch_size) -> (pixel_values [gt*gh*gw, C*T*p*p], (gt, gh, gw)).
+
+    Row order: gt, gh/m, gw/m, m, m (a merge window's m*m patches are consecutive); column order C, T, p, p.
+    """
+    n_frames, height, width, channels = frames.shape
+    t, p, m = temporal_patch_size, patch_size, merge_size
+    if n_frames % t or height % (p * m) or width % (p * m):
+        raise MediaError(f"cannot patchify {list(frames.shape)} with temporal {t}, patch {p}, merge {m}")
+    gt, gh, gw = n_frames // t, height // p, width // p
+    x = frames.reshape(gt, t, gh // m, m, p, gw // m, m, p, channels)
+    # -> (gt, gh/m, gw/m, mh, mw, C, T, ph, pw)
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return np.ascontiguousarray(x).reshape(gt * gh * gw, channels * t * p * p), (gt, gh, gw)
+
+
+def preprocess_image(
+    image: bytes | bytearray | memoryview | Image.Image | np.ndarray,
+    config: ImageProcessorConfig,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+) -> PreprocessedImage:
+    """Encoded bytes, a PIL image or a uint8 [H, W, 3] array -> pixel_values and grid_thw for the encoder."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        rgb = decode_image(image, limits)
+    else:
+        rgb = to_rgb_image(image, limits)
+    width, height = rgb.size
+    new_h, new_w = smart_resize(
+        height, width, factor=config.factor, min_pixels=config.min_pixels, max_pixels=config.max_pixels
+    )
+    pixels = normalize(
+        resize_rgb(rgb, new_h, new_w), config.image_mean, config.image_std, config.rescale_factor
+    )
+    # A still image fills the temporal patch by repetition (a zero-copy broadcast until the final reshape).
+    frames = np.broadcast_to(pixels[None], (config.temporal_patch_size, *pixels.shape))
+    flat, grid = patchify(
+        frames,
+        patch_size=config.patch_size,
+        merge_size=config.merge_size,
+        temporal_patch_size=config.temporal_patch_size,
+    )
+    return PreprocessedImage(
+        pixel_values=torch.from_numpy(flat),
+        grid_thw=grid,
+        image_size=(height, width),
+        resized_size=(new_h, new_w),
+    )

@@ -1,0 +1,237 @@
+"""Qwen3-VL video preprocessing from decoded frames: frame sampling, per-video smart resize, patchify and
+the per-temporal-patch timestamps that Qwen3-VL renders as text.
+
+Owns: the video pixel layout and the timestamps, following HF transformers 5.17
+(`Qwen3VLVideoProcessor`, `Qwen3VLProcessor._calculate_timestamps`):
+- sampling: n = int(total / video_fps * fps) clamped to [min_frames, max_frames] and to total; with an
+  explicit frame count, n is used as is; indices = round(linspace(0, total - 1, n)).
+- smart resize of the Qwen3-VL video variant: min/max pixels bound the TOTAL over the sampled frames
+  (t_bar * h * w), frames smaller than factor are first scaled up; fewer sampled frames than the temporal
+  patch is an error. Optional per-frame cap (`cap_pixels_per_frame`, qwen-vl-utils behaviour).
+- an odd frame count is padded by repeating the last frame (HF's patchify), and so are the indices the
+  timestamps are computed from; each timestamp is the mean of the first and last frame time of its group
+  and is rendered as `<{t:.1f} seconds>`.
+- pixel rows in the same order as images (see image.patchify); grid_thw = (frames / T, gh, gw).
+
+One known difference: HF resizes video frames with torchvision (bicubic, antialias, on tensors); torchvision
+does not install beside CPU torch here, so frames are resized with PIL bicubic like images. Grids, sampling,
+timestamps and the patch layout are exact; resized pixel values can differ from HF's by a rounding step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .config import VideoProcessorConfig
+from .errors import AspectRatioError, ImageTooSmallError, VideoError
+from .image import (
+    DEFAULT_LIMITS,
+    MAX_ASPECT_RATIO,
+    DecodeLimits,
+    normalize,
+    patchify,
+    resize_rgb,
+    to_rgb_image,
+)
+
+Frame = Image.Image | np.ndarray
+
+
+@dataclass(frozen=True)
+class PreprocessedVideo:
+    """One video ready for the vision encoder, plus what the prompt needs (timestamps per temporal patch)."""
+
+    pixel_values_videos: torch.Tensor  # [gt*gh*gw, C*T*p*p] float32
+    grid_thw: tuple[int, int, int]  # (gt, gh, gw) in patches
+    frame_indices: tuple[int, ...]  # source frame indices that were sampled (before temporal padding)
+    timestamps: tuple[float, ...]  # seconds, one per temporal patch (len == gt)
+    video_fps: float
+    resized_size: tuple[int, int]
+
+    def num_tokens(self, merge_size: int) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // (merge_size * merge_size)
+
+    def timestamp_texts(self) -> list[str]:
+        return [timestamp_text(t) for t in self.timestamps]
+
+
+def timestamp_text(seconds: float) -> str:
+    """The text Qwen3-VL's processor puts before each temporal patch of a video."""
+    return f"<{float(seconds):.1f} seconds>"
+
+
+def video_smart_resize(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    temporal_factor: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[int, int]:
+    """Qwen3-VL's video smart resize: (height, width) for every frame of a `num_frames`-frame clip."""
+    if num_frames < temporal_factor:
+        raise VideoError(f"video has {num_frames} sampled frames; at least {temporal_factor} are needed")
+    if height <= 0 or width <= 0:
+        raise ImageTooSmallError(f"video frames are {width}x{height}; both sides must be positive")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height = int(height * scale)
+        width = int(width * scale)
+    if min(height, width) <= 0:
+        raise ImageTooSmallError(f"video frames of {width}x{height} cannot be scaled to the patch grid")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def effective_max_pixels(num_frames: int, config: VideoProcessorConfig) -> int:
+    """The total pixel budget for smart resize, with the optional per-frame cap of qwen-vl-utils."""
+    if not config.cap_pixels_per_frame:
+        return config.max_pixels
+    frame_cap = config.max_video_tokens * config.factor * config.factor
+    per_frame = max(min(frame_cap, config.max_pixels // num_frames), int(config.min_pixels * 1.05))
+    return per_frame * num_frames
+
+
+def _check_fps(value: float | None, name: str) -> float:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise VideoError(f"{name} must be a positive number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise VideoError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def sample_frame_indices(
+    total_frames: int,
+    video_fps: float,
+    config: VideoProcessorConfig,
+    *,
+    fps: float | None = None,
+    num_frames: int | None = None,
+) -> np.ndarray:
+    """Uniform frame indices (int64). `fps` / `num_frames` override the config (passing both is an error);
+    a frame count wins over the config's fps, as in HF."""
+    if total_frames <= 0:
+        raise VideoError("video has no frames")
+    if fps is not None and num_frames is not None:
+        raise VideoError("fps and num_frames are mutually exclusive")
+    if fps is None and num_frames is None:
+        num_frames = config.num_frames
+        fps = config.fps if num_frames is None else None
+    if num_frames is None and fps is not None:
+        target = _check_fps(fps, "target fps")
+        source = _check_fps(video_fps, "video_fps")
+        n = int(total_frames / source * target)
+        n = min(max(n, config.min_frames), config.max_frames, total_frames)
+    elif num_frames is None:
+        n = min(max(total_frames, config.min_frames), config.max_frames)
+    else:
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0:
+            raise VideoError(f"num_frames must be a positive int, got {num_frames!r}")
+        n = num_frames
+    return np.linspace(0, total_frames - 1, n).round().astype(np.int64)
+
+
+def frame_group_timestamps(
+    frame_indices: Sequence[int] | np.ndarray, video_fps: float, temporal_patch_size: int
+) -> list[float]:
+    """Seconds per temporal patch: indices padded with the last one to a multiple of T, then the mean of
+    the first and last frame time inside each group (float64, HF's arithmetic order)."""
+    idx = np.asarray(frame_indices, dtype=np.int64)
+    if idx.ndim != 1 or idx.size == 0:
+        raise VideoError("frame_indices must be a non-empty 1-D sequence")
+    fps = _check_fps(video_fps, "video_fps")
+    if pad := -idx.size % temporal_patch_size:
+        idx = np.concatenate([idx, np.full(pad, idx[-1], dtype=np.int64)])
+    seconds = idx.astype(np.float64) / fps
+    groups = seconds.reshape(-1, temporal_patch_size)
+    return ((groups[:, 0] + groups[:, -1]) / 2).tolist()
+
+
+def _frame_list(frames: Sequence[Frame] | np.ndarray) -> list[Frame]:
+    if isinstance(frames, np.ndarray):
+        if frames.ndim != 4:
+            raise VideoError(f"a video array must be uint8 [F, H, W, 3], got shape {list(frames.shape)}")
+        return list(frames)
+    if not isinstance(frames, Sequence) or isinstance(frames, (str, bytes)):
+        raise VideoError(f"video must be a sequence of frames, got {type(frames).__name__}")
+    return list(frames)
+
+
+def preprocess_video(
+    frames: Sequence[Frame] | np.ndarray,
+    video_fps: float,
+    config: VideoProcessorConfig,
+    *,
+    fps: float | None = None,
+    num_frames: int | None = None,
+    sample: bool | None = None,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+) -> PreprocessedVideo:
+    """Decoded frames (PIL images or uint8 [H, W, 3] arrays, all the same size) at `video_fps` ->
+    pixel_values_videos, grid_thw and per-temporal-patch timestamps. `sample=False` keeps every frame
+    (frames already sampled by the caller; their indices are then 0..F-1 at `video_fps`)."""
+    frame_list = _frame_list(frames)
+    if not frame_list:
+        raise VideoError("video has no frames")
+    video_fps = _check_fps(video_fps, "video_fps")
+    do_sample = config.do_sample_frames if sample is None else sample
+    if do_sample:
+        indices = sample_frame_indices(len(frame_list), video_fps, config, fps=fps, num_frames=num_frames)
+    else:
+        indices = np.arange(len(frame_list), dtype=np.int64)
+    rgb = [to_rgb_image(frame_list[i], limits, what=f"video frame {i}") for i in indices.tolist()]
+    sizes = {im.size for im in rgb}
+    if len(sizes) != 1:
+        raise VideoError(f"all video frames must have one size, got {sorted(sizes)}")
+    width, height = rgb[0].size
+    n = len(rgb)
+    new_h, new_w = video_smart_resize(
+        n,
+        height,
+        width,
+        temporal_factor=config.temporal_patch_size,
+        factor=config.factor,
+        min_pixels=config.min_pixels,
+        max_pixels=effective_max_pixels(n, config),
+    )
+    resized = np.stack([resize_rgb(im, new_h, new_w) for im in rgb])  # [F, H, W, 3] uint8
+    if pad := -n % config.temporal_patch_size:
+        resized = np.concatenate([resized, np.repeat(resized[-1:], pad, axis=0)])
+    pixels = normalize(resized, config.image_mean, config.image_std, config.rescale_factor)
+    flat, grid = patchify(
+        pixels,
+        patch_size=config.patch_size,
+        merge_size=config.merge_size,
+        temporal_patch_size=config.temporal_patch_size,
+    )
+    timestamps = frame_group_timestamps(indices, video_fps, config.temporal_patch_size)
+    return PreprocessedVideo(
+        pixel_values_videos=torch.from_numpy(flat),
+        grid_thw=grid,
+        frame_indices=tuple(indices.tolist()),
+        timestamps=tuple(timestamps),
+        video_fps=video_fps,
+        resized_size=(new_h, new_w),
+    )

@@ -1,0 +1,207 @@
+"""Qwen3-VL multimodal RoPE position ids (t, h, w rows) for prompts mixing text, images and videos, and
+the positions of tokens appended after the prompt.
+
+Owns: position ids equal to HF transformers 5.17 `Qwen3VLModel.get_rope_index` for one unpadded sequence:
+- text continues one position per token from the current position p;
+- a media run (an image, or ONE temporal patch of a video: Qwen3-VL splits videos per temporal patch because
+  timestamps text separates them) with grid (t, h, w) in patches and merge m starts at p and gives token
+  (ti, hi, wi) (row-major over t, h/m, w/m) the ids (p + ti, p + hi, p + wi); afterwards
+  p += max(h, w) // m (not counting t, exactly as HF);
+- rope_delta = max(all ids) + 1 - num_tokens; a token at sequence index i >= num_tokens (decode or
+  continuation) gets id i + rope_delta on all three rows.
+Everything is vectorized over tokens (repeat_interleave / cumsum); the only Python-level work is per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class MRopeLayoutError(ValueError):
+    """Media runs and grids do not describe the token sequence (counts, lengths, overlaps, bad grids)."""
+
+
+def _as_long(
+    x: torch.Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int]], name: str
+) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+    except (TypeError, ValueError) as exc:
+        raise MRopeLayoutError(f"{name} must be integers, got {type(x).__name__}") from exc
+    if t.numel() == 0:  # an empty list arrives as float64 from numpy
+        return t.to(device="cpu", dtype=torch.int64)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise MRopeLayoutError(f"{name} must be integers, got {t.dtype}")
+    return t.to(device="cpu", dtype=torch.int64)
+
+
+def _grids(x: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None, name: str) -> torch.Tensor:
+    if x is None:
+        return torch.zeros(0, 3, dtype=torch.int64)
+    g = _as_long(x, name)
+    if g.numel() == 0:
+        return g.reshape(0, 3)
+    if g.ndim != 2 or g.shape[1] != 3:
+        raise MRopeLayoutError(f"{name} must be [n, 3] (t, h, w), got shape {list(g.shape)}")
+    if bool((g <= 0).any()):
+        raise MRopeLayoutError(f"{name} must be positive, got {g.tolist()}")
+    return g
+
+
+def split_video_grids(
+    video_grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None,
+) -> torch.Tensor:
+    """[V, 3] video grids -> one (1, h, w) row per temporal patch, in order (what Qwen3-VL's index does)."""
+    g = _grids(video_grid_thw, "video_grid_thw")
+    out = torch.repeat_interleave(g, g[:, 0], dim=0)
+    out[:, 0] = 1
+    return out
+
+
+def mrope_positions_from_spans(
+    num_tokens: int,
+    span_starts: torch.Tensor | np.ndarray | Sequence[int],
+    span_grids: torch.Tensor | np.ndarray | Sequence[Sequence[int]],
+    *,
+    spatial_merge_size: int,
+    span_lengths: torch.Tensor | np.ndarray | Sequence[int] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Positions [3, num_tokens] int64 and rope_delta for media runs starting at `span_starts` (sorted) with
+    grids `span_grids` [R, 3] in patches (videos already split per temporal patch). If `span_lengths` is
+    given, each must equal the grid's token count."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+        raise MRopeLayoutError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    m = spatial_merge_size
+    if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+        raise MRopeLayoutError(f"spatial_merge_size must be a positive int, got {m!r}")
+    starts = _as_long(span_starts, "span_starts").reshape(-1)
+    grids = _grids(span_grids, "span_grids")
+    if grids.shape[0] != starts.shape[0]:
+        raise MRopeLayoutError(f"{starts.shape[0]} span starts but {grids.shape[0]} span grids")
+    t, h, w = grids[:, 0], grids[:, 1], grids[:, 2]
+    if bool(((h % m) != 0).any() or ((w % m) != 0).any()):
+        raise MRopeLayoutError(f"span grids {grids.tolist()} are not divisible by merge size {m}")
+    lh, lw = h // m, w // m
+    lengths = t * lh * lw
+    if span_lengths is not None:
+        given = _as_long(span_lengths, "span_lengths").reshape(-1)
+        if given.shape != lengths.shape or not torch.equal(given, lengths):
+            raise MRopeLayoutError(
+                f"media runs have {given.tolist()} tokens but their grids need {lengths.tolist()}"
+            )
+    ends = starts + lengths
+    if starts.numel():
+        if bool(starts[0] < 0) or bool(ends[-1] > num_tokens) or bool((starts[1:] < ends[:-1]).any()):
+            raise MRopeLayoutError(
+                f"media spans (starts {starts.tolist()}, lengths {lengths.tolist()}) overlap, are unsorted "
+                f"or leave the {num_tokens}-token sequence"
+            )
+
+    # Text token i sits at i + (sum over earlier runs of advance - length); a run starts at that shift too.
+    step = torch.maximum(h, w) // m - lengths
+    shift_at = torch.zeros(num_tokens + 1, dtype=torch.int64)
+    shift_at.index_add_(0, ends, step)
+    shift = torch.cumsum(shift_at, 0)[:num_tokens]
+    base = torch.arange(num_tokens, dtype=torch.int64) + shift
+    positions = base.unsqueeze(0).repeat(3, 1)
+
+    if starts.numel():
+        run_pos = starts + shift[starts]  # position p where each run starts
+        run_of = torch.repeat_interleave(torch.arange(starts.numel()), lengths)
+        local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+            torch.cumsum(lengths, 0) - lengths, lengths
+        )
+        lw_tok, lhw_tok = lw[run_of], (lh * lw)[run_of]
+        idx = starts[run_of] + local
+        p0 = run_pos[run_of]
+        positions[0, idx] = p0 + local // lhw_tok
+        positions[1, idx] = p0 + (local % lhw_tok) // lw_tok
+        positions[2, idx] = p0 + local % lw_tok
+    rope_delta = int(positions.max()) + 1 - num_tokens
+    return positions, rope_delta
+
+
+def mrope_positions_from_token_types(
+    mm_token_type_ids: torch.Tensor | np.ndarray | Sequence[int],
+    *,
+    image_grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None = None,
+    video_grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None = None,
+    spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
+    """From HF-style mm_token_type_ids (0 text, 1 image, 2 video): each maximal run of 1s takes the next image
+    grid, each run of 2s the next video temporal patch. Counts and run lengths must match the grids."""
+    types = _as_long(mm_token_type_ids, "mm_token_type_ids").reshape(-1)
+    n = types.numel()
+    if n == 0:
+        raise MRopeLayoutError("empty token sequence")
+    if bool(((types < 0) | (types > 2)).any()):
+        raise MRopeLayoutError("mm_token_type_ids must be 0 (text), 1 (image) or 2 (video)")
+    boundaries = torch.cat([torch.zeros(1, dtype=torch.bool), types[1:] != types[:-1]])
+    run_starts = torch.nonzero(boundaries).reshape(-1)
+    run_starts = torch.cat([torch.zeros(1, dtype=torch.int64), run_starts])
+    run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([n])]))
+    run_types = types[run_starts]
+    media = run_types != 0
+    starts, lengths, kinds = run_starts[media], run_lengths[media], run_types[media]
+    images = _grids(image_grid_thw, "image_grid_thw")
+    videos = split_video_grids(video_grid_thw)
+    n_img, n_vid = int((kinds == 1).sum()), int((kinds == 2).sum())
+    if n_img != images.shape[0] or n_vid != videos.shape[0]:
+        raise MRopeLayoutError(
+            f"sequence has {n_img} image runs and {n_vid} video runs but {images.shape[0]} image grids and "
+            f"{videos.shape[0]} video temporal patches (adjacent media need a text token between them)"
+        )
+    grids = torch.zeros(starts.numel(), 3, dtype=torch.int64)
+    grids[kinds == 1] = images
+    grids[kinds == 2] = videos
+    return mrope_positions_from_spans(
+        n, starts, grids, spatial_merge_size=spatial_merge_size, span_lengths=lengths
+    )
+
+
+def mrope_positions(
+    input_ids: torch.Tensor | np.ndarray | Sequence[int],
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    image_grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None = None,
+    video_grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None = None,
+    spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
+    """Positions [3, N] int64 and rope_delta of one prompt from its token ids (pad ids from the checkpoint)."""
+    ids = _as_long(input_ids, "input_ids").reshape(-1)
+    if image_token_id == video_token_id:
+        raise MRopeLayoutError("image and video token ids must differ")
+    types = torch.zeros_like(ids)
+    types[ids == image_token_id] = 1
+    types[ids == video_token_id] = 2
+    return mrope_positions_from_token_types(
+        types,
+        image_grid_thw=image_grid_thw,
+        video_grid_thw=video_grid_thw,
+        spatial_merge_size=spatial_merge_size,
+    )
+
+
+def decode_positions(num_tokens_so_far: int, rope_delta: int, num_new_tokens: int = 1) -> torch.Tensor:
+    """[3, num_new_tokens] ids of tokens appended at sequence indices num_tokens_so_far... (decode steps or a
+    text continuation after the prompt): index + rope_delta on every row."""
+    if num_tokens_so_far < 0 or num_new_tokens < 0:
+        raise MRopeLayoutError(f"bad continuation: {num_tokens_so_far} tokens so far, {num_new_tokens} new")
+    pos = torch.arange(num_tokens_so_far, num_tokens_so_far + num_new_tokens, dtype=torch.int64) + int(
+        rope_delta
+    )
+    return pos.unsqueeze(0).expand(3, -1).contiguous()
+
+
+def batched_decode_positions(num_tokens_so_far: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
+    """[3, B] ids of the next token of B sequences (device tensors, no host sync)."""
+    if num_tokens_so_far.shape != rope_deltas.shape or num_tokens_so_far.ndim != 1:
+        raise MRopeLayoutError(
+            f"expected two [B] tensors, got {list(num_tokens_so_far.shape)} and {list(rope_deltas.shape)}"
+        )
+    pos = num_tokens_so_far.to(torch.int64) + rope_deltas.to(torch.int64)
+    return pos.unsqueeze(0).expand(3, -1).contiguous()

@@ -1,0 +1,435 @@
+"""Image / video preprocessing parity with HF transformers 5.17 (no torchvision), and the error cases.
+
+Images are compared end to end with `Qwen2VLImageProcessorPil` (Qwen3-VL settings, pixel limits scaled down
+so every case stays tiny). HF's video processor needs torchvision, which does not install beside CPU torch,
+so the video path is compared piecewise with HF's own pure functions: the Qwen3-VL video `smart_resize`,
+`Qwen3VLVideoProcessor.sample_frames`, `.patchify` and `.get_num_of_video_patches`, and
+`Qwen3VLProcessor._calculate_timestamps`.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import types
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_image_smart_resize
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_video_smart_resize
+from transformers.video_utils import VideoMetadata
+
+from prism.media.config import ImageProcessorConfig, VideoProcessorConfig
+from prism.media.errors import (
+    AspectRatioError,
+    DecompressionBombError,
+    ImageTooLargeError,
+    ImageTooSmallError,
+    MediaConfigError,
+    MediaDecodeError,
+    MediaError,
+    VideoError,
+)
+from prism.media.image import DecodeLimits, decode_image, preprocess_image, smart_resize
+from prism.media.video import (
+    frame_group_timestamps,
+    preprocess_video,
+    sample_frame_indices,
+    timestamp_text,
+    video_smart_resize,
+)
+
+FACTOR = 32
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _image_cfg(
+    min_tokens: int, max_tokens: int, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+) -> ImageProcessorConfig:
+    return ImageProcessorConfig(
+        patch_size=16,
+        min_pixels=min_tokens * FACTOR * FACTOR,
+        max_pixels=max_tokens * FACTOR * FACTOR,
+        image_mean=mean,
+        image_std=std,
+    )
+
+
+def _hf_image_processor(cfg: ImageProcessorConfig) -> Qwen2VLImageProcessorPil:
+    return Qwen2VLImageProcessorPil(
+        patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        image_mean=list(cfg.image_mean),
+        image_std=list(cfg.image_std),
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+    )
+
+
+def _random_image(rng: np.random.Generator, h: int, w: int, mode: str) -> Image.Image:
+    rgb = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), mode="RGB")
+    if mode == "RGBA":
+        alpha = Image.fromarray(rng.integers(0, 256, (h, w), dtype=np.uint8), mode="L")
+        rgba = rgb.convert("RGBA")
+        rgba.putalpha(alpha)
+        return rgba
+    return rgb if mode == "RGB" else rgb.convert(mode)
+
+
+# ---------------------------------------------------------------- images vs HF
+
+
+@settings(max_examples=100)
+@given(
+    h=st.integers(28, 400),
+    w=st.integers(28, 400),
+    min_tokens=st.integers(1, 8),
+    extra_tokens=st.integers(0, 56),
+    mode=st.sampled_from(["RGB", "RGBA", "L", "P"]),
+    clip=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_image_matches_hf_pil_processor(h, w, min_tokens, extra_tokens, mode, clip, seed):
+    cfg = _image_cfg(min_tokens, min_tokens + extra_tokens, *((CLIP_MEAN, CLIP_STD) if clip else ()))
+    img = _random_image(np.random.default_rng(seed), h, w, mode)
+    ours = preprocess_image(img, cfg)
+    ref = _hf_image_processor(cfg)(images=[img])
+    assert list(ours.grid_thw) == ref["image_grid_thw"][0].tolist()
+    ref_pixels = torch.from_numpy(np.asarray(ref["pixel_values"]))
+    assert ours.pixel_values.dtype == torch.float32
+    assert ours.pixel_values.shape == ref_pixels.shape
+    # Same PIL resize and the same numpy op order: the values are bit-identical, not just within 1e-5.
+    assert torch.equal(ours.pixel_values, ref_pixels)
+    t, gh, gw = ours.grid_thw
+    assert t == 1 and ours.resized_size == (gh * 16, gw * 16)
+    assert ours.num_tokens(cfg.merge_size) == gh * gw // 4
+
+
+@settings(max_examples=300)
+@given(
+    h=st.integers(1, 5000),
+    w=st.integers(1, 5000),
+    min_pixels=st.integers(1, 200_000),
+    span=st.integers(0, 2_000_000),
+    factor=st.sampled_from([28, 32]),
+)
+def test_smart_resize_matches_hf(h, w, min_pixels, span, factor):
+    max_pixels = min_pixels + span
+    try:
+        expected = hf_image_smart_resize(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    except ValueError:
+        with pytest.raises(AspectRatioError):
+            smart_resize(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        return
+    got = smart_resize(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    assert got == expected
+    assert got[0] % factor == 0 and got[1] % factor == 0 and min(got) >= factor
+
+
+def test_image_from_array_and_bytes_equal_pil_path():
+    rng = np.random.default_rng(1)
+    arr = rng.integers(0, 256, (90, 150, 3), dtype=np.uint8)
+    cfg = _image_cfg(4, 20)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    from_pil = preprocess_image(Image.fromarray(arr), cfg)
+    from_arr = preprocess_image(arr, cfg)
+    from_png = preprocess_image(buf.getvalue(), cfg)
+    assert torch.equal(from_pil.pixel_values, from_arr.pixel_values)
+    assert torch.equal(from_pil.pixel_values, from_png.pixel_values)
+    assert from_png.image_size == (90, 150)
+
+
+def test_single_image_fills_the_temporal_patch():
+    cfg = _image_cfg(4, 8)
+    pre = preprocess_image(np.random.default_rng(2).integers(0, 256, (64, 64, 3), dtype=np.uint8), cfg)
+    # Columns are (C, T, p, p): both temporal slices of every channel hold the same patch.
+    x = pre.pixel_values.reshape(-1, 3, 2, 16 * 16)
+    assert torch.equal(x[:, :, 0], x[:, :, 1])
+
+
+def test_exif_orientation_applied_when_decoding_bytes():
+    arr = np.random.default_rng(3).integers(0, 256, (40, 90, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG", exif=exif.tobytes())
+    decoded = decode_image(buf.getvalue())
+    assert decoded.size == (40, 90)  # (width, height) swapped by the orientation tag
+    assert np.array_equal(np.asarray(decoded), np.rot90(arr, k=-1))
+
+
+# ---------------------------------------------------------------- image errors
+
+
+def _png_bytes(h: int = 10, w: int = 10) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (1, 2, 3)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _png_with_header_size(width: int, height: int) -> bytes:
+    data = bytearray(_png_bytes())
+    assert data[12:16] == b"IHDR"
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def test_decompression_bomb_refused_from_header():
+    # The header claims 50,000 x 50,000 pixels but carries 10x10 worth of data: decoding it would fail
+    # as truncated, so DecompressionBombError proves the refusal came from the header alone.
+    with pytest.raises(DecompressionBombError):
+        decode_image(_png_with_header_size(50_000, 50_000))
+    # Our own limit (not PIL's global one) governs, also below PIL's warning threshold.
+    with pytest.raises(DecompressionBombError):
+        decode_image(_png_with_header_size(2_000, 2_000), DecodeLimits(max_pixels=1_000_000))
+    with pytest.raises(DecompressionBombError):
+        preprocess_image(_png_bytes(40, 40), _image_cfg(1, 4), DecodeLimits(max_pixels=1_000))
+    assert issubclass(DecompressionBombError, ImageTooLargeError)
+
+
+def test_bad_bytes_raise_typed_errors():
+    with pytest.raises(MediaDecodeError):
+        decode_image(b"definitely not an image")
+    with pytest.raises(MediaDecodeError):
+        decode_image(b"")
+    with pytest.raises(MediaDecodeError):
+        decode_image(_png_bytes(64, 64)[:60])  # truncated inside the pixel data
+    with pytest.raises(MediaDecodeError):
+        decode_image("a string")  # type: ignore[arg-type]
+    with pytest.raises(ImageTooLargeError):
+        decode_image(_png_bytes(), DecodeLimits(max_bytes=10))
+
+
+def test_size_and_aspect_errors():
+    cfg = _image_cfg(1, 16)
+    with pytest.raises(AspectRatioError):
+        preprocess_image(np.zeros((1, 300, 3), np.uint8), cfg)
+    with pytest.raises(AspectRatioError):
+        preprocess_image(Image.new("RGB", (5, 1100)), cfg)
+    with pytest.raises(ImageTooSmallError):
+        preprocess_image(np.zeros((0, 20, 3), np.uint8), cfg)
+    with pytest.raises(ImageTooSmallError):
+        preprocess_image(np.zeros((3, 20, 3), np.uint8), cfg, DecodeLimits(min_side=4))
+    with pytest.raises(ImageTooSmallError):
+        smart_resize(10, 10, factor=32, min_pixels=0, max_pixels=1024)  # rounds to an empty grid
+    with pytest.raises(ImageTooLargeError):
+        preprocess_image(np.zeros((100, 100, 3), np.uint8), cfg, DecodeLimits(max_pixels=9_999))
+    with pytest.raises(MediaError):
+        preprocess_image(np.zeros((10, 10, 3), np.float32), cfg)
+    with pytest.raises(MediaError):
+        preprocess_image(np.zeros((10, 10, 4), np.uint8), cfg)
+    with pytest.raises(MediaError):
+        preprocess_image(12345, cfg)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- configs
+
+
+QWEN3_VL_IMAGE_JSON = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+
+
+def test_image_config_from_checkpoint_json(tmp_path):
+    path = tmp_path / "preprocessor_config.json"
+    path.write_text(__import__("json").dumps(QWEN3_VL_IMAGE_JSON))
+    cfg = ImageProcessorConfig.from_json_file(path)
+    assert (cfg.patch_size, cfg.min_pixels, cfg.max_pixels, cfg.factor) == (16, 65536, 16777216, 32)
+    assert cfg.image_mean == (0.5, 0.5, 0.5) and cfg.temporal_patch_size == 2 and cfg.merge_size == 2
+    # Top-level min/max_pixels override size{}, as in HF's processor __init__.
+    cfg2 = ImageProcessorConfig.from_dict({**QWEN3_VL_IMAGE_JSON, "max_pixels": 1 << 20})
+    assert cfg2.max_pixels == 1 << 20 and cfg2.fingerprint() != cfg.fingerprint()
+    assert ImageProcessorConfig.from_dict(dict(QWEN3_VL_IMAGE_JSON)).fingerprint() == cfg.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"patch_size": None},  # removed below: required key missing
+        {"unknown_key": 1},
+        {"do_normalize": False},
+        {"resample": 2},
+        {"image_mean": [0.5, 0.5]},
+        {"image_std": [0.5, 0.0, 0.5]},
+        {"size": {"shortest_edge": 10_000, "longest_edge": 100}},
+        {"size": {"height": 10}},
+        {"merge_size": 0},
+    ],
+)
+def test_image_config_rejects_bad_settings(patch):
+    raw = {**QWEN3_VL_IMAGE_JSON, **patch}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(MediaConfigError):
+        ImageProcessorConfig.from_dict(raw)
+
+
+def test_video_config_defaults_are_hf_qwen3vl_defaults():
+    cfg = VideoProcessorConfig.from_dict({"processor_class": "Qwen3VLProcessor"})
+    hf = Qwen3VLVideoProcessor
+    assert cfg.patch_size == hf.patch_size and cfg.temporal_patch_size == hf.temporal_patch_size
+    assert cfg.merge_size == hf.merge_size and cfg.fps == hf.fps
+    assert (cfg.min_frames, cfg.max_frames, cfg.max_video_tokens) == (
+        hf.min_frames,
+        hf.max_frames,
+        hf.max_video_tokens,
+    )
+    assert (cfg.min_pixels, cfg.max_pixels) == (hf.size["shortest_edge"], hf.size["longest_edge"])
+    assert list(cfg.image_mean) == list(hf.image_mean) and list(cfg.image_std) == list(hf.image_std)
+    with pytest.raises(MediaConfigError):
+        VideoProcessorConfig.from_dict({"frames_per_second": 3})
+    with pytest.raises(MediaConfigError):
+        VideoProcessorConfig(fps=-1.0)
+
+
+# ---------------------------------------------------------------- video vs HF functions
+
+
+def _hf_video_stub(cfg: VideoProcessorConfig) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        fps=cfg.fps,
+        min_frames=cfg.min_frames,
+        max_frames=cfg.max_frames,
+        size={"shortest_edge": cfg.min_pixels, "longest_edge": cfg.max_pixels},
+        patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        cap_pixels_per_frame=cfg.cap_pixels_per_frame,
+        max_video_tokens=cfg.max_video_tokens,
+    )
+
+
+@settings(max_examples=300)
+@given(
+    frames=st.integers(1, 64),
+    h=st.integers(1, 2000),
+    w=st.integers(1, 2000),
+    min_pixels=st.integers(1, 400_000),
+    span=st.integers(0, 5_000_000),
+)
+def test_video_smart_resize_matches_hf(frames, h, w, min_pixels, span):
+    kwargs = dict(temporal_factor=2, factor=32, min_pixels=min_pixels, max_pixels=min_pixels + span)
+    try:
+        expected = hf_video_smart_resize(frames, h, w, **kwargs)
+    except ValueError:
+        with pytest.raises((AspectRatioError, VideoError)):
+            video_smart_resize(frames, h, w, **kwargs)
+        return
+    assert video_smart_resize(frames, h, w, **kwargs) == expected
+
+
+@settings(max_examples=200)
+@given(
+    total=st.integers(1, 600),
+    video_fps=st.floats(1.0, 60.0),
+    target=st.one_of(st.none(), st.floats(0.25, 8.0)),
+    num_frames=st.one_of(st.none(), st.integers(1, 40)),
+    min_frames=st.integers(1, 8),
+    max_frames=st.integers(8, 64),
+)
+def test_sampling_and_timestamps_match_hf(total, video_fps, target, num_frames, min_frames, max_frames):
+    cfg = VideoProcessorConfig(min_frames=min_frames, max_frames=max_frames)
+    if target is not None and num_frames is not None:
+        with pytest.raises(VideoError):
+            sample_frame_indices(total, video_fps, cfg, fps=target, num_frames=num_frames)
+        return
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+    expected = Qwen3VLVideoProcessor.sample_frames(
+        _hf_video_stub(cfg), meta, num_frames=num_frames, fps=target
+    )
+    got = sample_frame_indices(total, video_fps, cfg, fps=target, num_frames=num_frames)
+    assert got.dtype == np.int64 and got.tolist() == np.asarray(expected).tolist()
+    hf_ts = Qwen3VLProcessor._calculate_timestamps(None, got.tolist(), video_fps, 2)
+    ours = frame_group_timestamps(got, video_fps, 2)
+    assert ours == hf_ts  # exact float equality: same arithmetic
+    assert [timestamp_text(t) for t in ours] == [f"<{t:.1f} seconds>" for t in hf_ts]
+
+
+@settings(max_examples=25)
+@given(
+    n_frames=st.integers(2, 9),
+    h=st.integers(20, 120),
+    w=st.integers(20, 120),
+    cap=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_video_layout_matches_hf_patchify(n_frames, h, w, cap, seed):
+    cfg = VideoProcessorConfig(
+        min_pixels=2 * FACTOR * FACTOR,
+        max_pixels=12 * FACTOR * FACTOR,
+        cap_pixels_per_frame=cap,
+        max_video_tokens=3,
+    )
+    rng = np.random.default_rng(seed)
+    frames = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(n_frames)]
+    video = preprocess_video(frames, 10.0, cfg, sample=False)
+    rh, rw = video.resized_size
+    # Resize exactly as we do (PIL bicubic; HF uses torchvision here), then HF's fused rescale+normalize
+    # arithmetic and HF's own patchify (which also pads odd frame counts with the last frame).
+    resized = np.stack(
+        [np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames]
+    )
+    tensor = torch.from_numpy(resized).permute(0, 3, 1, 2).float()[None]
+    tensor = (tensor - 0.5 * 255) / (0.5 * 255)
+    ref, gt, gh, gw = Qwen3VLVideoProcessor.patchify(
+        None, tensor, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    assert video.grid_thw == (gt, gh, gw)
+    assert video.pixel_values_videos.shape == ref[0].shape
+    torch.testing.assert_close(video.pixel_values_videos, ref[0], atol=1e-5, rtol=0)
+    assert len(video.timestamps) == gt and video.frame_indices == tuple(range(n_frames))
+    if n_frames % 2 == 0:  # HF's own token count (it floors odd frame counts, its patchify pads them)
+        count = Qwen3VLVideoProcessor.get_num_of_video_patches(_hf_video_stub(cfg), n_frames, h, w, {})
+        assert count == gt * gh * gw
+
+
+def test_video_sampling_end_to_end():
+    cfg = VideoProcessorConfig(min_pixels=2 * FACTOR * FACTOR, max_pixels=16 * FACTOR * FACTOR)
+    frames = [Image.new("RGB", (64, 48), (i, i, i)) for i in range(30)]  # 30 frames at 10 fps = 3 s
+    video = preprocess_video(frames, 10.0, cfg)  # default 2 fps -> 6 frames -> 3 temporal patches
+    assert video.frame_indices == tuple(np.linspace(0, 29, 6).round().astype(int).tolist())
+    assert video.grid_thw[0] == 3
+    assert video.timestamp_texts() == [
+        timestamp_text(t) for t in frame_group_timestamps(video.frame_indices, 10.0, 2)
+    ]
+    # Each temporal patch holds its two sampled frames, in order: the constant gray level shows which.
+    x = video.pixel_values_videos.reshape(3, -1, 3, 2, 256)
+    levels = ((x[:, 0, 0, :, 0] * 0.5 + 0.5) * 255).round().to(torch.int64)
+    assert levels.reshape(-1).tolist() == list(video.frame_indices)
+
+
+def test_video_errors():
+    cfg = VideoProcessorConfig()
+    frame = np.zeros((40, 40, 3), np.uint8)
+    with pytest.raises(VideoError):
+        preprocess_video([], 10.0, cfg)
+    with pytest.raises(VideoError):
+        preprocess_video([frame], 10.0, cfg)  # one sampled frame < temporal patch
+    with pytest.raises(VideoError):
+        preprocess_video([frame, np.zeros((40, 48, 3), np.uint8)], 10.0, cfg, sample=False)
+    with pytest.raises(VideoError):
+        preprocess_video([frame] * 4, 0.0, cfg)
+    with pytest.raises(VideoError):
+        preprocess_video([frame] * 4, None, cfg)  # type: ignore[arg-type]
+    with pytest.raises(VideoError):
+        preprocess_video("frames", 10.0, cfg)  # type: ignore[arg-type]
+    with pytest.raises(AspectRatioError):
+        preprocess_video([np.zeros((2, 600, 3), np.uint8)] * 4, 10.0, cfg, sample=False)
