@@ -33,7 +33,7 @@ def _install(session: nox.Session, *extras: str) -> dict[str, str]:
 
 
 def _run_reproducers(session: nox.Session, env: dict[str, str]) -> None:
-    scripts = sorted((ROOT / "reproducers").glob("*.py"))
+    scripts = sorted(p for p in (ROOT / "reproducers").glob("*.py") if not p.name.startswith("_"))
     for script in scripts:
         session.run(sys.executable if session.venv_backend == "none" else "python", str(script), env=env)
     session.log(f"{len(scripts)} reproducers exited 0")

@@ -1,0 +1,1 @@
+"""Decision requests: several questions forked from one material, read out as probabilities (issue 7: not built yet)."""

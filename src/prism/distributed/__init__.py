@@ -1,0 +1,1 @@
+"""Tensor parallelism and encoder data parallelism (issue 8: not built yet)."""

@@ -1,0 +1,1 @@
+"""Requests, scheduler, runner and sampler (issue 4: not built yet)."""

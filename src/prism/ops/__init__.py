@@ -1,0 +1,1 @@
+"""Triton kernels, each beside the plain torch reference that is its spec (ops know nothing of models)."""

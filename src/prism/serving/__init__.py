@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP/SSE serving (issue 5: not built yet)."""
