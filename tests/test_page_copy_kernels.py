@@ -1,24 +1,20 @@
 """KV page movement (prism.ops.page_copy): Triton kernels vs torch references, snapshot semantics, payload and
 scales moving together, 64-bit addressing (invariant 4), bad input.
 
-Triton runs on CPU tensors through the interpreter: run with TRITON_INTERPRET=1 (set here as a default too,
-which only helps when this module is the first to import prism.ops.page_copy).
+Without a GPU, Triton runs on CPU tensors through its interpreter: the root conftest sets
+TRITON_INTERPRET=1 before anything imports triton (never on a CUDA machine, where the kernels compile).
 """
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from prism.kv import fp8  # noqa: E402
-from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
-from prism.ops import page_copy as pc  # noqa: E402
+from prism.kv import fp8
+from prism.kv.fp8 import KVLayout, KVPool
+from prism.ops import page_copy as pc
 
 pytestmark = pytest.mark.filterwarnings(
     # the Triton interpreter turns 1-element arrays into loop bounds; numpy deprecates that (not our code)
