@@ -1,0 +1,180 @@
+"""Qwen3-VL language decoder over packed tokens: RMSNorm, GQA attention with per-head Q/K RMSNorm,
+interleaved M-RoPE, SwiGLU MLP, and DeepStack injection.
+
+Owns: the decoder's arithmetic, op for op in HF's order and dtypes (RMSNorm in fp32 then scaled in
+the activation dtype; cos/sin built in fp32 and cast to the activation dtype), so that our logits
+match HF's. Inputs are flat: embeddings [N, H], positions [3, N] (t, h, w) and an attention backend
+that owns the batch layout. Weight layout: q/k/v are one fused `qkv` row block [q | k | v] and the
+MLP's gate/up one `gate_up` block [gate | up] (the loader fills them from HF's separate tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend
+from .config import TextConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class MRoPE:
+    """Interleaved multimodal rotary embedding: frequency j rotates by the t, h or w position.
+
+    With sections (s_t, s_h, s_w): frequency j uses h if j % 3 == 1 and j < 3 * s_h, w if
+    j % 3 == 2 and j < 3 * s_w, else t. Holds no parameters (nothing to load, nothing on `meta`).
+    """
+
+    def __init__(self, head_dim: int, theta: float, section: tuple[int, int, int]):
+        half = head_dim // 2
+        # Explicit CPU: the model may be constructed under a `meta` device context.
+        axis = torch.zeros(half, dtype=torch.long, device="cpu")
+        for j in range(half):
+            if j % 3 == 1 and j < 3 * section[1]:
+                axis[j] = 1
+            elif j % 3 == 2 and j < 3 * section[2]:
+                axis[j] = 2
+        self.axis = axis
+        self.inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+        )
+        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._device_cache:
+            self._device_cache[device] = (self.axis.to(device), self.inv_freq.to(device))
+        return self._device_cache[device]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, N] -> cos, sin [N, head_dim] in `dtype`."""
+        axis, inv_freq = self._on(positions.device)
+        pos = positions.to(torch.float32).index_select(0, axis)  # [half, N]: each frequency's axis
+        freqs = pos.transpose(0, 1) * inv_freq  # [N, half]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos/sin [N, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class TextAttention(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, layer_idx: int
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.attend(layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class TextMLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = TextAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = TextMLP(cfg)
+
+    def forward(self, x, cos, sin, backend: AttentionBackend, layer_idx: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class DeepstackInput:
+    """DeepStack features for the visual tokens of this step.
+
+    token_index: [M] int64 rows of the packed batch that hold visual tokens.
+    features: [num_deepstack, M, hidden]; features[i] is added after decoder layer i.
+    """
+
+    token_index: torch.Tensor
+    features: torch.Tensor
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = MRoPE(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        backend: AttentionBackend,
+        deepstack: DeepstackInput | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [N, H], positions [3, N] -> final-normed hidden states [N, H]."""
+        n = inputs_embeds.shape[0]
+        if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != n:
+            raise ValueError(f"positions must be [3, {n}], got {tuple(positions.shape)}")
+        num_ds = 0
+        if deepstack is not None:
+            num_ds = deepstack.features.shape[0]
+            if num_ds > len(self.layers):
+                raise ValueError(f"{num_ds} DeepStack levels for {len(self.layers)} decoder layers")
+            if deepstack.features.shape[1] != deepstack.token_index.shape[0]:
+                raise ValueError("DeepStack features and token_index disagree on the number of visual tokens")
+        cos, sin = self.rope.cos_sin(positions, inputs_embeds.dtype)
+        h = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, backend, i)
+            if i < num_ds:
+                assert deepstack is not None
+                h = h.index_add(0, deepstack.token_index, deepstack.features[i].to(h.dtype))
+        return self.norm(h)
