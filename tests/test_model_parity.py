@@ -164,7 +164,7 @@ def test_packed_batch_equals_each_prompt(model, prompts, hf_logits):
         assert_logits_close(last[i], hf_logits[k][-1])
 
 
-@pytest.mark.parametrize("case", ["text", "image", "video"])
+@pytest.mark.parametrize("case", ["text", "image", "three_images", "video"])
 def test_greedy_32_tokens_match_hf_generate(model, hf_model, prompts, case):
     from transformers import GenerationConfig
 
