@@ -14,7 +14,7 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from prism.kv import keys, prefix, transfers
-from prism.kv.manager import KVCacheManager
+from prism.kv.manager import KVCacheManager, SequenceError
 from prism.kv.reclaim import CacheEntries
 from specs import spec_prefix_identity, spec_transfer_plans
 from specs.spec_kv_cache import KVCacheMachine
@@ -25,7 +25,8 @@ FIND_ONLY = settings(
 
 
 def _machine_fails(match: str) -> None:
-    with pytest.raises(AssertionError, match=match):
+    # SequenceError: the manager's own guard against writing into a shared page caught the corruption.
+    with pytest.raises((AssertionError, SequenceError), match=match):
         run_state_machine_as_test(KVCacheMachine, settings=FIND_ONLY)
 
 
@@ -69,7 +70,7 @@ def test_tail_copy_keeping_the_old_key_is_caught(monkeypatch: pytest.MonkeyPatch
         return seq
 
     monkeypatch.setattr(KVCacheManager, "admit", admit_with_inherited_tail_record)
-    _machine_fails("does not hold its content's KV|holds KV of other content|assert")
+    _machine_fails("does not hold its content's KV|holds KV of other content|written into a shared page")
 
 
 def test_tail_copy_of_all_rows_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
