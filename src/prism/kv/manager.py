@@ -42,9 +42,6 @@ class SeqKV:
     keys: list[bytes] = field(default_factory=list)  # chain keys of the full computed pages
     num_cached: int = 0  # tokens that came from the prefix index at admission
 
-    def gpu_pages(self) -> list[int]:
-        return [p for pool, p in self.pages if pool == "gpu"]
-
     @property
     def is_resident(self) -> bool:
         return all(pool == "gpu" for pool, _ in self.pages)
