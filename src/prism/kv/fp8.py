@@ -207,19 +207,30 @@ def tokens_per_gib(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: 
 
 @dataclass(frozen=True)
 class CapacityRow:
+    """One row of the capacity table: a labelled pool layout (its arithmetic is the layout's)."""
+
     label: str
-    kv_dtype: KVDtype
-    pages: int
-    page_size: int
-    bytes_per_token: int
+    layout: KVLayout
+
+    @property
+    def kv_dtype(self) -> KVDtype:
+        return self.layout.kv_dtype
+
+    @property
+    def pages(self) -> int:
+        return self.layout.num_pages
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layout.bytes_per_token
 
     @property
     def tokens(self) -> int:
-        return self.pages * self.page_size
+        return self.layout.num_slots
 
     @property
     def total_bytes(self) -> int:
-        return self.tokens * self.bytes_per_token
+        return self.layout.total_bytes
 
     @property
     def mib(self) -> float:
@@ -240,13 +251,14 @@ def capacity_table(num_layers: int, num_kv_heads: int, head_dim: int, page_size:
     """BF16 in the budget; scaled FP8 at the BF16 capacity; scaled FP8 filling the budget."""
     bf16_pages = pages_in_budget(budget_bytes, num_layers, num_kv_heads, head_dim, page_size, "bf16")
     fp8_pages = pages_in_budget(budget_bytes, num_layers, num_kv_heads, head_dim, page_size, "fp8")
-    bpt_bf16 = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, "bf16")
-    bpt_fp8 = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, "fp8")
-    budget_gib = budget_bytes / GIB
+
+    def layout(pages: int, kv_dtype: KVDtype) -> KVLayout:
+        return KVLayout(num_layers, num_kv_heads, head_dim, page_size, pages, kv_dtype)
+
     return [
-        CapacityRow("BF16", "bf16", bf16_pages, page_size, bpt_bf16),
-        CapacityRow("Scaled-FP8, same capacity", "fp8", bf16_pages, page_size, bpt_fp8),
-        CapacityRow(f"Scaled-FP8, ~{budget_gib:g} GiB", "fp8", fp8_pages, page_size, bpt_fp8),
+        CapacityRow("BF16", layout(bf16_pages, "bf16")),
+        CapacityRow("Scaled-FP8, same capacity", layout(bf16_pages, "fp8")),
+        CapacityRow(f"Scaled-FP8, ~{budget_bytes / GIB:g} GiB", layout(fp8_pages, "fp8")),
     ]
 
 
