@@ -75,25 +75,44 @@ class PreprocessedImage:
         return t * h * w // (merge_size * merge_size)
 
 
+def fit_to_pixel_budget(
+    height: int,
+    width: int,
+    *,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+    frames: int = 1,
+    rounded_frames: int = 1,
+) -> tuple[int, int]:
+    """The core of Qwen's smart resize, shared by images and videos: refuse extreme aspect ratios,
+    round both sides to `factor`, then rescale so that `rounded_frames` frames of that size fit the
+    pixel budget (the rescale factor uses the unrounded `frames`, as Qwen does)."""
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if rounded_frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif rounded_frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def smart_resize(
     height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
     """Target (height, width): multiples of `factor`, area in [min_pixels, max_pixels], aspect kept."""
     if height <= 0 or width <= 0:
         raise ImageTooSmallError(f"image is {width}x{height}; both sides must be positive")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise AspectRatioError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    h_bar, w_bar = fit_to_pixel_budget(
+        height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
+    )
     if h_bar <= 0 or w_bar <= 0:  # only reachable with min_pixels == 0 and a side below factor / 2
         raise ImageTooSmallError(f"image {width}x{height} resizes to an empty {w_bar}x{h_bar} grid")
     return h_bar, w_bar

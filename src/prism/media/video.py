@@ -29,11 +29,11 @@ import torch
 from PIL import Image
 
 from .config import VideoProcessorConfig
-from .errors import AspectRatioError, ImageTooSmallError, VideoError
+from .errors import ImageTooSmallError, VideoError
 from .image import (
     DEFAULT_LIMITS,
-    MAX_ASPECT_RATIO,
     DecodeLimits,
+    fit_to_pixel_budget,
     normalize,
     patchify,
     resize_rgb,
@@ -88,21 +88,16 @@ def video_smart_resize(
         width = int(width * scale)
     if min(height, width) <= 0:
         raise ImageTooSmallError(f"video frames of {width}x{height} cannot be scaled to the patch grid")
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise AspectRatioError(f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return fit_to_pixel_budget(
+        height,
+        width,
+        factor=factor,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        frames=num_frames,
+        rounded_frames=t_bar,
+    )
 
 
 def effective_max_pixels(num_frames: int, config: VideoProcessorConfig) -> int:
