@@ -50,28 +50,49 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.world is not None
         return self.world.manager
 
+    # Which sequences a rule may pick (used both as the rule's precondition and for the draw).
+    def _idle(self, seq) -> bool:
+        return seq.seq_id not in self.world.pending
+
+    def _idle_resident(self, seq) -> bool:
+        return seq.is_resident and self._idle(seq)
+
+    def _prefilling(self, seq) -> bool:
+        return self._idle_resident(seq) and seq.num_computed < len(seq.content)
+
+    def _decoding(self, seq) -> bool:
+        return self._idle_resident(seq) and seq.num_computed == len(seq.content)
+
+    def _swapped(self, seq) -> bool:
+        return not seq.is_resident
+
     def _any(self, condition) -> bool:
         return self.world is not None and any(condition(seq) for seq in self.m.seqs.values())
 
-    def _seq_ids(self, data: st.DataObject, condition) -> int | None:
-        ids = sorted(s for s, seq in self.m.seqs.items() if condition(seq))
-        return data.draw(st.sampled_from(ids)) if ids else None
+    def _pick(self, data: st.DataObject, condition) -> int:
+        """A sequence satisfying `condition` (the rule's precondition guarantees one exists)."""
+        return data.draw(st.sampled_from(sorted(s for s, seq in self.m.seqs.items() if condition(seq))))
 
-    # -- rules -----------------------------------------------------------------------------------
-    @rule(data=st.data(), chunk=st.integers(1, 12))
-    def admit(self, data: st.DataObject, chunk: int) -> None:
-        parts = data.draw(contents(self.history))
-        content = build(parts)
+    def _try_admit(self, content, chunk: int) -> int | None:
+        """Admit with a random chunk; None if the pool cannot take it (which must change nothing)."""
         seq_id, self.next_id = self.next_id, self.next_id + 1
         try:
             hit = self.world.admit(seq_id, content, chunk)
         except OutOfPages:
             assert seq_id not in self.m.seqs
-            return
-        self.history.append(parts)
-        event("admit: " + ("no hit" if hit == 0 else "hit ends mid-page" if hit % self.m.page_size else "page-aligned hit"))
+            return None
         assert hit <= len(content) - 1, "a full hit must leave at least one token to compute"
         assert content.span_containing(hit) is None, "a hit must not end inside an image"
+        return hit
+
+    # -- rules -----------------------------------------------------------------------------------
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def admit(self, data: st.DataObject, chunk: int) -> None:
+        parts = data.draw(contents(self.history))
+        hit = self._try_admit(build(parts), chunk)
+        if hit is not None:
+            self.history.append(parts)
+            event("admit: " + ("no hit" if hit == 0 else "hit ends mid-page" if hit % self.m.page_size else "page-aligned hit"))
 
     @precondition(lambda self: self.world is not None and self.history)
     @rule(data=st.data(), chunk=st.integers(1, 12), question=st.lists(st.integers(1, 3), min_size=1, max_size=6))
@@ -79,36 +100,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         """The workload Prism exists for: an earlier prompt's images (and maybe text) + a new question."""
         base = data.draw(st.sampled_from(self.history))
         parts = list(base[: data.draw(st.integers(1, len(base)))]) + [(question, None)]
-        content = build(parts)
-        seq_id, self.next_id = self.next_id, self.next_id + 1
-        try:
-            hit = self.world.admit(seq_id, content, chunk)
-        except OutOfPages:
-            return
-        event("new question: " + ("no hit" if hit == 0 else "hit"))
-        assert hit <= len(content) - 1 and content.span_containing(hit) is None
+        hit = self._try_admit(build(parts), chunk)
+        if hit is not None:
+            event("new question: " + ("no hit" if hit == 0 else "hit"))
 
-    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed < len(s.content)))
+    @precondition(lambda self: self._any(self._prefilling))
     @rule(data=st.data(), n=st.integers(1, 8))
     def schedule_chunk(self, data: st.DataObject, n: int) -> None:
-        seq_id = self._seq_ids(
-            data, lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed < len(s.content)
-        )
-        if seq_id is None:
-            return
         try:
-            self.world.schedule(seq_id, n)
+            self.world.schedule(self._pick(data, self._prefilling), n)
         except (OutOfPages, PlanConflict):
             pass
 
-    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed == len(s.content)))
+    @precondition(lambda self: self._any(self._decoding))
     @rule(data=st.data(), token=st.integers(1, 3))
     def decode(self, data: st.DataObject, token: int) -> None:
-        seq_id = self._seq_ids(
-            data, lambda s: s.is_resident and s.seq_id not in self.world.pending and s.num_computed == len(s.content)
-        )
-        if seq_id is None:
-            return
+        seq_id = self._pick(data, self._decoding)
         try:
             self.world.decode(seq_id, token)
         except (OutOfPages, PlanConflict):
@@ -125,19 +132,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.world.check_live_kv()
         self.world.check_findable_kv()
 
-    @precondition(lambda self: self._any(lambda s: True))
+    @precondition(lambda self: self._any(lambda seq: True))
     @rule(data=st.data(), keep=st.booleans())
     def cancel(self, data: st.DataObject, keep: bool) -> None:
-        seq_id = self._seq_ids(data, lambda s: True)
-        if seq_id is not None:
-            self.world.release(seq_id, keep_in_cache=keep)
+        self.world.release(self._pick(data, lambda seq: True), keep_in_cache=keep)
 
-    @precondition(lambda self: self._any(lambda s: s.seq_id not in self.world.pending))
+    @precondition(lambda self: self._any(self._idle))
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        seq_id = self._seq_ids(data, lambda s: s.seq_id not in self.world.pending)
-        if seq_id is not None:
-            self.world.release(seq_id, keep_in_cache=True)
+        self.world.release(self._pick(data, self._idle), keep_in_cache=True)
 
     @rule(n=st.integers(1, 4))
     def evict(self, n: int) -> None:
@@ -148,37 +151,28 @@ class KVCacheMachine(RuleBasedStateMachine):
             event("evicted pages")
         assert self.m.gpu.num_free >= before + wanted, "eviction freed less than can_allocate promised"
 
-    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending))
+    @precondition(lambda self: self._any(self._idle_resident))
     @rule(data=st.data())
     def swap_out(self, data: st.DataObject) -> None:
-        seq_id = self._seq_ids(data, lambda s: s.is_resident and s.seq_id not in self.world.pending)
-        if seq_id is None:
-            return
         try:
-            self.m.swap_out(seq_id)
+            self.m.swap_out(self._pick(data, self._idle_resident))
         except (OutOfPages, PlanConflict):
             pass
 
-    @precondition(lambda self: self._any(lambda s: not s.is_resident))
+    @precondition(lambda self: self._any(self._swapped))
     @rule(data=st.data())
     def swap_in(self, data: st.DataObject) -> None:
-        seq_id = self._seq_ids(data, lambda s: not s.is_resident)
-        if seq_id is None:
-            return
         try:
-            self.m.swap_in(seq_id)
+            self.m.swap_in(self._pick(data, self._swapped))
         except (OutOfPages, PlanConflict):
             pass
 
-    @precondition(lambda self: self._any(lambda s: s.is_resident and s.seq_id not in self.world.pending))
+    @precondition(lambda self: self._any(self._idle_resident))
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
-        seq_id = self._seq_ids(data, lambda s: s.is_resident and s.seq_id not in self.world.pending)
-        if seq_id is None:
-            return
         child, self.next_id = self.next_id, self.next_id + 1
         try:
-            self.m.fork(seq_id, child)
+            self.m.fork(self._pick(data, self._idle_resident), child)
         except PlanConflict:
             pass
 
