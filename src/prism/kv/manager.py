@@ -75,7 +75,7 @@ class KVCacheManager:
     def num_allocatable(self, pinned: tuple[int, ...] | list[int] = ()) -> int:
         """Pages an allocation could get by evicting every cache entry, if `pinned` were referenced first."""
         pinned_set = set(pinned)
-        free = self.gpu.num_free - sum(1 for p in pinned_set if self.gpu.is_free(p))
+        free = self.gpu.num_free - self._num_free_among(pinned_set)
         reclaimable = self.entries.reclaimable_pages() - pinned_set
         return free + len(reclaimable)
 
@@ -178,15 +178,14 @@ class KVCacheManager:
         size = self.page_size
         tokens = seq.content.tokens
         for j in range(len(seq.keys), end // size):
-            parent = seq.keys[-1] if seq.keys else self.root
             lo = j * size
             media = seq.content.media_runs(lo, lo + size)
-            seq.keys.append(self.index.publish_full(seq.pages[j][1], parent, tuple(tokens[lo : lo + size]), media))
+            key = self.index.publish_full(seq.pages[j][1], self._parent_key(seq), tuple(tokens[lo : lo + size]), media)
+            seq.keys.append(key)
         if end % size:
-            j = end // size
-            lo = j * size
-            parent = seq.keys[-1] if seq.keys else self.root
-            self.index.publish_partial(seq.pages[j][1], parent, tuple(tokens[lo:end]), seq.content.media_runs(lo, end))
+            lo = end - end % size
+            page = seq.pages[end // size][1]
+            self.index.publish_partial(page, self._parent_key(seq), tuple(tokens[lo:end]), seq.content.media_runs(lo, end))
         seq.num_computed = end
 
     # -- ending --------------------------------------------------------------------------------
@@ -197,11 +196,11 @@ class KVCacheManager:
             raise SequenceError(f"unknown sequence {seq_id}")
         if keep_in_cache and seq.is_resident and seq.num_computed > 0:
             full = seq.num_computed // self.page_size
-            kept = [p for _, p in seq.pages[:full] if self._findable(p)]
+            kept = [p for _, p in seq.pages[:full] if self.index.is_findable(p)]
             tail = None
             if seq.num_computed % self.page_size:
                 candidate = seq.pages[full][1]
-                if self._findable(candidate):
+                if self.index.is_findable(candidate):
                     tail = candidate
             if kept or tail is not None:
                 self._clock += 1
@@ -264,7 +263,7 @@ class KVCacheManager:
         seq = self._seq(seq_id)
         self._refuse_pending_writes(seq)  # swapped out in this very plan: its CPU copy does not exist yet
         moving = [j for j, (pool, _) in enumerate(seq.pages) if pool == "cpu"]
-        if len(moving) > self.num_allocatable() - self._blocked_for_swap_in():
+        if len(moving) > self.num_allocatable() - self._num_free_among(self._swapped_out_this_plan):
             raise OutOfPages(f"swap-in of sequence {seq_id} needs {len(moving)} GPU pages")
         fresh = self._allocate_gpu(len(moving), exclude=self._swapped_out_this_plan)
         for j, gpu_page in zip(moving, fresh, strict=True):
@@ -320,19 +319,19 @@ class KVCacheManager:
             raise SequenceError(f"unknown sequence {seq_id}")
         return seq
 
-    def _findable(self, page: int) -> bool:
-        return self.index.is_findable(page)
-
     def _is_shared(self, page: int) -> bool:
         return self.gpu.refcount[page] - self._pins["gpu"][page] > 1
 
+    def _num_free_among(self, pages: set[int] | frozenset[int]) -> int:
+        return sum(1 for p in pages if self.gpu.is_free(p))
+
     def _allocate_gpu(self, n: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        blocked = sum(1 for p in exclude if self.gpu.is_free(p))
-        self.entries.evict_until(n + blocked)
+        self.entries.evict_until(n + self._num_free_among(exclude))
         return self.gpu.allocate(n, exclude)
 
-    def _blocked_for_swap_in(self) -> int:
-        return sum(1 for p in self._swapped_out_this_plan if self.gpu.is_free(p))
+    def _parent_key(self, seq: SeqKV) -> bytes:
+        """The chain key the sequence's next page hangs from."""
+        return seq.keys[-1] if seq.keys else self.root
 
     def _pin(self, slot: Slot) -> None:
         pool, page = slot
