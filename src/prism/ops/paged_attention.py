@@ -1,0 +1,423 @@
+"""Attention over the paged KV pool: step metadata, torch reference (the spec), decode kernel, backend.
+
+Owns the read half of hit == miss: attention ALWAYS reads K/V back through the pool (dequantized with
+`fp8.dequantize_kv` semantics), even for the tokens written this step, so a prefix that was cached earlier
+and one computed in this step give the same numbers. Causality is aligned bottom-right: query i of a
+sequence with q_len new tokens and context c (cached prefix + new tokens) sits at position c - q_len + i and
+sees positions <= that. GQA is native (no K/V head copies).
+
+`paged_attention_reference` runs each sequence alone and its queries in blocks aligned to page boundaries
+(absolute positions), each block over keys [0, block end): a page's queries get bitwise the same output
+whether earlier pages were computed in an earlier step or in this one, and whatever else is in the batch.
+
+`paged_decode_attention` is the Triton kernel for q_len == 1: one program per (sequence, KV head, context
+split) serving the GQA group's query heads, fp32 online softmax, scales applied in the kernel, 64-bit
+offsets (`kv_write.slot_offset` under `_OFFSET_DTYPE`); with several splits a second kernel merges the
+partial softmaxes. No `tl.dot` (the interpreter's is wrong for bf16; q_len == 1 gains nothing from it).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kv import fp8
+from ..kv.fp8 import KVPool
+from . import kv_write
+from .kv_write import HAVE_TRITON, _check_layer, _want_triton, device_context, write_kv
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .kv_write import slot_offset
+
+_INDEX = torch.int64
+_LOG2E = 1.4426950408889634
+# Decode launch knobs: elements of one program's [group, tokens, head_dim] product tile, the most splits of
+# one context, the fewest tokens worth a split, and the programs a launch aims for (tests shrink them).
+_TILE_ELEMS = 8192
+_MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 128
+_TARGET_PROGRAMS = 512
+
+
+# -------------------------------------------------------------------------------------------- metadata
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ints(name: str, xs: Sequence[int]) -> tuple[int, ...]:
+    xs = list(xs)
+    if any(isinstance(x, bool) for x in xs):
+        raise ValueError(f"{name} must be ints, not bools")
+    try:  # operator.index refuses floats, which int() would silently truncate
+        return tuple(operator.index(x) for x in xs)
+    except TypeError as exc:
+        raise ValueError(f"{name} must be a sequence of ints") from exc
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """Where this step's tokens sit in the pool. Device tensors for kernels, host copies so nothing syncs.
+
+    query_start_loc [B+1]: cu_seqlens of the new tokens in the packed batch.
+    context_lens [B]: KV length of each sequence after this step's tokens are written (prefix + new).
+    block_table [B, max_pages]: physical page of logical page j (padding 0).
+    slot_mapping [N]: slot (page * page_size + row) of each new token.
+    All int64 on one device. `max_page` is the largest page id the block table holds (host int).
+    """
+
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    page_size: int
+    max_page: int
+
+    def __post_init__(self) -> None:
+        b = len(self.query_lens)
+        if len(self.context_lens_host) != b:
+            raise ValueError(f"{b} query lengths but {len(self.context_lens_host)} context lengths")
+        if not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+        expect = {"query_start_loc": (b + 1,), "context_lens": (b,), "slot_mapping": (sum(self.query_lens),)}
+        dev = self.block_table.device
+        for name, shape in expect.items():
+            t = getattr(self, name)
+            if t.dtype != _INDEX or tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be int64 {shape}, got {t.dtype} {tuple(t.shape)}")
+            if t.device != dev:
+                raise ValueError(f"{name} is on {t.device}, block_table on {dev}")
+        bt = self.block_table
+        if bt.dtype != _INDEX or bt.dim() != 2 or bt.shape[0] != b:
+            raise ValueError(f"block_table must be int64 [B={b}, max_pages], got {bt.dtype} {tuple(bt.shape)}")
+        for i, (q, c) in enumerate(zip(self.query_lens, self.context_lens_host, strict=True)):
+            if q < 1 or c < q:
+                raise ValueError(f"sequence {i}: need 1 <= query_len <= context_len, got {q} and {c}")
+        need = max((_cdiv(c, self.page_size) for c in self.context_lens_host), default=0)
+        if bt.shape[1] < need:
+            raise ValueError(f"block_table has {bt.shape[1]} columns; the longest context needs {need} pages")
+        if self.max_page < 0:
+            raise ValueError(f"page ids must be >= 0, got max_page={self.max_page}")
+
+    @classmethod
+    def build(cls, query_lens: Sequence[int], context_lens: Sequence[int], page_tables: Sequence[Sequence[int]],
+              page_size: int, device: torch.device | str = "cpu") -> PagedAttentionMetadata:
+        """From host lists: per sequence its new-token count, its context length after this step, and its
+        physical pages in logical order (at least ceil(context_len / page_size) of them). The new tokens'
+        slots must be distinct across the batch (ValueError): shared pages are read-only."""
+        ql, cl = _ints("query_lens", query_lens), _ints("context_lens", context_lens)
+        if len(ql) != len(cl) or len(ql) != len(page_tables):
+            raise ValueError(f"lengths differ: {len(ql)} query_lens, {len(cl)} context_lens, "
+                             f"{len(page_tables)} page_tables")
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        tables = [_ints(f"page_tables[{i}]", t) for i, t in enumerate(page_tables)]
+        width = max((len(t) for t in tables), default=0)
+        block_table = torch.zeros((len(tables), width), dtype=_INDEX)
+        slots = []
+        for i, (q, c, t) in enumerate(zip(ql, cl, tables, strict=True)):
+            if q < 1 or c < q:
+                raise ValueError(f"sequence {i}: need 1 <= query_len <= context_len, got {q} and {c}")
+            if len(t) * page_size < c:
+                raise ValueError(f"sequence {i}: {len(t)} pages of {page_size} cannot hold context {c}")
+            if any(p < 0 for p in t):
+                raise ValueError(f"sequence {i}: negative page id in {list(t)[:8]}")
+            row = torch.tensor(t, dtype=_INDEX)
+            block_table[i, : len(t)] = row
+            pos = torch.arange(c - q, c, dtype=_INDEX)
+            slots.append(row[pos // page_size] * page_size + pos % page_size)
+        slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=_INDEX)
+        if torch.unique(slot_mapping).numel() != slot_mapping.numel():
+            raise ValueError("two new tokens map to the same slot (a page written by two sequences?)")
+        qsl = torch.zeros(len(ql) + 1, dtype=_INDEX)
+        qsl[1:] = torch.cumsum(torch.tensor(ql, dtype=_INDEX), 0)
+        dev = torch.device(device)
+        max_page = max((max(t, default=0) for t in tables), default=0)
+        return cls(qsl.to(dev), torch.tensor(cl, dtype=_INDEX).to(dev), block_table.to(dev),
+                   slot_mapping.to(dev), ql, cl, page_size, max_page)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token."""
+        return all(q == 1 for q in self.query_lens)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_host, default=0)
+
+
+def _check_attention_inputs(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata) -> None:
+    _check_layer(pool, layer)
+    lay = pool.layout
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 3:
+        raise ValueError(f"q must be a floating [N, H_q, D] tensor, got {getattr(q, 'shape', type(q))}")
+    n, hq, d = q.shape
+    if n != meta.num_tokens:
+        raise ValueError(f"q has {n} tokens, the metadata {meta.num_tokens}")
+    if d != lay.head_dim or hq % lay.num_kv_heads != 0:
+        raise ValueError(f"q heads/dim {hq}/{d} do not fit the pool's {lay.num_kv_heads} KV heads of dim "
+                         f"{lay.head_dim} (H_q must be a multiple of H_kv)")
+    if meta.page_size != lay.page_size:
+        raise ValueError(f"metadata page_size {meta.page_size} != pool page_size {lay.page_size}")
+    if meta.max_page >= lay.num_pages:
+        raise ValueError(f"block_table holds page {meta.max_page}; the pool has {lay.num_pages} pages")
+    for name, dev in (("q", q.device), ("metadata", meta.block_table.device)):
+        if dev != pool.device:
+            raise ValueError(f"{name} is on {dev}, the pool on {pool.device}")
+
+
+# ------------------------------------------------------------------------------------------- reference
+
+
+def _gather(pool: KVPool, kv: int, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) of `layer` at `slots` -> [n, H, D] in `dtype`, dequantized for fp8 pools."""
+    lay = pool.layout
+    rows = pool.payload_bits()[kv, layer].view(lay.num_slots, lay.num_kv_heads, lay.head_dim)
+    payload = rows.index_select(0, slots).view(lay.payload_dtype)
+    if not lay.scaled:
+        return payload.to(dtype)
+    assert pool.scales is not None
+    scales = pool.scales[kv, layer].view(lay.num_slots, lay.num_kv_heads).index_select(0, slots)
+    return fp8.dequantize_kv(payload, scales, dtype)
+
+
+def paged_attention_reference(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
+                              scale: float | None = None) -> torch.Tensor:
+    """Spec: q [N, H_q, D] -> [N, H_q, D] in q's dtype; K/V of positions [0, context_len) read back from the
+    pool (dequantized to q's dtype), causal aligned bottom-right, per sequence, queries in page-aligned
+    blocks (see the module docstring). No host sync."""
+    _check_attention_inputs(q, pool, layer, meta)
+    page = meta.page_size
+    gqa = q.shape[1] != pool.layout.num_kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    for b, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_host, strict=True)):
+        pos = torch.arange(ctx, dtype=_INDEX, device=pool.device)
+        slots = meta.block_table[b].index_select(0, pos // page) * page + pos % page
+        k_all, v_all = (_gather(pool, kv, layer, slots, q.dtype) for kv in (0, 1))
+        first = ctx - q_len  # absolute position of the sequence's first new token
+        lo = first
+        while lo < ctx:
+            hi = min(ctx, (lo // page + 1) * page)  # the next page boundary
+            # q copied to fresh memory, keys sliced from the start of the gathered tensors: this SDPA call sees
+            # the same shapes, strides and alignment whatever else the step computes.
+            qb = q[start + lo - first: start + hi - first].transpose(0, 1).clone()
+            kb, vb = (t[:hi].transpose(0, 1) for t in (k_all, v_all))
+            qpos = torch.arange(lo, hi, device=pool.device)
+            mask = torch.arange(hi, device=pool.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[start + lo - first: start + hi - first] = o.transpose(0, 1)
+            lo = hi
+        start += q_len
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_kv_tile(pay_ptr, sc_ptr, row, slot, hk, d, pmask, dmask, stride_row, stride_slot, sc_stride_row,
+                      H, HEAD_DIM, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+        """[BLOCK_N, BLOCK_D] payload of KV head hk at `slot` as fp32 (fp8: unscaled * 256), and the per-token
+        factor that finishes the dequantization (fp8: scale / 256, else 1)."""
+        off = slot_offset(row, slot[:, None], hk * HEAD_DIM + d[None, :], stride_row, stride_slot,
+                                   OFFSET_DTYPE)
+        m2 = pmask[:, None] & dmask[None, :]
+        if KIND == 0:
+            b = tl.load(pay_ptr + off, mask=m2, other=0).to(tl.int32)
+            # E4M3FN bits placed in an fp16 (sign, then exponent+mantissa shifted up 7) read as value * 2^-8,
+            # subnormals included; fp16 -> fp32 is exact and the scale takes the 2^8 back, exactly.
+            h16 = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+            x = h16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            sc = tl.load(sc_ptr + slot_offset(row, slot, hk, sc_stride_row, H, OFFSET_DTYPE),
+                         mask=pmask, other=0.0)
+            factor = sc * 256.0
+        elif KIND == 1:
+            x = tl.load(pay_ptr + off, mask=m2, other=0).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            x = x.to(tl.float32)
+            factor = tl.full(pmask.shape, 1.0, tl.float32)
+        else:
+            x = tl.load(pay_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            factor = tl.full(pmask.shape, 1.0, tl.float32)
+        return x, factor
+
+    @triton.jit
+    def _decode_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                       row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, split_len, qk_scale,
+                       H, HQ, GROUP, HEAD_DIM,
+                       KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+        # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + b).to(tl.int32)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, ctx)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        gmask = g < GROUP
+        dmask = d < HEAD_DIM
+        qh = hk * GROUP + g
+        qmask = gmask[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + qh[:, None].to(tl.int64) * stride_qh + d[None, :],
+                    mask=qmask, other=0.0).to(tl.float32) * qk_scale
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pmask = pos < hi
+            page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
+            slot = page * page_size + pos % page_size  # int64: page ids are int64
+            k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * k_f[None, :]
+            s = tl.where(pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0, no NaN
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE)
+            pv = p * v_f[None, :]
+            acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        if NUM_SPLITS == 1:
+            o = acc / l_i[:, None]
+            optr = out_ptr + b.to(tl.int64) * stride_ot + qh[:, None].to(tl.int64) * stride_oh + d[None, :]
+            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            # partials [B, HQ, NUM_SPLITS, (D | 2)]: unnormalized acc, then (max, sum) per head
+            base = (b.to(tl.int64) * HQ + qh.to(tl.int64)) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
+            tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
+            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
+
+    @triton.jit
+    def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HQ, HEAD_DIM,
+                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        # grid = (sequences, query heads): merge the splits' partial softmaxes (empty splits: m = -inf, l = 0).
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        smask = s < NUM_SPLITS
+        dmask = d < HEAD_DIM
+        base = (b.to(tl.int64) * HQ + h) * NUM_SPLITS + s
+        m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+        acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
+                      other=0.0)
+        m_max = tl.max(m, axis=0)  # finite: split 0 always holds position 0
+        w = tl.exp2(m - m_max)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        optr = out_ptr + b.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
+        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
+    """Context splits of a decode launch: enough programs to fill the device, none shorter than
+    `_MIN_SPLIT_TOKENS`, at most `_MAX_SPLITS`."""
+    want = _cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, _cdiv(max_context_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+
+
+def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
+                           scale: float | None = None, *, use_triton: bool | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence (q [B, H_q, D]) over its paged context; same result as
+    `paged_attention_reference` up to fp32 rounding. Triton on CUDA, the reference on CPU unless forced.
+    `num_splits` (default `decode_num_splits`) splits each context across programs, merged by a second kernel."""
+    if not meta.is_decode:
+        raise ValueError(f"paged_decode_attention needs query_len == 1 for every sequence, got "
+                         f"{meta.query_lens}")
+    if not _want_triton(pool.device, use_triton):
+        return paged_attention_reference(q, pool, layer, meta, scale)
+    _check_attention_inputs(q, pool, layer, meta)
+    lay = pool.layout
+    bsz, hq, dim = q.shape
+    if q.stride(2) != 1:
+        raise ValueError("q's head_dim must be contiguous")
+    group = hq // lay.num_kv_heads
+    max_ctx = meta.max_context_len
+    if num_splits is None:
+        num_splits = decode_num_splits(bsz, lay.num_kv_heads, max_ctx)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    block_g = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(dim)
+    block_n = max(1, min(64, _TILE_ELEMS // (block_g * block_d)))
+    split_len = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # whole blocks per split
+    sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dev = pool.device
+    pay = pool.payload.view(torch.uint8) if lay.scaled else (
+        pool.payload.view(torch.int16) if lay.kv_dtype == "bf16" else pool.payload)
+    sc = pool.scales if pool.scales is not None else pay
+    if num_splits > 1:
+        part_acc = torch.empty((bsz, hq, num_splits, dim), dtype=torch.float32, device=dev)
+        part_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=dev)
+    else:
+        part_acc = part_ml = out  # unused placeholders
+    with device_context(dev):
+        _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
+            q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+            layer, lay.num_layers + layer, lay.num_slots * lay.num_kv_heads * dim, lay.num_kv_heads * dim,
+            lay.num_slots * lay.num_kv_heads, lay.page_size, split_len, sm_scale * _LOG2E,
+            lay.num_kv_heads, hq, group, dim,
+            KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
+            BLOCK_D=block_d, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
+        )
+        if num_splits > 1:
+            _decode_reduce_kernel[(bsz, hq)](
+                part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
+                NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------------------- backend
+
+
+class PagedKVBackend:
+    """`AttentionBackend` over the paged pool for one step: store the new K/V, then attend through the pool
+    (the decode kernel when every sequence adds one token and Triton applies, else the reference)."""
+
+    def __init__(self, pool: KVPool, meta: PagedAttentionMetadata, scale: float | None = None, *,
+                 use_triton: bool | None = None):
+        self.pool = pool
+        self.meta = meta
+        self.scale = scale
+        self.use_triton = use_triton
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        _check_attention_inputs(q, self.pool, layer_idx, self.meta)  # before anything is written
+        write_kv(self.pool, layer_idx, self.meta.slot_mapping, k, v, use_triton=self.use_triton)
+        if self.meta.is_decode and _want_triton(self.pool.device, self.use_triton):
+            return paged_decode_attention(q, self.pool, layer_idx, self.meta, self.scale, use_triton=True)
+        return paged_attention_reference(q, self.pool, layer_idx, self.meta, self.scale)
