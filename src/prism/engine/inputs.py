@@ -1,0 +1,546 @@
+"""A request (chat messages or a raw prompt, with images / videos) -> everything the engine needs.
+
+Owns: the prepared form of a prompt, `PreparedPrompt`: expanded token ids, modality ids, M-RoPE positions
+and rope delta, the preprocessed media in prompt order with their content digests, and the prefix-cache
+content (`kv_content()`: one `MediaSpan(start, length, digest)` per pad run). Identity rules:
+- a media item's digest is `prism.media.digest`'s content digest (same decoded pixels + same processor
+  settings + same model id <=> same digest), whatever form the image came in (file bytes, PIL, array);
+- a video's pad runs (one per temporal patch) each get their own digest, the video digest framed with the
+  temporal index, so runs of one video never look alike to the prefix cache;
+- positions are computed here, from the expanded prompt, before any cache lookup can happen.
+
+Preprocessing goes through the shared `PreprocessCache` when one is given: file bytes are keyed by their
+raw digest (the same key the HTTP path uses, `media.prepare.prepare_image`), decoded pixels by a digest of
+their RGB bytes and shape, videos by their sampled frames and timing. Cached values are shared: treat
+`pixel_values` as read-only. `InputProcessor` holds no mutable state after construction; its methods may
+run on worker threads concurrently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer
+
+from ..kv.content import MediaSpan, SeqContent
+from ..media.cache import CacheKey, PreprocessCache
+from ..media.config import ImageProcessorConfig, VideoProcessorConfig
+from ..media.digest import DIGEST_SIZE, image_digest, video_digest
+from ..media.image import DEFAULT_LIMITS, DecodeLimits, preprocess_image, to_rgb_image
+from ..media.placeholders import SpecialTokens, VideoPlaceholder, expand_placeholders
+from ..media.prepare import PreparedImage, prepare_image
+from ..media.video import PreprocessedVideo, preprocess_video, sample_frame_indices
+from ..model.config import Qwen3VLConfig
+from ..model.mrope import mrope_positions_from_spans
+from .chat import (
+    ChatTemplate,
+    ChatTemplateError,
+    ImageInput,
+    InputError,
+    MediaInput,
+    VideoInput,
+    coerce_media_lists,
+    load_chat_template,
+    load_json_object,
+    parse_messages,
+    read_eos_token_ids,
+    special_token_strings,
+)
+
+__all__ = [
+    "ChatTemplateError",
+    "ImageInput",
+    "InputError",
+    "InputProcessor",
+    "PreparedMedia",
+    "PreparedPrompt",
+    "PromptTooLongError",
+    "VideoInput",
+]
+
+
+class PromptTooLongError(InputError):
+    """The expanded prompt (text + media tokens) exceeds the processor's max_prompt_tokens."""
+
+
+_U64 = struct.Struct("<Q")
+_SPAN_SCHEME = b"prism.video-span.v1"
+_RGB_SCHEME = b"prism.rgb8.v1"
+_FRAMES_SCHEME = b"prism.video-frames.v1"
+
+
+def _field(h: Any, name: bytes, value: bytes | memoryview) -> None:
+    # Same length framing as media.digest: no two field lists give the same byte stream.
+    h.update(_U64.pack(len(name)))
+    h.update(name)
+    h.update(_U64.pack(len(value)))
+    h.update(value)
+
+
+def video_span_digest(video_digest_: bytes, temporal_index: int) -> bytes:
+    """Digest of one temporal patch's pad run: the video digest framed with the patch index."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    _field(h, b"scheme", _SPAN_SCHEME)
+    _field(h, b"video", video_digest_)
+    _field(h, b"temporal_index", _U64.pack(temporal_index))
+    return h.digest()
+
+
+def _hash_rgb(h: Any, arr: np.ndarray) -> None:
+    _field(h, b"shape", np.asarray(arr.shape, dtype="<i8").tobytes())
+    _field(h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclass(frozen=True, eq=False)  # holds tensors: identity equality
+class PreparedMedia:
+    """One image or video of a prompt, preprocessed and placed.
+
+    `spans` are the pad runs in the prompt as (start, length): one for an image, one per temporal patch for
+    a video. `span_digests[i]` is what the prefix cache keys run i on: the image digest, or for a video
+    `video_span_digest(digest, i)`. `kv_spans` pairs them as `prism.kv.content.MediaSpan`s.
+    """
+
+    kind: Literal["image", "video"]
+    index: int  # among the prompt's images, or among its videos
+    pixel_values: torch.Tensor  # [t*h*w, C*T*p*p] float32, read-only (may be shared through the cache)
+    grid_thw: tuple[int, int, int]  # in patches
+    digest: bytes  # media content digest (prism.media.digest)
+    spans: tuple[tuple[int, int], ...]
+    span_digests: tuple[bytes, ...]
+    timestamps: tuple[float, ...] = ()  # video: seconds per temporal patch
+
+    def __post_init__(self) -> None:
+        if not self.spans or len(self.spans) != len(self.span_digests):
+            raise InputError(
+                f"{self.kind} {self.index}: {len(self.spans)} spans, {len(self.span_digests)} digests"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(length for _, length in self.spans)
+
+    @property
+    def start(self) -> int:
+        """First pad token of the item."""
+        return self.spans[0][0]
+
+    @property
+    def end(self) -> int:
+        """One past the last pad token (a video's timestamp text and wrappers lie inside [start, end))."""
+        start, length = self.spans[-1]
+        return start + length
+
+    @property
+    def kv_spans(self) -> tuple[MediaSpan, ...]:
+        return tuple(MediaSpan(s, n, d) for (s, n), d in zip(self.spans, self.span_digests, strict=True))
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedPrompt:
+    """Everything the engine needs about a prompt; `text` is the prompt before placeholder expansion."""
+
+    token_ids: list[int]
+    mm_token_type_ids: torch.Tensor  # [N] int64: 0 text, 1 image pad, 2 video pad
+    positions: torch.Tensor  # [3, N] int64 M-RoPE (t, h, w)
+    rope_delta: int  # a token appended at sequence index i >= N gets position i + rope_delta
+    media: tuple[PreparedMedia, ...]  # prompt order
+    text: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_media_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.media)
+
+    @property
+    def images(self) -> tuple[PreparedMedia, ...]:
+        return tuple(m for m in self.media if m.kind == "image")
+
+    @property
+    def videos(self) -> tuple[PreparedMedia, ...]:
+        return tuple(m for m in self.media if m.kind == "video")
+
+    @property
+    def image_grid_thw(self) -> torch.Tensor:
+        """[num_images, 3] int64, images in prompt order."""
+        return torch.tensor([m.grid_thw for m in self.images], dtype=torch.int64).reshape(-1, 3)
+
+    @property
+    def video_grid_thw(self) -> torch.Tensor:
+        return torch.tensor([m.grid_thw for m in self.videos], dtype=torch.int64).reshape(-1, 3)
+
+    def media_spans(self) -> tuple[MediaSpan, ...]:
+        """One MediaSpan(start, length, digest) per pad run, in prompt order."""
+        return tuple(s for m in self.media for s in m.kv_spans)
+
+    def kv_content(self) -> SeqContent:
+        """Token ids (a fresh list: decode appends to it) and one MediaSpan per pad run."""
+        return SeqContent(tokens=list(self.token_ids), media=self.media_spans())
+
+
+@dataclass(frozen=True)
+class _CachedVideo:
+    video: PreprocessedVideo
+    digest: bytes
+
+    @property
+    def nbytes(self) -> int:
+        pv = self.video.pixel_values_videos
+        return pv.numel() * pv.element_size() + 256
+
+
+# ------------------------------------------------------------------------------------------ processor
+class InputProcessor:
+    """Turns requests into `PreparedPrompt`s for one checkpoint directory.
+
+    model_id namespaces media digests and cache keys (default: the resolved checkpoint path). `cache` is a
+    shared `PreprocessCache` (offline, in-process and HTTP paths may share one); `cache_bytes` instead
+    makes a private one of that size (0 or None: no cache). `limits` bounds decoding.
+    `max_prompt_tokens` (optional) refuses longer expanded prompts with `PromptTooLongError`.
+    `absorb_video_vision_tokens` selects the original Qwen3-VL video layout (see media.placeholders).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        model_id: str | None = None,
+        cache: PreprocessCache[Any] | None = None,
+        cache_bytes: int | None = None,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+        max_prompt_tokens: int | None = None,
+        absorb_video_vision_tokens: bool = False,
+    ) -> None:
+        root = Path(model_dir)
+        if not root.is_dir():
+            raise InputError(f"checkpoint directory {root} does not exist")
+        if max_prompt_tokens is not None and (
+            isinstance(max_prompt_tokens, bool)
+            or not isinstance(max_prompt_tokens, int)
+            or max_prompt_tokens <= 0
+        ):
+            raise InputError(f"max_prompt_tokens must be a positive int or None, got {max_prompt_tokens!r}")
+        self.model_dir = root
+        self.model_id = model_id if model_id is not None else str(root.resolve())
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise InputError(f"model_id must be a non-empty string, got {model_id!r}")
+        self.config = Qwen3VLConfig.from_pretrained(root)
+        self.image_config = ImageProcessorConfig.from_json_file(root / "preprocessor_config.json")
+        video_file = root / "video_preprocessor_config.json"
+        self.video_config = (
+            VideoProcessorConfig.from_json_file(video_file)
+            if video_file.is_file()
+            else VideoProcessorConfig()
+        )
+        vision = self.config.vision
+        for cfg, what in (
+            (self.image_config, "preprocessor_config"),
+            (self.video_config, "video_preprocessor"),
+        ):
+            got = (cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size)
+            want = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+            if got != want:
+                raise InputError(
+                    f"{what} (patch, temporal patch, merge) = {got} disagrees with the model's vision config {want}"
+                )
+        self.merge_size = vision.spatial_merge_size
+        self.special = SpecialTokens(
+            image_pad=self.config.image_token_id,
+            video_pad=self.config.video_token_id,
+            vision_start=self.config.vision_start_token_id,
+            vision_end=self.config.vision_end_token_id,
+        )
+
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise InputError(f"checkpoint file missing: {tok_file}")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the Rust loader raises its own exception type
+            raise InputError(f"cannot load {tok_file}: {exc}") from exc
+        for name, tid in (
+            ("image_token_id", self.special.image_pad),
+            ("video_token_id", self.special.video_pad),
+            ("vision_start_token_id", self.special.vision_start),
+            ("vision_end_token_id", self.special.vision_end),
+        ):
+            if self._tokenizer.id_to_token(tid) is None:
+                raise InputError(f"config.json {name} {tid} is not in the tokenizer's vocabulary")
+        tok_config = load_json_object(root / "tokenizer_config.json", required=False)
+        source = load_chat_template(root, tok_config)
+        self._chat_template = (
+            ChatTemplate(source, special_token_strings(tok_config)) if source is not None else None
+        )
+        self._eos = read_eos_token_ids(root, tok_config, self._tokenizer)
+        if cache is not None and cache_bytes is not None:
+            raise InputError("pass either a shared cache or cache_bytes, not both")
+        if cache is None and cache_bytes:
+            cache = PreprocessCache(cache_bytes)
+        self._cache = cache
+        self._limits = limits
+        self._max_prompt_tokens = max_prompt_tokens
+        self._absorb = absorb_video_vision_tokens
+        self._image_ns = json.dumps([self.model_id, self.image_config.fingerprint(), "rgb8"])
+        self._video_ns = json.dumps([self.model_id, self.video_config.fingerprint(), "video-frames"])
+
+    # ---------------------------------------------------------------------------------- tokenizer
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config.json eos ids, then the tokenizer's eos_token (deduplicated, in that order)."""
+        return self._eos
+
+    @property
+    def cache(self) -> PreprocessCache[Any] | None:
+        return self._cache
+
+    @property
+    def chat_template(self) -> str | None:
+        return None if self._chat_template is None else self._chat_template.source
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it are matched (the template writes them as text)."""
+        if not isinstance(text, str):
+            raise InputError(f"text must be a string, got {type(text).__name__}")
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # ---------------------------------------------------------------------------------- requests
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, list[MediaInput]]:
+        """Prompt text with one placeholder per media item, and the media in placeholder order."""
+        if self._chat_template is None:
+            raise ChatTemplateError(f"checkpoint {self.model_dir} has no chat template")
+        rendered, media = parse_messages(messages, max_image_bytes=self._limits.max_bytes)
+        text = self._chat_template.render(
+            rendered, add_generation_prompt=add_generation_prompt, tools=tools, extra=chat_template_kwargs
+        )
+        return text, media
+
+    def prepare_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> PreparedPrompt:
+        text, media = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        images = [m for m in media if isinstance(m, ImageInput)]
+        videos = [m for m in media if isinstance(m, VideoInput)]
+        return self._prepare(text, images, videos, from_chat=True)
+
+    def prepare_prompt(
+        self,
+        text: str,
+        images: Sequence[Any] = (),
+        videos: Sequence[VideoInput | Mapping[str, Any]] = (),
+    ) -> PreparedPrompt:
+        """A raw prompt holding one `<|image_pad|>` per image and one `<|video_pad|>` per video (normally
+        wrapped as `<|vision_start|><|image_pad|><|vision_end|>`). Images: bytes, PIL or uint8 arrays (or
+        ImageInput); videos: VideoInput or {"video": frames, "fps": ..., "num_frames"?: ...}."""
+        image_inputs, video_inputs = coerce_media_lists(images, videos)
+        return self._prepare(text, image_inputs, video_inputs, from_chat=False)
+
+    # ---------------------------------------------------------------------------------- internals
+    def _prepare(
+        self, text: str, images: list[ImageInput], videos: list[VideoInput], *, from_chat: bool
+    ) -> PreparedPrompt:
+        ids = np.asarray(self.encode(text), dtype=np.int64)
+        if ids.size == 0:
+            raise InputError("the prompt is empty")
+        where = "the rendered chat" if from_chat else "the prompt"
+        for kind, pad, given in (
+            ("image", self.special.image_pad, len(images)),
+            ("video", self.special.video_pad, len(videos)),
+        ):
+            found = int(np.count_nonzero(ids == pad))
+            if found != given:
+                hint = (
+                    f" (text parts must not contain the {kind} placeholder token)"
+                    if from_chat and found > given
+                    else ""
+                )
+                raise InputError(
+                    f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
+                )
+
+        prepared_images = [self._image(im.data) for im in images]
+        prepared_videos = [self._video(v) for v in videos]
+        expanded = expand_placeholders(
+            ids,
+            special=self.special,
+            merge_size=self.merge_size,
+            image_grids=[p.grid_thw for p in prepared_images],
+            videos=[VideoPlaceholder.from_video(p.video) for p in prepared_videos],
+            encode_text=self.encode,
+            absorb_video_vision_tokens=self._absorb,
+        )
+        n = int(expanded.input_ids.shape[0])
+        if self._max_prompt_tokens is not None and n > self._max_prompt_tokens:
+            media_tokens = sum(s.length for s in expanded.spans)
+            raise PromptTooLongError(
+                f"the prompt expands to {n} tokens ({media_tokens} of them media pads); "
+                f"the limit is {self._max_prompt_tokens}"
+            )
+        positions, rope_delta = mrope_positions_from_spans(
+            n,
+            expanded.span_starts(),
+            expanded.span_grids(),
+            spatial_merge_size=self.merge_size,
+            span_lengths=[s.length for s in expanded.spans],
+        )
+
+        runs: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        run_digests: dict[tuple[str, int], list[bytes]] = {}
+        for s in expanded.spans:
+            key = (s.kind, s.media_index)
+            if s.kind == "image":
+                digest = prepared_images[s.media_index].digest
+            else:
+                digest = video_span_digest(prepared_videos[s.media_index].digest, s.temporal_index)
+            runs.setdefault(key, []).append((s.start, s.length))
+            run_digests.setdefault(key, []).append(digest)
+        media: list[PreparedMedia] = []
+        for item in expanded.items:  # prompt order
+            key = (item.kind, item.media_index)
+            if item.kind == "image":
+                im = prepared_images[item.media_index]
+                pixels, grid, digest, stamps = im.pixel_values, im.grid_thw, im.digest, ()
+            else:
+                cv = prepared_videos[item.media_index]
+                pixels, grid, digest = cv.video.pixel_values_videos, cv.video.grid_thw, cv.digest
+                stamps = tuple(cv.video.timestamps)
+            media.append(
+                PreparedMedia(
+                    kind=item.kind,
+                    index=item.media_index,
+                    pixel_values=pixels,
+                    grid_thw=grid,
+                    digest=digest,
+                    spans=tuple(runs[key]),
+                    span_digests=tuple(run_digests[key]),
+                    timestamps=stamps,
+                )
+            )
+        return PreparedPrompt(
+            token_ids=expanded.input_ids.tolist(),
+            mm_token_type_ids=torch.from_numpy(expanded.mm_token_type_ids),
+            positions=positions,
+            rope_delta=rope_delta,
+            media=tuple(media),
+            text=text,
+        )
+
+    def _cached(self, key: CacheKey, compute: Any) -> Any:
+        if self._cache is None:
+            return compute()[0]
+        return self._cache.get_or_compute(key, compute)
+
+    def _image(self, data: Any) -> PreparedImage:
+        cfg = self.image_config
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return prepare_image(
+                bytes(data), cfg, model_id=self.model_id, cache=self._cache, limits=self._limits
+            )
+        if not isinstance(data, (Image.Image, np.ndarray)):
+            raise InputError(
+                f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}"
+            )
+        rgb = np.asarray(to_rgb_image(data, self._limits))
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        _field(h, b"scheme", _RGB_SCHEME)
+        _hash_rgb(h, rgb)
+        key = CacheKey(h.digest(), self._image_ns)
+
+        def compute() -> tuple[PreparedImage, int]:
+            pre = preprocess_image(rgb, cfg, self._limits)
+            out = PreparedImage(
+                pixel_values=pre.pixel_values,
+                grid_thw=pre.grid_thw,
+                digest=image_digest(pre, model_id=self.model_id, config=cfg),
+                raw_digest=key.raw_digest,
+                resized_size=pre.resized_size,
+            )
+            return out, out.nbytes
+
+        return self._cached(key, compute)
+
+    def _video(self, video: VideoInput) -> _CachedVideo:
+        cfg = self.video_config
+        frames = video.frames
+        if isinstance(frames, np.ndarray):
+            if frames.ndim != 4:
+                raise InputError(f"a video array must be uint8 [F, H, W, 3], got shape {list(frames.shape)}")
+            frame_list: list[Any] = list(frames)
+        elif isinstance(frames, Sequence) and not isinstance(frames, (str, bytes)):
+            frame_list = list(frames)
+        else:
+            raise InputError(f"video frames must be a list or a uint8 array, got {type(frames).__name__}")
+        if not frame_list:
+            raise InputError("video has no frames")
+        fps = video.fps
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
+            raise InputError(f"video fps must be a positive finite number, got {fps!r}")
+        num_frames = video.num_frames
+        if num_frames is not None and (
+            isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0
+        ):
+            raise InputError(f"video num_frames must be a positive int, got {num_frames!r}")
+        if num_frames is not None and not cfg.do_sample_frames:
+            raise InputError(
+                "video num_frames needs frame sampling, which this checkpoint's processor disables"
+            )
+        if cfg.do_sample_frames:
+            indices = sample_frame_indices(len(frame_list), float(fps), cfg, num_frames=num_frames)
+        else:
+            indices = np.arange(len(frame_list), dtype=np.int64)
+        # The result depends only on the sampled frames, their indices and the frame rate: key on those.
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        _field(h, b"scheme", _FRAMES_SCHEME)
+        _field(h, b"fps", struct.pack("<d", float(fps)))
+        _field(h, b"num_frames", _U64.pack(num_frames or 0))
+        _field(h, b"total", _U64.pack(len(frame_list)))
+        _field(h, b"indices", np.asarray(indices, dtype="<i8").tobytes())
+        for i in indices.tolist():
+            _hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
+        key = CacheKey(h.digest(), self._video_ns)
+
+        def compute() -> tuple[_CachedVideo, int]:
+            pre = preprocess_video(frame_list, float(fps), cfg, num_frames=num_frames, limits=self._limits)
+            out = _CachedVideo(pre, video_digest(pre, model_id=self.model_id, config=cfg))
+            return out, out.nbytes
+
+        return self._cached(key, compute)

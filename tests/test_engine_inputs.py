@@ -1,0 +1,555 @@
+"""engine.inputs: chat messages / raw prompts with media -> PreparedPrompt, checked against HF transformers 5.17.
+
+Token ids, modality ids, grids and pixels are compared with HF's `Qwen3VLProcessor.apply_chat_template` on the
+tiny checkpoint; positions with HF's `Qwen3VLModel.get_rope_index` (called with a minimal stand-in `self`, no
+weights). HF's video processor needs torchvision, which is not installed here: for videos the grid, frame
+indices and timestamps come from prism.media's own video path and HF's processor does the text replacement
+(`replace_video_token`) and tokenization, as in tests/test_placeholder_expansion.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import json
+import shutil
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from prism.engine.inputs import (
+    ChatTemplateError,
+    InputError,
+    InputProcessor,
+    PromptTooLongError,
+    VideoInput,
+    video_span_digest,
+)
+from prism.kv.content import SeqContent
+from prism.media.cache import PreprocessCache
+from prism.media.errors import ImageTooLargeError, MediaDecodeError, MediaError, VideoError
+from prism.media.image import DecodeLimits
+from prism.media.video import preprocess_video
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.hf_reference import hf_processor, random_images
+
+transformers = pytest.importorskip("transformers")
+
+THREE_SIZES = [(300, 200), (64, 500), (256, 256)]
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def ckpt():
+    return ensure_tiny_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def proc(ckpt):
+    return InputProcessor(ckpt, model_id="tiny")
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return hf_processor(ckpt)
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return np.random.default_rng(7).integers(0, 256, (5, 64, 96, 3), dtype=np.uint8)
+
+
+def _copy_ckpt(ckpt, dst):
+    """The checkpoint's small files (InputProcessor reads no weights)."""
+    dst.mkdir()
+    for f in ckpt.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _hf_rope_index(hf_proc, ids, types_, image_grid=None, video_grid=None):
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    merge = hf_proc.image_processor.merge_size
+    stub = types.SimpleNamespace(
+        config=types.SimpleNamespace(vision_config=types.SimpleNamespace(spatial_merge_size=merge))
+    )
+    stub.get_vision_position_ids = functools.partial(Qwen3VLModel.get_vision_position_ids, stub)
+    pos, delta = Qwen3VLModel.get_rope_index(
+        stub,
+        torch.as_tensor(ids, dtype=torch.int64)[None],
+        torch.as_tensor(types_, dtype=torch.int64)[None],
+        image_grid_thw=None if image_grid is None else torch.as_tensor(np.asarray(image_grid)),
+        video_grid_thw=None if video_grid is None else torch.as_tensor(np.asarray(video_grid)),
+    )
+    return pos[:, 0], int(delta.reshape(-1)[0])
+
+
+def _assert_spans_line_up(proc, p):
+    """Every pad run is exactly one MediaSpan, in prompt order, with its media's digest."""
+    ids = np.asarray(p.token_ids)
+    mm = p.mm_token_type_ids.numpy()
+    content = p.kv_content()
+    assert isinstance(content, SeqContent) and content.tokens == p.token_ids
+    assert content.tokens is not p.token_ids  # decode appends to the content's list, not the prompt's
+    covered = np.zeros(len(ids), dtype=bool)
+    for span in content.media:
+        run = slice(span.start, span.end)
+        assert len(span.digest) == 32
+        assert (mm[run] != 0).all() and len(set(ids[run].tolist())) == 1
+        assert span.start == 0 or mm[span.start - 1] == 0  # maximal run: text on both sides
+        assert span.end == len(ids) or mm[span.end] == 0
+        covered[run] = True
+    assert (covered == (mm != 0)).all()
+    assert content.media == p.media_spans()
+    assert [start for m in p.media for start, _ in m.spans] == sorted(s.start for s in content.media)
+    assert p.num_media_tokens == int((mm != 0).sum())
+    for m in p.media:
+        pad = proc.special.image_pad if m.kind == "image" else proc.special.video_pad
+        assert all((ids[start : start + n] == pad).all() for start, n in m.spans)
+        assert [(s.start, s.length) for s in m.kv_spans] == list(m.spans)
+        assert [s.digest for s in m.kv_spans] == list(m.span_digests)
+        if m.kind == "image":
+            assert m.span_digests == (m.digest,)
+        t, h, w = m.grid_thw
+        assert m.num_tokens == t * h * w // 4 and m.pixel_values.shape[0] == t * h * w
+
+
+# ------------------------------------------------------------------------------------------ HF parity
+def test_text_only_matches_hf(proc, hf):
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello, what can you tell me about cats?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Cats are small."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And dogs? 第一张图"}]},
+    ]
+    ref = hf.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    p = proc.prepare_chat(messages)
+    assert p.token_ids == list(ref["input_ids"][0])
+    assert p.mm_token_type_ids.tolist() == list(ref["mm_token_type_ids"][0]) == [0] * len(p)
+    n = len(p)
+    assert torch.equal(p.positions, torch.arange(n).expand(3, n)) and p.rope_delta == 0
+    assert p.media == () and p.kv_content().media == ()
+    no_gen = proc.prepare_chat(messages, add_generation_prompt=False)
+    ref2 = hf.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=False)
+    assert no_gen.token_ids == list(ref2["input_ids"][0]) and len(no_gen) < n
+
+
+@pytest.mark.parametrize("case", ["one_image", "three_images"])
+def test_images_match_hf(proc, hf, case):
+    if case == "one_image":
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": random_images([(300, 200)], seed=1)[0]},
+                    {"type": "text", "text": "Describe the picture."},
+                ],
+            }
+        ]
+    else:
+        a, b, c = random_images(THREE_SIZES, seed=2)
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "A cat."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": b},
+                    {"type": "text", "text": " and "},
+                    {"type": "image", "image": c},
+                    {"type": "text", "text": "Compare them."},
+                ],
+            },
+        ]
+    ref = hf.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    p = proc.prepare_chat(messages)
+    assert p.token_ids == list(ref["input_ids"][0])
+    assert p.mm_token_type_ids.tolist() == list(ref["mm_token_type_ids"][0])
+    assert p.image_grid_thw.tolist() == np.asarray(ref["image_grid_thw"]).tolist()
+    if case == "three_images":
+        assert [m.grid_thw for m in p.media] == [(1, 20, 14), (1, 6, 46), (1, 16, 16)]
+    pixels = torch.cat([m.pixel_values for m in p.images])
+    assert torch.equal(pixels, torch.as_tensor(np.asarray(ref["pixel_values"])))
+    pos, delta = _hf_rope_index(hf, p.token_ids, p.mm_token_type_ids, image_grid=ref["image_grid_thw"])
+    assert p.positions.dtype == torch.int64 and torch.equal(p.positions, pos)
+    assert p.rope_delta == delta
+    assert [m.kind for m in p.media] == ["image"] * len(p.images)
+    assert [m.index for m in p.media] == list(range(len(p.media)))
+    _assert_spans_line_up(proc, p)
+
+
+def test_video_and_image_match_prism_media_plus_hf_expansion(proc, hf, frames):
+    from transformers.video_utils import VideoMetadata
+
+    image = random_images([(128, 160)], seed=3)[0]
+    fps = 2.0
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video", "video": list(frames), "fps": fps},
+                {"type": "image", "image": image},
+                {"type": "text", "text": "What happens in the video?"},
+            ],
+        }
+    ]
+    p = proc.prepare_chat(messages)
+
+    pre = preprocess_video(frames, fps, proc.video_config)
+    assert pre.grid_thw[0] >= 2  # several temporal patches -> several spans
+    meta = VideoMetadata(total_num_frames=len(frames), fps=fps, frames_indices=list(pre.frame_indices))
+    grid = torch.tensor([pre.grid_thw])
+    replacement = hf.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+    skeleton = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video"},
+                {"type": "image"},
+                {"type": "text", "text": messages[0]["content"][2]["text"]},
+            ],
+        }
+    ]
+    text = hf.apply_chat_template(skeleton, tokenize=False, add_generation_prompt=True)
+    (expanded,), _ = hf.get_text_with_replacements([text], [], [replacement])
+    ref = hf(text=[expanded], images=[image])
+    assert p.token_ids == list(ref["input_ids"][0])
+    assert p.mm_token_type_ids.tolist() == list(ref["mm_token_type_ids"][0])
+    pos, delta = _hf_rope_index(
+        hf, p.token_ids, p.mm_token_type_ids, image_grid=ref["image_grid_thw"], video_grid=grid
+    )
+    assert torch.equal(p.positions, pos) and p.rope_delta == delta
+
+    video, img = p.media
+    assert (video.kind, img.kind) == ("video", "image") and video.end < img.start
+    assert video.grid_thw == pre.grid_thw and torch.equal(video.pixel_values, pre.pixel_values_videos)
+    assert video.timestamps == pre.timestamps
+    assert len(video.spans) == pre.grid_thw[0]
+    span_digests = list(video.span_digests)
+    assert span_digests == [video_span_digest(video.digest, k) for k in range(len(span_digests))]
+    assert len(set(span_digests)) == len(span_digests) and video.digest not in span_digests
+    for start, _ in video.spans[1:]:  # timestamp text between the runs
+        assert "seconds>" in proc.decode(p.token_ids[start - 8 : start], skip_special_tokens=True)
+    _assert_spans_line_up(proc, p)
+
+    # Frames as one array, as PIL images, or as a list of arrays: the same video.
+    as_pil = proc.prepare_chat(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "video", "video": [Image.fromarray(f) for f in frames], "fps": fps}],
+            }
+        ]
+    )
+    as_array = proc.prepare_prompt(
+        "<|vision_start|><|video_pad|><|vision_end|>", videos=[VideoInput(frames, fps)]
+    )
+    assert as_pil.media[0].digest == as_array.media[0].digest == video.digest
+    # Another frame rate -> other timestamps -> another digest.
+    slower = proc.prepare_prompt(
+        "<|vision_start|><|video_pad|><|vision_end|>", videos=[{"video": frames, "fps": 1.0}]
+    )
+    assert slower.media[0].digest != video.digest
+
+
+# ------------------------------------------------------------------------------------------ identity
+def test_same_pixels_same_digest_in_any_form(proc):
+    img = random_images([(90, 130)], seed=5)[0]
+    arr = np.asarray(img)
+    png = _png(img)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    forms = [png, bytearray(png), img, arr, img.convert("RGBA")]
+    prompts = [
+        proc.prepare_chat(
+            [{"role": "user", "content": [{"type": "image", "image": f}, {"type": "text", "text": "?"}]}]
+        )
+        for f in forms
+    ]
+    prompts.append(
+        proc.prepare_chat(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "?"},
+                    ],
+                }
+            ]
+        )
+    )
+    digests = {p.media[0].digest for p in prompts}
+    assert len(digests) == 1
+    assert all(p.token_ids == prompts[0].token_ids for p in prompts)
+    assert all(torch.equal(p.positions, prompts[0].positions) for p in prompts)
+
+    other = arr.copy()
+    other[3, 4, 0] ^= 1  # one channel of one pixel
+    changed = proc.prepare_chat(
+        [{"role": "user", "content": [{"type": "image", "image": other}, {"type": "text", "text": "?"}]}]
+    )
+    assert changed.token_ids == prompts[0].token_ids  # same placeholders ...
+    assert changed.media[0].digest not in digests  # ... other pixels: never the same key
+    assert changed.kv_content().media[0].digest != prompts[0].kv_content().media[0].digest
+
+    other_model = InputProcessor(proc.model_dir, model_id="another-model")
+    assert (
+        other_model.prepare_prompt("<|vision_start|><|image_pad|><|vision_end|>", [png]).media[0].digest
+        not in digests
+    )
+
+    # The same image twice: one digest, two spans at different positions.
+    twice = proc.prepare_prompt(
+        "<|vision_start|><|image_pad|><|vision_end|>x<|vision_start|><|image_pad|><|vision_end|>", [png, arr]
+    )
+    s0, s1 = twice.kv_content().media
+    assert s0.digest == s1.digest == prompts[0].media[0].digest and s0.end < s1.start
+    _assert_spans_line_up(proc, twice)
+
+
+def test_prepare_prompt_equals_prepare_chat(proc, hf, frames):
+    a, b = random_images([(100, 80), (50, 200)], seed=9)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": a},
+                {"type": "video", "video": frames, "fps": 2.0},
+                {"type": "image", "image": b},
+                {"type": "text", "text": "Q?"},
+            ],
+        }
+    ]
+    chat = proc.prepare_chat(messages)
+    text, media = proc.render_chat(messages)
+    raw = proc.prepare_prompt(text, images=[a, b], videos=[VideoInput(frames, 2.0)])
+    assert raw.token_ids == chat.token_ids and raw.text == chat.text == text
+    assert torch.equal(raw.positions, chat.positions) and raw.rope_delta == chat.rope_delta
+    assert raw.kv_content().media == chat.kv_content().media
+    assert [(m.kind, m.index) for m in chat.media] == [("image", 0), ("video", 0), ("image", 1)]
+    assert text == hf.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "video"},
+                    {"type": "image"},
+                    {"type": "text", "text": "Q?"},
+                ],
+            }
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    _assert_spans_line_up(proc, chat)
+
+
+# ------------------------------------------------------------------------------------------ cache
+def test_preprocess_cache_hits_second_identical_media(ckpt, frames):
+    cache = PreprocessCache(64 * 1024 * 1024)
+    proc = InputProcessor(ckpt, model_id="tiny", cache=cache)
+    img = random_images([(120, 90)], seed=11)[0]
+    png = _png(img)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>Describe."
+
+    first = proc.prepare_prompt(prompt, [png])
+    assert (cache.stats().hits, cache.stats().misses) == (0, 1)
+    second = proc.prepare_prompt(prompt, [bytes(png)])
+    assert (cache.stats().hits, cache.stats().misses) == (1, 1)
+    assert second.media[0].pixel_values is first.media[0].pixel_values  # reused, not recomputed
+    assert second.media[0].digest == first.media[0].digest
+
+    pil_1 = proc.prepare_prompt(prompt, [img])  # decoded pixels: their own key, same content digest
+    pil_2 = proc.prepare_prompt(prompt, [np.asarray(img)])
+    assert (cache.stats().hits, cache.stats().misses) == (2, 2)
+    assert pil_2.media[0].pixel_values is pil_1.media[0].pixel_values
+    assert pil_1.media[0].digest == first.media[0].digest
+
+    vprompt = "<|vision_start|><|video_pad|><|vision_end|>"
+    v1 = proc.prepare_prompt(vprompt, videos=[VideoInput(frames, 2.0)])
+    v2 = proc.prepare_prompt(vprompt, videos=[VideoInput([f.copy() for f in frames], 2.0)])
+    assert (cache.stats().hits, cache.stats().misses) == (3, 3)
+    assert v2.media[0].pixel_values is v1.media[0].pixel_values
+
+    # Same pixel bytes in another shape: another image, never a cache hit.
+    flat = np.random.default_rng(12).integers(0, 256, 40 * 60 * 3, dtype=np.uint8)
+    wide = proc.prepare_prompt(prompt, [flat.reshape(40, 60, 3)])
+    tall = proc.prepare_prompt(prompt, [flat.reshape(60, 40, 3)])
+    assert (cache.stats().hits, cache.stats().misses) == (3, 5)
+    assert wide.media[0].digest != tall.media[0].digest
+    assert wide.media[0].grid_thw != tall.media[0].grid_thw
+
+    # Another model id sharing the cache: other namespace -> a miss and another digest.
+    other = InputProcessor(ckpt, model_id="tiny-other", cache=cache)
+    o = other.prepare_prompt(prompt, [png])
+    assert (cache.stats().hits, cache.stats().misses) == (3, 6)
+    assert o.media[0].digest != first.media[0].digest
+
+    # cache_bytes: a private cache of that size.
+    own = InputProcessor(ckpt, model_id="tiny", cache_bytes=8 * 1024 * 1024)
+    assert own.cache is not None and own.cache is not cache
+    own.prepare_prompt(prompt, [png])
+    own.prepare_prompt(prompt, [png])
+    assert (own.cache.stats().hits, own.cache.stats().misses) == (1, 1)
+    assert InputProcessor(ckpt, cache_bytes=0).cache is None
+    with pytest.raises(InputError, match="not both"):
+        InputProcessor(ckpt, cache=cache, cache_bytes=10)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def _user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "empty"),
+        ("hello", "list of dicts"),
+        (["hello"], "must be a dict"),
+        ([{"content": "hi"}], "role"),
+        ([{"role": "user", "content": 42}], "content must be"),
+        (_user({"type": "audio", "audio": b"x"}), "unknown part type 'audio'"),
+        (_user({"text": "no type"}), "unknown part type None"),
+        (_user({"type": "text", "text": 3}), "string 'text'"),
+        (_user({"type": "image"}), "no 'image' data"),
+        (_user({"type": "image", "image": None}), "no 'image' data"),
+        (_user({"type": "image", "image": b"x", "max_pixels": 9}), "unknown keys"),
+        (_user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}), "only data: URLs"),
+        (_user({"type": "image_url", "image_url": {"url": "/etc/passwd"}}), "only data: URLs"),
+        (_user({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}), "not valid base64"),
+        (_user({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}), "image/"),
+        (_user({"type": "image_url", "image_url": {"url": "data:image/png,rawdata"}}), "base64"),
+        (_user({"type": "image_url", "image_url": {}}), "no url"),
+        (
+            _user({"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk=", "detail": "low"}}),
+            "detail",
+        ),
+        (_user({"type": "video", "video": [np.zeros((32, 32, 3), np.uint8)] * 4}), "needs 'fps'"),
+        (_user({"type": "video", "fps": 2.0}), "no 'video' frames"),
+        (_user({"type": "video", "video": b"mp4 bytes", "fps": 2.0}), "decoded frames"),
+        (_user({"type": "video", "video": [], "fps": 2.0}), "no frames"),
+        (_user({"type": "video", "video": [np.zeros((32, 32, 3), np.uint8)] * 4, "fps": -1}), "fps"),
+        (_user({"type": "image", "image": "a/path.png"}), "must be bytes"),
+        (_user({"type": "text", "text": "sneaky <|image_pad|>"}), "must not contain the image placeholder"),
+    ],
+)
+def test_bad_messages_raise_input_error(proc, messages, match):
+    with pytest.raises(InputError, match=match):
+        proc.prepare_chat(messages)
+
+
+def test_media_errors_propagate_and_prompt_errors(proc, ckpt, tmp_path):
+    png = _png(random_images([(40, 40)], seed=1)[0])
+    with pytest.raises(MediaDecodeError):  # a prism.media error, unchanged (it is a ValueError)
+        proc.prepare_chat(_user({"type": "image", "image": b"not an image"}))
+    with pytest.raises(MediaError):
+        proc.prepare_chat(_user({"type": "image", "image": np.zeros((8, 8), np.uint8)}))
+    with pytest.raises(VideoError):  # frames of two sizes
+        proc.prepare_chat(
+            _user(
+                {
+                    "type": "video",
+                    "video": [np.zeros((32, 32, 3), np.uint8), np.zeros((64, 32, 3), np.uint8)] * 2,
+                    "fps": 2.0,
+                }
+            )
+        )
+    with pytest.raises(ImageTooLargeError):
+        small = InputProcessor(ckpt, limits=DecodeLimits(max_bytes=100))
+        small.prepare_chat(
+            _user({"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 400}})
+        )
+
+    one = "<|vision_start|><|image_pad|><|vision_end|>?"
+    with pytest.raises(InputError, match="1 image placeholders but 2 images"):
+        proc.prepare_prompt(one, [png, png])
+    with pytest.raises(InputError, match="1 image placeholders but 0 images"):
+        proc.prepare_prompt(one)
+    with pytest.raises(InputError, match="0 video placeholders but 1 videos"):
+        proc.prepare_prompt("text", videos=[{"video": [np.zeros((32, 32, 3), np.uint8)] * 4, "fps": 2.0}])
+    with pytest.raises(InputError, match="'video' and 'fps'"):
+        proc.prepare_prompt("<|video_pad|>", videos=[{"frames": []}])
+    with pytest.raises(InputError, match="no data"):
+        proc.prepare_prompt(one, [None])
+    with pytest.raises(InputError, match="empty"):
+        proc.prepare_prompt("")
+    with pytest.raises(PromptTooLongError, match="limit is 20"):
+        InputProcessor(ckpt, max_prompt_tokens=20).prepare_prompt(one, [png])
+    with pytest.raises(ChatTemplateError, match="may not set"):
+        proc.prepare_chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"messages": []})
+    with pytest.raises(InputError, match="does not exist"):
+        InputProcessor(tmp_path / "nowhere")
+
+
+def test_template_sources_and_jinja_features(proc, ckpt, tmp_path):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    expected = proc.render_chat(messages)[0]
+
+    # Template only in tokenizer_config.json.
+    d = _copy_ckpt(ckpt, tmp_path / "from_config")
+    source = (d / "chat_template.jinja").read_text()
+    (d / "chat_template.jinja").unlink()
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = source
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert InputProcessor(d).render_chat(messages)[0] == expected
+
+    # No template at all.
+    cfg.pop("chat_template")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    bare = InputProcessor(d)
+    assert bare.chat_template is None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        bare.prepare_chat(messages)
+    assert bare.prepare_prompt("plain text").token_ids == proc.encode("plain text")
+
+    # HF's template environment: raise_exception, tojson without HTML escaping, {% generation %},
+    # named special tokens, trim/lstrip blocks, loop controls, extra template kwargs.
+    custom = (
+        "{% for m in messages %}\n"
+        "  {% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}\n"
+        "  {% if loop.index > 2 %}{% break %}{% endif %}\n"
+        "{% generation %}[{{ m.role }}|{{ m.content | tojson }}]{% endgeneration %}\n"
+        "{% endfor %}{{ eos_token }}{% if flag %}!{% endif %}"
+    )
+    d2 = _copy_ckpt(ckpt, tmp_path / "custom")
+    (d2 / "chat_template.jinja").write_text(custom)
+    p2 = InputProcessor(d2)
+    text, media = p2.render_chat(
+        [
+            {"role": "user", "content": "<a & b>"},
+            {"role": "user", "content": "x"},
+            {"role": "user", "content": "y"},
+        ],
+        chat_template_kwargs={"flag": True},
+    )
+    assert text == '[user|"<a & b>"][user|"x"]<|im_end|>!' and media == []
+    with pytest.raises(ChatTemplateError, match="no tools here"):
+        p2.prepare_chat([{"role": "tool", "content": "r"}])
+
+
+def test_tokenizer_eos_and_decode(proc, ckpt):
+    tok = proc.tokenizer
+    assert proc.eos_token_ids == (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    assert list(proc.eos_token_ids) == gen["eos_token_id"]
+    ids = proc.encode("The cat is sitting on the red mat.")
+    assert proc.decode(ids) == "The cat is sitting on the red mat."
+    p = proc.prepare_chat([{"role": "user", "content": "Yes or no?"}])
+    assert proc.decode(p.token_ids, skip_special_tokens=False) == p.text
+    assert "<|im_start|>" not in proc.decode(p.token_ids)
