@@ -26,6 +26,8 @@ from .prefix import PrefixHit, PrefixIndex
 from .reclaim import CacheEntries
 from .transfers import Move, PlanConflict, Slot, TransferPlan
 
+SeqId = int | str  # the engine uses request ids
+
 
 class SequenceError(ValueError):
     """A call that does not fit the sequence's state (unknown id, wrong slice, pages swapped out...)."""
@@ -35,7 +37,7 @@ class SequenceError(ValueError):
 class SeqKV:
     """The KV side of one live sequence."""
 
-    seq_id: int
+    seq_id: SeqId
     content: SeqContent
     pages: list[Slot] = field(default_factory=list)  # logical page j -> (pool, physical page)
     num_computed: int = 0  # positions [0, num_computed) hold finished KV (or KV being copied in)
@@ -56,8 +58,16 @@ class CacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_gpu_pages: int, page_size: int, namespace: str = "", num_cpu_pages: int = 0) -> None:
+    def __init__(
+        self,
+        num_gpu_pages: int,
+        page_size: int,
+        namespace: str = "",
+        num_cpu_pages: int = 0,
+        enable_prefix_cache: bool = True,
+    ) -> None:
         self.page_size = page_size
+        self.enable_prefix_cache = enable_prefix_cache
         self.gpu = PagePool(num_gpu_pages, "gpu")
         self.cpu = PagePool(num_cpu_pages, "cpu")
         self.index = PrefixIndex(page_size)
@@ -94,9 +104,11 @@ class KVCacheManager:
     # -- lookup and admission -------------------------------------------------------------------
     def lookup(self, content: SeqContent) -> PrefixHit:
         """The reusable prefix, leaving at least the last prompt token to compute."""
+        if not self.enable_prefix_cache:
+            return PrefixHit((), (), None, 0, self.page_size)
         return self.index.lookup(content, self.root, len(content) - 1)
 
-    def admit(self, seq_id: int, content: SeqContent, reserve_tokens: int) -> SeqKV:
+    def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int) -> SeqKV:
         """Attach the cached prefix and reserve pages for up to `reserve_tokens` positions after it.
 
         Raises OutOfPages (changing nothing) when even evicting every cache entry would not make room.
@@ -133,11 +145,11 @@ class KVCacheManager:
         return seq
 
     # -- growing and computing -------------------------------------------------------------------
-    def append_tokens(self, seq_id: int, tokens: list[int]) -> None:
+    def append_tokens(self, seq_id: SeqId, tokens: list[int]) -> None:
         """Decode: the sampled tokens become part of the sequence (their KV is computed next step)."""
         self._seq(seq_id).content.tokens.extend(tokens)
 
-    def reserve(self, seq_id: int, num_tokens: int) -> None:
+    def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
         """Make positions [num_computed, num_computed + num_tokens) writable: allocate pages and
         copy-on-write any page another holder still references. All or nothing."""
         seq = self._seq(seq_id)
@@ -165,7 +177,7 @@ class KVCacheManager:
             self.gpu.decref(src)
         seq.pages.extend(("gpu", p) for p in self._allocate_gpu(new))
 
-    def publish_computed(self, seq_id: int, start: int, end: int) -> None:
+    def publish_computed(self, seq_id: SeqId, start: int, end: int) -> None:
         """A finished step computed exactly positions [start, end): publish what became complete."""
         seq = self._seq(seq_id)
         if start != seq.num_computed or not start < end <= len(seq.content):
@@ -189,12 +201,12 @@ class KVCacheManager:
         seq.num_computed = end
 
     # -- ending --------------------------------------------------------------------------------
-    def release(self, seq_id: int, keep_in_cache: bool = True) -> None:
+    def release(self, seq_id: SeqId, keep_in_cache: bool = True) -> None:
         """Finish or cancel: drop the sequence's references; optionally keep its findable pages as an entry."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             raise SequenceError(f"unknown sequence {seq_id}")
-        if keep_in_cache and seq.is_resident and seq.num_computed > 0:
+        if keep_in_cache and self.enable_prefix_cache and seq.is_resident and seq.num_computed > 0:
             full = seq.num_computed // self.page_size
             kept = [p for _, p in seq.pages[:full] if self.index.is_findable(p)]
             tail = None
@@ -216,7 +228,7 @@ class KVCacheManager:
         self.entries.clear()
 
     # -- forks and swapping ----------------------------------------------------------------------
-    def fork(self, seq_id: int, child_id: int) -> SeqKV:
+    def fork(self, seq_id: SeqId, child_id: SeqId) -> SeqKV:
         """A child sharing the computed pages of `seq_id` (copy-on-write happens in `reserve`).
 
         Pages reserved but not yet computed stay the parent's alone: the parent may already be
@@ -241,7 +253,7 @@ class KVCacheManager:
         self.seqs[child_id] = child
         return child
 
-    def swap_out(self, seq_id: int) -> int:
+    def swap_out(self, seq_id: SeqId) -> int:
         """Move the pages only this sequence holds to the CPU pool. Returns how many moved."""
         seq = self._seq(seq_id)
         self._refuse_pending_writes(seq)
@@ -258,7 +270,7 @@ class KVCacheManager:
             self._swapped_out_this_plan.add(gpu_page)
         return len(moving)
 
-    def swap_in(self, seq_id: int) -> int:
+    def swap_in(self, seq_id: SeqId) -> int:
         """Bring a swapped-out sequence's pages back to the GPU pool. Returns how many moved."""
         seq = self._seq(seq_id)
         self._refuse_pending_writes(seq)  # swapped out in this very plan: its CPU copy does not exist yet
@@ -313,7 +325,7 @@ class KVCacheManager:
                 raise AssertionError(f"sequence {seq.seq_id}: computed tokens without pages")
 
     # -- internals -------------------------------------------------------------------------------
-    def _seq(self, seq_id: int) -> SeqKV:
+    def _seq(self, seq_id: SeqId) -> SeqKV:
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise SequenceError(f"unknown sequence {seq_id}")

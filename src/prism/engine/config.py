@@ -1,0 +1,120 @@
+"""Engine configuration: one typed dataclass, loadable from JSON, unknown keys rejected.
+
+Sizing rule: the KV pool holds `num_gpu_pages` pages of `page_size` tokens (or as many as fit in
+`kv_memory_bytes`), and no request may need more than the pool: `max_model_len` defaults to, and may
+not exceed, the pool's token capacity, so the oldest request can always finish (liveness).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..kv.fp8 import KV_DTYPES, KVLayout, pages_in_budget
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or out of range."""
+
+
+Preemption = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    kv_dtype: str = "fp8"
+    num_gpu_pages: int | None = None  # None: as many pages as fit in kv_memory_bytes
+    kv_memory_bytes: int = 64 * 2**20
+    num_cpu_pages: int = 0  # the CPU swap pool (0: preemption always recomputes)
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the KV pool's capacity, capped at 32768
+    enable_chunked_prefill: bool = True
+    enable_prefix_cache: bool = True
+    preemption: Preemption = "recompute"
+    dtype: str = "auto"  # model weights/activations: auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    encoder_cache_bytes: int = 256 * 2**20
+    preprocess_cache_bytes: int = 256 * 2**20
+    model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
+    check_invariants: bool = False  # run the KV manager's full accounting check after every step (tests)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_gpu_pages", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
+            raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.preemption not in ("recompute", "swap"):
+            raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
+        if self.preemption == "swap" and self.num_cpu_pages == 0:
+            raise ConfigError("preemption='swap' needs num_cpu_pages > 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> EngineConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"an engine config must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine config keys: {unknown}; known keys: {sorted(known)}")
+        return cls(**raw)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> EngineConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path}: not valid JSON ({error})") from error
+        return cls.from_dict(raw)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return EngineConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- derived -------------------------------------------------------------------------------
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    def kv_layout(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
+        pages = self.num_gpu_pages or pages_in_budget(
+            self.kv_memory_bytes, num_layers, num_kv_heads, head_dim, self.page_size, self.kv_dtype
+        )
+        if pages < 1:
+            raise ConfigError(f"kv_memory_bytes={self.kv_memory_bytes} holds no KV page of {self.page_size} tokens")
+        return KVLayout(num_layers, num_kv_heads, head_dim, self.page_size, pages, self.kv_dtype)
+
+    def resolved_max_model_len(self, pool_tokens: int) -> int:
+        if self.max_model_len is None:
+            return min(pool_tokens, 32768)
+        if self.max_model_len > pool_tokens:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds the KV pool's {pool_tokens} tokens: one request "
+                "could never finish; raise kv_memory_bytes / num_gpu_pages or lower max_model_len"
+            )
+        return self.max_model_len

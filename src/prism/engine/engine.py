@@ -1,0 +1,233 @@
+"""The engine: add_request / step / abort over the scheduler, the KV manager and the model runner.
+
+Every step is plan -> execute -> commit: the scheduler and KV manager decide the slices and transfers,
+the runner executes them, and only then are the computed slices published to the prefix index, the
+sampled tokens appended, and events emitted. Owns *exactly one terminal event per accepted request*
+(invariant 9): finishing goes through `_finish`, which releases the request's KV and emits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..kv.manager import KVCacheManager
+from ..model.loading import load_model
+from .config import EngineConfig
+from .detokenize import TextStream
+from .inputs import InputProcessor, PreparedPrompt
+from .request import FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
+from .runner import ModelRunner
+from .sampler import make_generator, sample
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request that cannot be accepted (bad id, empty or too long prompt...)."""
+
+
+@dataclass
+class EngineStats:
+    requests_finished: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        model_id = self.config.model_id or str(self.model_dir.resolve())
+        model = load_model(self.model_dir, dtype=self.config.resolved_dtype(), device=self.config.resolved_device())
+        text = model.config.text
+        layout = self.config.kv_layout(text.num_hidden_layers, text.num_key_value_heads, text.head_dim)
+        self.max_model_len = self.config.resolved_max_model_len(layout.num_slots)
+        self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes)
+        namespace = f"{model_id}|weights={model.dtype}|kv={layout.kv_dtype}"
+        self.kv = KVCacheManager(
+            layout.num_pages,
+            layout.page_size,
+            namespace,
+            self.config.num_cpu_pages,
+            enable_prefix_cache=self.config.enable_prefix_cache,
+        )
+        self.runner = ModelRunner(model, layout, self.config.num_cpu_pages, self.config.encoder_cache_bytes)
+        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, TextStream] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._events: list[RequestOutput] = []
+        self._arrivals = 0
+        self.stats = EngineStats()
+        log.info("engine ready: %s, KV %s x %d pages of %d tokens", self.model_dir, layout.kv_dtype,
+                 layout.num_pages, layout.page_size)
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: PreparedPrompt | str | list[dict], params: SamplingParams | None = None
+    ) -> Request:
+        """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt = self.inputs.prepare_prompt(prompt)
+        elif isinstance(prompt, list):
+            prompt = self.inputs.prepare_chat(prompt)
+        n = len(prompt.token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
+        widest = max((length for m in prompt.media for _, length in m.spans), default=0)
+        if widest > self.config.max_num_batched_tokens:
+            raise RequestError(
+                f"a visual span of {widest} tokens cannot be split across steps and exceeds "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise RequestError(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens} "
+                "with chunked prefill off"
+            )
+        request = Request(request_id, prompt, params, self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = request
+        self._streams[request_id] = TextStream(
+            self.inputs.tokenizer, params, prompt.token_ids, eos_token_ids=self.inputs.eos_token_ids
+        )
+        generator = make_generator(params)  # on the CPU: the same seed gives the same tokens on any device
+        if generator is not None:
+            self._generators[request_id] = generator
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its terminal event comes out of the next `step`. Unknown or finished: no-op."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            self._finish(request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._events)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, commit. Returns the events of this step (including earlier aborts)."""
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        for request, reason in out.failed:
+            self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
+        if out.slices or not self.kv.plan.is_empty():
+            now = time.perf_counter()
+            for s in out.slices:
+                if s.request.times.first_scheduled is None:
+                    s.request.times.first_scheduled = now
+            try:
+                logits = self.runner.execute(out.slices, self.kv)
+            except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
+                log.exception("step failed")
+                for s in out.slices:
+                    self._finish(s.request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
+            else:
+                self._commit(out.slices, logits)
+        if self.config.check_invariants:
+            self.kv.check_invariants()
+        events, self._events = self._events, []
+        return events
+
+    def _commit(self, slices, logits: torch.Tensor) -> None:
+        for s in slices:
+            self.kv.publish_computed(s.request.request_id, s.start, s.end)
+        sampling = [s for s in slices if s.sample]
+        if not sampling:
+            return
+        result = sample(
+            logits,
+            [s.request.params for s in sampling],
+            [self._generators.get(s.request.request_id) for s in sampling],
+        )
+        token_ids = result.token_ids.tolist()
+        now = time.perf_counter()
+        for i, s in enumerate(sampling):
+            request = s.request
+            token = token_ids[i]
+            request.output_token_ids.append(token)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.last_token = now
+            delta, stopped_by_text = self._streams[request.request_id].push(token)
+            logprobs = self._logprobs(result, i, token) if request.params.logprobs is not None else None
+            reason = self._finish_reason(request, token, stopped_by_text)
+            if reason is None:
+                self.kv.append_tokens(request.request_id, [token])
+                self._events.append(self._event(request, [token], delta, logprobs))
+            else:
+                self._finish(request, reason, new_tokens=[token], new_text=delta, logprobs=logprobs)
+
+    def _finish_reason(self, request: Request, token: int, stopped_by_text: bool) -> FinishReason | None:
+        params = request.params
+        if stopped_by_text or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.inputs.eos_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if len(request.prompt.token_ids) + len(request.output_token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _logprobs(result, row: int, token: int) -> list[TokenLogprobs]:
+        top: list[tuple[int, float]] = []
+        if result.top_token_ids is not None:
+            top = list(zip(result.top_token_ids[row].tolist(), result.top_logprobs[row].tolist(), strict=True))
+        return [TokenLogprobs(token, float(result.logprobs[row]), top)]
+
+    # -- ending ----------------------------------------------------------------------------------
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        error: str | None = None,
+        *,
+        keep_kv: bool = True,
+        new_tokens: list[int] | None = None,
+        new_text: str = "",
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
+        if request.request_id in self.kv.seqs:
+            self.kv.release(request.request_id, keep_in_cache=keep_kv)
+        self.scheduler.remove(request)
+        request.finish(reason, error)
+        if reason is not FinishReason.ERROR and reason is not FinishReason.ABORT:
+            new_text += self._streams[request.request_id].flush()
+        self._emit_terminal(request, new_tokens or [], new_text, logprobs)
+
+    def _emit_terminal(self, request: Request, new_tokens=(), new_text: str = "", logprobs=None) -> None:
+        assert request.state is RequestState.FINISHED
+        self._events.append(self._event(request, list(new_tokens), new_text, logprobs))
+        self._streams.pop(request.request_id, None)
+        self._generators.pop(request.request_id, None)
+        del self.requests[request.request_id]
+        self.stats.requests_finished += 1
+
+    def _event(self, request: Request, new_tokens, text: str, logprobs) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            error=request.error,
+            logprobs=logprobs,
+            prompt_tokens=request.num_prompt_tokens,
+            cached_tokens=request.cached_tokens,
+            completion_tokens=len(request.output_token_ids),
+        )

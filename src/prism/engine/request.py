@@ -1,0 +1,114 @@
+"""The request state machine and the events a request emits.
+
+Owns *liveness* at the request level (invariant 9): the allowed transitions are one explicit table;
+every accepted request reaches exactly one terminal state (FINISHED), and `finish` is the only way
+there, so exactly one terminal event is produced.
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED
+    RUNNING --preempt (recompute)--> WAITING          any non-terminal --abort/error--> FINISHED
+    RUNNING --preempt (swap)--> SWAPPED --resume--> RUNNING
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # cancelled by the caller (or client disconnect)
+    ERROR = "error"  # could not be served (the message says why)
+
+
+_ALLOWED = {
+    RequestState.WAITING: {RequestState.RUNNING, RequestState.FINISHED},
+    RequestState.RUNNING: {RequestState.WAITING, RequestState.SWAPPED, RequestState.FINISHED},
+    RequestState.SWAPPED: {RequestState.RUNNING, RequestState.FINISHED},
+    RequestState.FINISHED: set(),
+}
+
+
+class RequestStateError(RuntimeError):
+    """A transition outside the table: always a bug in the scheduler."""
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One event of a request: new tokens/text, and on the last event `finish_reason`."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    """One generation request as the engine tracks it (the KV side lives in the KV manager)."""
+
+    def __init__(self, request_id: str, prompt, params, arrival_order: int) -> None:
+        self.request_id = request_id
+        self.prompt = prompt  # PreparedPrompt
+        self.params = params  # SamplingParams
+        self.arrival_order = arrival_order  # FCFS priority: lower is older
+        self.state = RequestState.WAITING
+        self.output_token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.num_preemptions = 0
+        self.times = RequestTimes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return list(self.prompt.token_ids) + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def transition(self, new: RequestState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RequestStateError(f"request {self.request_id}: {self.state.value} -> {new.value} is not allowed")
+        self.state = new
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.transition(RequestState.FINISHED)
+        self.finish_reason = reason
+        self.error = error
+        self.times.finished = time.perf_counter()

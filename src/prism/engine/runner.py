@@ -1,0 +1,152 @@
+"""Executing one scheduled step on the device: transfers, vision, decoder, logits.
+
+Owns the device state (model, KV pools, encoder cache) and the *hit == miss* property on its side
+(invariant 11): every step's attention reads K/V back through the paged (possibly FP8) cache, also for
+the tokens written in that step, so a prefix that was computed earlier (a hit) and one computed now (a
+miss) are read identically. Vision runs only for media items whose tokens are computed this step and
+whose features are not in the encoder cache; a full prefix hit runs no vision at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.fp8 import KVLayout, KVPool
+from ..kv.manager import KVCacheManager
+from ..kv.transfers import execute_plan
+from ..media.cache import CacheKey, PreprocessCache
+from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
+from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from .scheduler import ScheduledSlice
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    tokens_computed: int = 0
+    vision_items_encoded: int = 0  # media items that went through the vision encoder
+    encoder_cache_hits: int = 0  # media items whose features came from the encoder cache
+
+
+def token_positions(request, start: int, end: int) -> torch.Tensor:
+    """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's own, then text positions
+    continued with the rope delta for generated tokens."""
+    prompt = request.prompt
+    n_prompt = len(prompt.token_ids)
+    out = torch.empty(3, end - start, dtype=torch.int64)
+    split = min(max(start, n_prompt), end)
+    if split > start:
+        out[:, : split - start] = torch.as_tensor(prompt.positions)[:, start:split]
+    if end > split:
+        out[:, split - start :] = torch.arange(split, end, dtype=torch.int64) + prompt.rope_delta
+    return out
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Qwen3VLModel,
+        layout: KVLayout,
+        num_cpu_pages: int,
+        encoder_cache_bytes: int,
+    ) -> None:
+        self.model = model
+        self.device = model.device
+        self.gpu_pool = KVPool.allocate(layout, self.device)
+        self.cpu_pool = (
+            KVPool.allocate(layout.with_num_pages(num_cpu_pages), "cpu", pin_memory=self.device.type == "cuda")
+            if num_cpu_pages
+            else None
+        )
+        self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
+        self.stats = RunnerStats()
+
+    @torch.inference_mode()
+    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
+        """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices."""
+        plan = kv.take_plan()
+        try:
+            execute_plan(plan, self.gpu_pool, self.cpu_pool)
+            if not slices:
+                return torch.empty(0)
+            ids, positions, rows = [], [], []
+            offset = 0
+            for s in slices:
+                ids.extend(s.request.all_token_ids[s.start : s.end])
+                positions.append(token_positions(s.request, s.start, s.end))
+                offset += s.end - s.start
+                if s.sample:
+                    rows.append(offset - 1)
+            meta = PagedAttentionMetadata.build(
+                [s.end - s.start for s in slices],
+                [s.end for s in slices],
+                [[page for _, page in kv.seqs[s.request.request_id].pages] for s in slices],
+                kv.page_size,
+                self.device,
+            )
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.cat(positions, dim=1).to(self.device),
+                PagedKVBackend(self.gpu_pool, meta),
+                multimodal=self._media_features(slices),
+                logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            )
+            self.stats.steps += 1
+            self.stats.tokens_computed += offset
+            return logits.float()
+        finally:
+            kv.finish_plan(plan)
+
+    # -- vision ----------------------------------------------------------------------------------
+    def _media_features(self, slices: list[ScheduledSlice]) -> MultimodalEmbeddings | None:
+        """Features of every media span computed this step, placed at their rows of the packed batch."""
+        wanted = []  # (packed row of the span's first token, media item, span offset in the item, length)
+        row = 0
+        for s in slices:
+            for item in s.request.prompt.media:
+                item_offset = 0
+                for span_start, span_len in item.spans:
+                    if s.start <= span_start and span_start + span_len <= s.end:
+                        wanted.append((row + span_start - s.start, item, item_offset, span_len))
+                    item_offset += span_len
+            row += s.end - s.start
+        if not wanted:
+            return None
+        features = self._encode({id(item): item for _, item, _, _ in wanted}.values())
+        token_index, embeds, deepstack = [], [], []
+        for first_row, item, item_offset, length in wanted:
+            item_embeds, item_deepstack = features[item.digest]
+            token_index.append(torch.arange(first_row, first_row + length, dtype=torch.int64))
+            embeds.append(item_embeds[item_offset : item_offset + length])
+            deepstack.append(item_deepstack[:, item_offset : item_offset + length])
+        return MultimodalEmbeddings(
+            token_index=torch.cat(token_index).to(self.device),
+            embeds=torch.cat(embeds),
+            deepstack=torch.cat(deepstack, dim=1),
+        )
+
+    def _encode(self, items) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
+        """Vision features of each item, from the encoder cache or one batched encoder run."""
+        features: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        missing = []
+        for item in items:
+            cached = self.encoder_cache.get(CacheKey(item.digest, "vision"))
+            if cached is not None:
+                features[item.digest] = cached
+                self.stats.encoder_cache_hits += 1
+            elif item.digest not in {m.digest for m in missing}:
+                missing.append(item)
+        if missing:
+            pixels = torch.cat([m.pixel_values for m in missing]).to(self.device, self.model.dtype)
+            out = self.model.encode_media(pixels, [list(m.grid_thw) for m in missing])
+            start = 0
+            for item, count in zip(missing, out.tokens_per_item, strict=True):
+                value = (out.embeds[start : start + count], out.deepstack[:, start : start + count])
+                start += count
+                features[item.digest] = value
+                nbytes = value[0].numel() * value[0].element_size() + value[1].numel() * value[1].element_size()
+                self.encoder_cache.put(CacheKey(item.digest, "vision"), value, nbytes)
+            self.stats.vision_items_encoded += len(missing)
+        return features

@@ -1,0 +1,211 @@
+"""Continuous batching: which requests compute which token slices this step.
+
+Owns *liveness under a full pool* (invariant 9). Policy, first come first served:
+- Running requests go first, oldest first. A request that cannot get pages preempts the youngest
+  running requests not yet scheduled this step (swap to CPU or recompute), never itself and never an
+  older one; if nothing younger is left it simply waits. So the oldest request always progresses, and
+  `max_model_len <= pool capacity` (EngineConfig) means it can always finish.
+- Swapped requests come back before new ones are admitted, when they fit without preempting anyone.
+- Waiting requests are admitted through the KV manager's exact capacity check (prefix hit included),
+  up to `max_num_seqs` and the step's token budget. A chunk never cuts a visual span: its end snaps
+  down to the span start; a span larger than the whole budget is rejected with a reason.
+Nothing here touches tensors: the result is a list of slices plus the KV manager's transfer plan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv.content import SeqContent
+from ..kv.manager import KVCacheManager
+from ..kv.pages import OutOfPages
+from ..kv.transfers import PlanConflict
+from .config import EngineConfig
+from .request import Request, RequestState
+
+
+@dataclass(frozen=True)
+class ScheduledSlice:
+    """Compute positions [start, end) of `request`; `sample` when that reaches its last known token."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def sample(self) -> bool:
+        return self.end == len(self.request.prompt.token_ids) + len(self.request.output_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    slices: list[ScheduledSlice] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # can never be scheduled, and why
+    preempted: list[Request] = field(default_factory=list)
+
+
+def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
+    """The largest end <= `end` that does not cut a media span starting at or after `start`."""
+    span = content.span_containing(end)
+    return span.start if span is not None and span.start >= start else end
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request goes back to the waiting queue in arrival order."""
+        items = sorted([*self.waiting, request], key=lambda r: r.arrival_order)
+        self.waiting = deque(items)
+
+    def remove(self, request: Request) -> None:
+        """Forget a finished request (its KV references are released by the engine)."""
+        for queue in (self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        self.running.sort(key=lambda r: r.arrival_order)
+
+        for request in list(self.running):
+            if request.state is not RequestState.RUNNING or budget == 0:
+                continue
+            seq = self.kv.seqs[request.request_id]
+            end = self._chunk_end(request, seq.content, seq.num_computed, budget)
+            if end <= seq.num_computed:
+                if budget == self.config.max_num_batched_tokens:  # could never progress: fail, don't spin
+                    out.failed.append((request, self._unschedulable_reason(seq.content, seq.num_computed)))
+                continue
+            if not self._reserve_with_preemption(request, end - seq.num_computed, scheduled, out):
+                break  # nothing younger to preempt: this one and every younger one wait
+            out.slices.append(ScheduledSlice(request, seq.num_computed, end))
+            scheduled.add(request.request_id)
+            budget -= end - seq.num_computed
+
+        self._resume_swapped()
+
+        # New work waits while swapped-out requests wait to come back (they are older).
+        while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            content = self.content_of(request)
+            hit = self.kv.lookup(content)
+            end = self._chunk_end(request, content, hit.num_tokens, budget)
+            if end <= hit.num_tokens:
+                if budget == self.config.max_num_batched_tokens:
+                    self.waiting.popleft()
+                    out.failed.append((request, self._unschedulable_reason(content, hit.num_tokens)))
+                    continue
+                break
+            try:
+                seq = self.kv.admit(request.request_id, content, end - hit.num_tokens)
+            except OutOfPages:
+                break  # wait for running requests to finish or be preempted
+            self.waiting.popleft()
+            if request.times.first_scheduled is None:
+                request.cached_tokens = seq.num_cached
+            request.transition(RequestState.RUNNING)
+            self.running.append(request)
+            out.slices.append(ScheduledSlice(request, seq.num_computed, end))
+            scheduled.add(request.request_id)
+            budget -= end - seq.num_computed
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def content_of(self, request: Request) -> SeqContent:
+        prompt = request.prompt.kv_content()
+        return SeqContent(prompt.tokens + request.output_token_ids, prompt.media)
+
+    def _chunk_end(self, request: Request, content: SeqContent, start: int, budget: int) -> int:
+        remaining = len(content) - start
+        if not self.config.enable_chunked_prefill and start < request.num_prompt_tokens:
+            return start + remaining if remaining <= budget else start
+        return snap_chunk_end(content, start, start + min(remaining, budget))
+
+    def _unschedulable_reason(self, content: SeqContent, start: int) -> str:
+        span = content.span_containing(start + 1) or next((s for s in content.media if s.start >= start), None)
+        if not self.config.enable_chunked_prefill:
+            return (
+                f"the prompt needs {len(content) - start} tokens in one step but max_num_batched_tokens is "
+                f"{self.config.max_num_batched_tokens} and chunked prefill is off"
+            )
+        size = span.length if span is not None else len(content) - start
+        return (
+            f"a visual span of {size} tokens cannot be split across chunks and exceeds "
+            f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+        )
+
+    def _reserve_with_preemption(
+        self, request: Request, num_tokens: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        while True:
+            try:
+                self.kv.reserve(request.request_id, num_tokens)
+                return True
+            except OutOfPages:
+                victim = self._youngest_unscheduled(request, scheduled)
+                if victim is None:
+                    return False
+                self._preempt(victim)
+                out.preempted.append(victim)
+
+    def _youngest_unscheduled(self, request: Request, scheduled: set[str]) -> Request | None:
+        candidates = [
+            r
+            for r in self.running
+            if r.arrival_order > request.arrival_order and r.request_id not in scheduled
+        ]
+        return max(candidates, key=lambda r: r.arrival_order) if candidates else None
+
+    def _preempt(self, victim: Request) -> None:
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        self.running.remove(victim)
+        if self.config.preemption == "swap":
+            try:
+                self.kv.swap_out(victim.request_id)
+                victim.transition(RequestState.SWAPPED)
+                self.swapped.append(victim)
+                return
+            except (OutOfPages, PlanConflict):
+                pass  # no CPU room (or pages pending in this plan): recompute instead
+        self.kv.release(victim.request_id, keep_in_cache=self.config.enable_prefix_cache)
+        victim.transition(RequestState.WAITING)
+        self.requeue(victim)
+
+    def _resume_swapped(self) -> None:
+        self.swapped.sort(key=lambda r: r.arrival_order)
+        for request in list(self.swapped):
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            swapped_pages = sum(1 for pool, _ in self.kv.seqs[request.request_id].pages if pool == "cpu")
+            if swapped_pages + len(self.running) > self.kv.num_allocatable():
+                return  # leave every running request a page to grow into, or it would be swapped right back
+            try:
+                self.kv.swap_in(request.request_id)
+            except (OutOfPages, PlanConflict):
+                return
+            self.swapped.remove(request)
+            request.transition(RequestState.RUNNING)
+            self.running.append(request)
