@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from prism.engine.engine import Engine
 from prism.engine.config import EngineConfig
+from prism.engine.engine import Engine
 from prism.engine.request import FinishReason
 from prism.engine.sampling import SamplingParams
 from prism.testing.checkpoints import ensure_tiny_checkpoint
