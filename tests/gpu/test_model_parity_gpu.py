@@ -14,7 +14,6 @@ import torch
 
 from prism.model.attention import DenseCausalAttention
 from prism.model.loading import load_model
-from prism.testing.checkpoints import build_checkpoint
 from prism.testing.hf_reference import extend_positions, hf_processor, image_inputs, random_images
 
 pytestmark = [
@@ -27,21 +26,13 @@ NEAR_TIE = 0.02
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return build_checkpoint("8b", tmp_path_factory.mktemp("qwen3vl8b") / "ckpt", device="cuda", progress=True)
+def ckpt(ckpt_8b):
+    return ckpt_8b
 
 
 @pytest.fixture(scope="module")
-def hf_model(ckpt):
-    from transformers import Qwen3VLForConditionalGeneration
-
-    # No device_map: that needs `accelerate`, which the project does not depend on.
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(
-        ckpt, dtype=torch.bfloat16, attn_implementation="sdpa"
-    )
-    hf = hf.to("cuda").eval()
-    hf.generation_config.eos_token_id = None  # compare all STEPS tokens
-    return hf
+def hf_model(hf_8b):
+    return hf_8b
 
 
 @pytest.fixture(scope="module")

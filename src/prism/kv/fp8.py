@@ -288,7 +288,9 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"quantize_kv expects [..., H, D], got shape {tuple(x.shape)}")
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1)
-    scale = torch.clamp_min(amax / E4M3_MAX, SCALE_EPS)
+    # Divide by a tensor, not a Python float: CUDA turns division by a host scalar into multiplication by
+    # its reciprocal, which is not correctly rounded (1 ulp off), and kernels divide correctly rounded.
+    scale = torch.clamp_min(amax / torch.tensor(E4M3_MAX, dtype=torch.float32, device=xf.device), SCALE_EPS)
     payload = torch.clamp(xf / scale.unsqueeze(-1), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return payload, scale
 

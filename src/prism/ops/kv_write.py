@@ -126,7 +126,7 @@ if HAVE_TRITON:
     @triton.jit
     def slot_offset(row, slot, inner, stride_row, stride_slot, OFFSET_DTYPE: tl.constexpr):
         # The one address formula of the write and attention kernels (int32 OFFSET_DTYPE wraps past 2^31).
-        return row.to(OFFSET_DTYPE) * stride_row + slot.to(OFFSET_DTYPE) * stride_slot + inner.to(OFFSET_DTYPE)
+        return tl.cast(row, OFFSET_DTYPE) * stride_row + tl.cast(slot, OFFSET_DTYPE) * stride_slot + tl.cast(inner, OFFSET_DTYPE)
 
     @triton.jit
     def e4m3_bits(y):

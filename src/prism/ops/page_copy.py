@@ -188,7 +188,7 @@ if HAVE_TRITON:
     @triton.jit
     def _pool_offset(row, page, elem, stride_row, stride_page, OFFSET_DTYPE: tl.constexpr):
         # The one address formula of every page kernel. With OFFSET_DTYPE = int32 the products wrap past 2^31.
-        return row.to(OFFSET_DTYPE) * stride_row + page.to(OFFSET_DTYPE) * stride_page + elem.to(OFFSET_DTYPE)
+        return tl.cast(row, OFFSET_DTYPE) * stride_row + tl.cast(page, OFFSET_DTYPE) * stride_page + tl.cast(elem, OFFSET_DTYPE)
 
     @triton.jit
     def _copy_row_span(src_ptr, dst_ptr, row, src_page, dst_page, n_elems,

@@ -1,0 +1,27 @@
+"""Session fixtures of the GPU tests: one random-weight Qwen3-VL-8B checkpoint (built on the GPU once,
+~17 GB on disk) and HF's model of it, shared by every GPU test module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism.testing.checkpoints import build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ckpt_8b(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return build_checkpoint("8b", tmp_path_factory.mktemp("qwen3vl8b") / "ckpt", device="cuda", progress=True)
+
+
+@pytest.fixture(scope="session")
+def hf_8b(ckpt_8b):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    # No device_map: that needs `accelerate`, which the project does not depend on.
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(ckpt_8b, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to("cuda").eval()
+    hf.generation_config.eos_token_id = None  # compare every step
+    return hf
