@@ -1,0 +1,121 @@
+"""Engine pieces without a model: config loading, the request state machine, chunk snapping; and the
+engine's request-level errors and abort semantics on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import prism
+from prism.engine.config import ConfigError, EngineConfig
+from prism.engine.engine import RequestError
+from prism.engine.request import FinishReason, Request, RequestState, RequestStateError
+from prism.engine.sampling import SamplingParams
+from prism.engine.scheduler import snap_chunk_end
+from prism.kv.content import MediaSpan, SeqContent
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    assert isinstance(EngineConfig.from_json(path), EngineConfig)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"page_sise": 16}, "unknown engine config keys: \\['page_sise'\\]"),
+        ({"page_size": 0}, "page_size must be a positive integer"),
+        ({"kv_dtype": "int4"}, "kv_dtype must be one of"),
+        ({"preemption": "swap"}, "needs num_cpu_pages"),
+        ({"max_num_seqs": True}, "max_num_seqs must be a positive integer"),
+        ({"dtype": "float64"}, "dtype must be"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
+def test_bad_configs_are_refused_with_a_reason(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_dict(raw)
+
+
+def test_config_from_bad_json(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        EngineConfig.from_json(path)
+    path.write_text(json.dumps({"page_size": 8}))
+    assert EngineConfig.from_json(path).page_size == 8
+
+
+def test_max_model_len_cannot_exceed_the_pool():
+    config = EngineConfig(max_model_len=1000)
+    with pytest.raises(ConfigError, match="could never finish"):
+        config.resolved_max_model_len(pool_tokens=999)
+    assert EngineConfig().resolved_max_model_len(pool_tokens=500) == 500
+
+
+def test_request_state_machine_allows_only_its_table():
+    request = Request("r", prompt=None, params=SamplingParams(), arrival_order=0)
+    with pytest.raises(RequestStateError):
+        request.transition(RequestState.SWAPPED)  # waiting requests hold no pages to swap
+    request.transition(RequestState.RUNNING)
+    request.transition(RequestState.SWAPPED)
+    request.transition(RequestState.RUNNING)
+    request.finish(FinishReason.STOP)
+    with pytest.raises(RequestStateError):
+        request.finish(FinishReason.ABORT)  # exactly one terminal state
+
+
+def test_chunk_end_never_cuts_a_visual_span():
+    content = SeqContent([1] * 20, (MediaSpan(4, 10, b"\x01" * 16),))
+    assert snap_chunk_end(content, 0, 8) == 4
+    assert snap_chunk_end(content, 0, 14) == 14
+    assert snap_chunk_end(content, 4, 20) == 20
+    assert snap_chunk_end(content, 0, 3) == 3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return prism.Engine(ensure_tiny_checkpoint(), EngineConfig(page_size=4, num_gpu_pages=64, max_num_batched_tokens=80))
+
+
+def test_add_request_errors(engine):
+    engine.add_request("dup", "hello", SamplingParams(max_tokens=1))
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request("dup", "hello")
+    with pytest.raises(RequestError, match="max_model_len"):
+        engine.add_request("long", "word " * 400)
+    from prism.testing.hf_reference import random_images
+
+    (big,) = random_images([(320, 320)])
+    with pytest.raises(RequestError, match="visual span of 100 tokens"):
+        engine.add_request("wide", [{"role": "user", "content": [{"type": "image", "image": big}]}])
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_abort_gives_exactly_one_terminal_event_and_frees_pages(engine):
+    engine.add_request("a", "tell me something long", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", "and something else", SamplingParams(max_tokens=3, ignore_eos=True))
+    events = engine.step() + engine.step()
+    engine.abort("a")
+    engine.abort("a")  # a second abort is a no-op
+    engine.abort("never-existed")
+    while engine.has_unfinished_requests():
+        events += engine.step()
+    terminal = [e for e in events if e.finished]
+    assert sorted(e.request_id for e in terminal) == ["a", "b"]
+    assert next(e for e in terminal if e.request_id == "a").finish_reason is FinishReason.ABORT
+    assert not engine.kv.seqs
+    engine.kv.clear_cache()
+    assert engine.kv.gpu.num_free == engine.kv.gpu.num_pages
+
+
+def test_lazy_top_level_exports():
+    assert prism.LLM.__name__ == "LLM" and prism.SamplingParams.__name__ == "SamplingParams"
+    with pytest.raises(AttributeError):
+        prism.NotAThing  # noqa: B018
