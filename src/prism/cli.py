@@ -1,0 +1,45 @@
+"""`prism serve`: run the OpenAI-compatible server with flags instead of environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="prism")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--model", help="HF Qwen3-VL directory (default: the embedded tiny random checkpoint)")
+    serve.add_argument("--config", help="engine config JSON (see configs/)")
+    serve.add_argument("--served-model-name", help="the model name clients must send")
+    serve.add_argument("--media-root", help="allow local image files under this directory")
+    serve.add_argument("--allow-remote-media", action="store_true", help="allow http(s) image URLs")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from .serving.app import create_app
+    from .serving.settings import ServerSettings
+
+    env = dict(os.environ)
+    for flag, variable in (
+        (args.model, "PRISM_MODEL"),
+        (args.config, "PRISM_CONFIG"),
+        (args.served_model_name, "PRISM_SERVED_MODEL_NAME"),
+        (args.media_root, "PRISM_MEDIA_ROOT"),
+    ):
+        if flag:
+            env[variable] = flag
+    if args.allow_remote_media:
+        env["PRISM_ALLOW_REMOTE_MEDIA"] = "1"
+    logging.basicConfig(level=args.log_level.upper())
+    uvicorn.run(create_app(ServerSettings.from_env(env)), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The FastAPI application: OpenAI-compatible chat completions over the async engine.
+
+Owns *hostile input -> 4xx, nothing lost*: every request body is size-checked, parsed and validated
+before anything is allocated; media are resolved and preprocessed in the worker pool with their own
+limits; refusals carry an OpenAI-style error body; a client that disconnects mid-stream aborts its
+engine requests (their pages are released); shutdown aborts whatever is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..engine.config import EngineConfig
+from ..engine.engine import Engine
+from ..engine.request import RequestOutput
+from ..engine.sampling import SamplingParams
+from ..media.errors import ImageTooLargeError
+from .async_engine import AsyncEngine, Overloaded, ShuttingDown
+from .media_urls import MediaResolver
+from .metrics import ServingMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    ModelCard,
+    ModelList,
+    RequestFailedError,
+    describe_validation_errors,
+    error_body,
+    error_from_exception,
+    parse_chat_request,
+)
+from .settings import ServerSettings
+from .stream import ChatCompletionStream, build_response, byte_level_token_bytes, new_completion_id
+
+log = logging.getLogger("prism.server")
+
+
+class ServerState:
+    """What the endpoints share: settings, the engine behind its owner thread, metrics, media resolver."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.async_engine = AsyncEngine(
+            engine, max_in_flight=settings.max_waiting_requests, preprocess_workers=settings.preprocess_workers
+        )
+        self.metrics = ServingMetrics(engine)
+        self.resolver = MediaResolver(settings)
+        self.token_bytes = byte_level_token_bytes(engine.inputs.tokenizer)
+        self.created = int(time.time())
+
+
+def build_engine(settings: ServerSettings) -> Engine:
+    config = EngineConfig.from_json(settings.engine_config_path) if settings.engine_config_path else EngineConfig()
+    if settings.model_dir is None:
+        from ..testing.checkpoints import ensure_tiny_checkpoint
+
+        model_dir = ensure_tiny_checkpoint()
+        log.warning("PRISM_MODEL is not set: serving the embedded tiny random-weight checkpoint at %s "
+                    "(its answers are noise; set PRISM_MODEL to a Qwen3-VL directory)", model_dir)
+    else:
+        model_dir = Path(settings.model_dir)
+    return Engine(model_dir, config)
+
+
+def create_app(settings: ServerSettings | None = None, engine: Engine | None = None) -> FastAPI:
+    """The app; the engine is built at startup (from `settings`) unless one is given."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        resolved = settings or ServerSettings.from_env()
+        state = ServerState(resolved, engine or await asyncio.to_thread(build_engine, resolved))
+        state.async_engine.start()
+        app.state.prism = state
+        log.info("serving %s", resolved.served_model_name)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.async_engine.shutdown)
+
+    app = FastAPI(title="Prism", version="0.1.0", lifespan=lifespan)
+    _document_chat_body(app)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(exc.errors())
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return PlainTextResponse("ok")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(request: Request) -> ModelList:
+        state: ServerState = request.app.state.prism
+        card = ModelCard(id=state.settings.served_model_name, created=state.created,
+                         max_model_len=state.engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: ServerState = request.app.state.prism
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        state: ServerState = request.app.state.prism
+        arrival = time.perf_counter()
+        try:
+            chat = await _parse(request, state)
+            params = chat.to_sampling_params(default_max_tokens=state.engine.max_model_len)
+            messages = await state.async_engine.run_in_media_pool(state.resolver.resolve_messages, chat.messages)
+            prompt = await state.async_engine.run_in_media_pool(state.engine.inputs.prepare_chat, messages)
+        except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
+            return _error_response(state, error)
+        completion_id = new_completion_id()
+        choices = [_choice_params(params, i) for i in range(chat.num_choices)]
+        streams = []
+        try:
+            for i, choice_params in enumerate(choices):
+                streams.append(
+                    await _start(state, f"{completion_id}-{i}", prompt, choice_params, state.metrics.tracker(arrival))
+                )
+        except Exception as error:  # noqa: BLE001
+            for stream in streams:
+                await stream.aclose()
+            return _error_response(state, error)
+        if chat.stream:
+            return StreamingResponse(
+                _sse(state, chat, completion_id, streams), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _collect(state, chat, completion_id, streams)
+
+    return app
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _document_chat_body(app: FastAPI) -> None:
+    """The chat endpoint reads its raw body (to size-check it first), so FastAPI cannot infer its schema:
+    publish ChatCompletionRequest's JSON schema as the request body in /openapi.json."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            components.update(body.pop("$defs", {}))
+            components["ChatCompletionRequest"] = body
+            spec["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+            }
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+
+async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
+    limit = state.settings.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _TooLarge(f"the request body has {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise _TooLarge(f"the request body exceeds {limit} bytes")
+    chat = parse_chat_request(bytes(body))
+    if chat.model != state.settings.served_model_name:
+        raise _NotFound(f"the model {chat.model!r} does not exist; this server serves {state.settings.served_model_name!r}")
+    return chat
+
+
+class _TooLarge(ValueError):
+    status = 413
+    param = None
+
+
+class _NotFound(ValueError):
+    status = 404
+    param = "model"
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n: its own engine request; a seeded request gets seed + i so choices differ."""
+    seed = None if params.seed is None else (params.seed + index) % (2**64)
+    return params.with_(n=1, seed=seed)
+
+
+async def _start(state: ServerState, request_id: str, prompt, params: SamplingParams, tracker) -> AsyncIterator:
+    """Submit one engine request; returns its event iterator once the engine accepted it."""
+    events = state.async_engine.generate(request_id, prompt, params, observe=tracker)
+    first = await events.__anext__()  # raises if refused; the first event is kept for the consumer
+
+    async def chained() -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            if not first.finished:
+                async for event in events:
+                    yield event
+        finally:
+            await events.aclose()
+
+    return chained()
+
+
+async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Events of all choices as they come, tagged with their index."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        async for event in stream:
+            await queue.put((index, event))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            index, event = await queue.get()
+            done += event.finished
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _sse(state: ServerState, chat: ChatCompletionRequest, completion_id: str, streams: list):
+    out = ChatCompletionStream(
+        chat.model, n=len(streams), include_usage=chat.include_usage,
+        token_bytes=state.token_bytes if chat.logprobs else None, completion_id=completion_id,
+        created=int(time.time()),
+    )
+    merged = _merge(streams)
+    try:
+        yield out.start()
+        async for index, event in merged:
+            try:
+                data = out.on_output(index, event)
+            except RequestFailedError as error:
+                yield ChatCompletionStream.error(error.status, str(error))
+                return
+            if data:
+                yield data
+        yield out.finish()
+    finally:
+        await merged.aclose()  # a disconnected client lands here: its requests are aborted
+
+
+async def _collect(state: ServerState, chat: ChatCompletionRequest, completion_id: str, streams: list) -> Response:
+    events: list[list[RequestOutput]] = [[] for _ in streams]
+    async for index, event in _merge(streams):
+        events[index].append(event)
+    try:
+        response = build_response(
+            completion_id, int(time.time()), chat.model, events, state.token_bytes if chat.logprobs else None
+        )
+    except RequestFailedError as error:
+        return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
+    return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+
+
+def _error_response(state: ServerState, error: Exception) -> JSONResponse:
+    if isinstance(error, Overloaded):
+        status, body = 429, error_body(429, str(error))
+    elif isinstance(error, ShuttingDown):
+        status, body = 503, error_body(503, str(error))
+    elif isinstance(error, ImageTooLargeError):  # includes decompression bombs
+        status, body = 413, error_body(413, str(error))
+    else:
+        status, body = error_from_exception(error)
+        if status >= 500:
+            log.exception("request failed", exc_info=error)
+    state.metrics.rejected.labels(status=str(status)).inc()
+    return JSONResponse(body, status_code=status)
+

@@ -1,0 +1,196 @@
+"""The engine behind the event loop: one owner thread steps the engine; coroutines talk to it by queue.
+
+Owns the serving side of *liveness* (invariant 9): every submitted request's event stream ends with
+exactly one terminal event, whatever happens: a client that goes away aborts its request (its pages are
+released by the engine), a failing step fails only its requests, and shutdown aborts what is left.
+Media decoding and preprocessing run in a worker pool, never on the event loop or the engine thread,
+so running streams keep decoding while a cold image request is being prepared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.engine import Engine
+from ..engine.request import FinishReason, RequestOutput
+from ..engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight: the client should retry later (HTTP 429)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping and accepts no new requests (HTTP 503)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    accepted: asyncio.Future
+    stream: _Stream
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, max_in_flight: int = 256, preprocess_workers: int = 4) -> None:
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prism-engine", daemon=True)
+        self._media_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="prism-media")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting, abort every request in flight (each gets its terminal event), stop the thread."""
+        self._stopping = True
+        self._commands.put(("stop",))
+        self._wakeup.set()
+        self._stopped.wait(timeout)
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- the API for coroutines ------------------------------------------------------------------
+    async def run_in_media_pool(self, fn: Callable, *args: Any) -> Any:
+        """Run blocking media work (URL fetch, decode, preprocessing) off the loop and the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._media_pool, fn, *args)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        observe: Callable[[RequestOutput, float], None] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a prepared prompt; yield its events up to and including the terminal one.
+        `observe(event, now)` sees each event first (latency metrics).
+
+        Raises (before yielding) RequestError / SamplingParamsError for a request the engine refuses,
+        Overloaded when too many are in flight, ShuttingDown while stopping. If the consumer stops
+        early (client disconnect), the request is aborted.
+        """
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down")
+        if len(self._streams) >= self.max_in_flight:
+            raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.max_in_flight}); retry later")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        accepted = loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, accepted, stream))
+        self._wakeup.set()
+        await accepted  # raises what add_request raised
+        finished = False
+        try:
+            while True:
+                event: RequestOutput = await stream.queue.get()
+                if observe is not None:
+                    observe(event, time.perf_counter())
+                finished = event.finished
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    # -- the owner thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._drain_commands():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+            for request_id in list(self._streams):
+                self.engine.abort(request_id)
+            while self.engine.has_unfinished_requests():
+                self._step()
+        finally:
+            self._stopped.set()
+
+    def _drain_commands(self) -> bool:
+        """Apply queued adds and aborts; True once a stop was requested."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif command[0] == "abort":
+                self.engine.abort(command[1])
+            elif command[0] == "stop":
+                return True
+
+    def _add(self, command: _Add) -> None:
+        loop = command.stream.loop
+        if self._stopping:
+            loop.call_soon_threadsafe(_settle, command.accepted, ShuttingDown("the server is shutting down"))
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as error:  # refused: the coroutine re-raises it as an HTTP error
+            loop.call_soon_threadsafe(_settle, command.accepted, error)
+            return
+        self._streams[command.request_id] = command.stream
+        loop.call_soon_threadsafe(_settle, command.accepted, None)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as error:  # a bug above the runner: fail every request rather than hang them
+            log.exception("engine step failed; failing every request in flight")
+            events = []
+            for request_id in list(self._streams):
+                self.engine.abort(request_id)
+                events.append(RequestOutput(request_id, [], "", True, FinishReason.ERROR, f"engine failure: {error}"))
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            if event.finished:
+                del self._streams[event.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,365 @@
+"""Media URLs of a chat request -> the messages `InputProcessor.prepare_chat` takes (image bytes, video frames).
+
+Owns where media may come from and how much of it a request may bring, so that hostile URLs become 4xx
+answers before memory or time is spent:
+- `data:image/*;base64,...`: size checked from the encoded length before decoding; strict base64.
+- `file://` URLs and absolute paths: only with `media_root` set, and only when the real path (symlinks and
+  `..` resolved) lies inside it; outside the root is refused without telling whether the file exists.
+  FIFOs, devices and directories are refused (opened non-blocking, checked with fstat).
+- `http(s)://`: only with `allow_remote_media`; streamed with a byte cap, an overall deadline and a
+  bounded number of redirects. Any host is reachable, private addresses included: switch it on only where
+  the server's network neighbours are trusted.
+- counts: at most `max_media_per_request` items (images + videos), `max_video_frames` frames per video, and
+  `max_request_bytes` of media bytes in all (whatever their source).
+
+Status codes (`MediaURLError.status`): 403 for a source this server refuses (local file outside or without
+`media_root`, remote media switched off, unreadable file), 413 for too many bytes or pixels, 400 for the rest
+(malformed URL or base64, missing file, remote error or timeout, too many items, undecodable frame).
+
+`video_url` (an encoded video file) is refused with 400: no video decoder is installed; send decoded
+frames as `{"type": "video", "video": {"frames": [...], "fps": ...}}`. Those frames are decoded here
+(`prepare_chat` takes decoded frames), under a per-request pixel budget checked from each image header.
+The resolver is synchronous and holds no per-request state: run it on worker threads.
+"""
+
+from __future__ import annotations
+
+import binascii
+import os
+import stat
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+from PIL import Image
+
+from ..media.errors import DecompressionBombError, MediaError
+from ..media.image import DEFAULT_LIMITS, DecodeLimits, decode_image
+from .protocol import (
+    ChatMessage,
+    ImageURLPart,
+    SystemMessage,
+    TextPart,
+    VideoPart,
+    VideoURLPart,
+)
+from .settings import ServerSettings
+
+
+class MediaURLError(ValueError):
+    """A media URL of a request cannot be served; `status` is the HTTP status, `param` the field."""
+
+    status = 400
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.message = message
+        self.param = param
+
+
+class InvalidMediaURL(MediaURLError):
+    """Malformed URL, unsupported scheme, non-image data URL, bad base64, not a regular file."""
+
+
+class MediaNotFound(MediaURLError):
+    """A local file (inside media_root) does not exist."""
+
+
+class ForbiddenMedia(MediaURLError):
+    """The source is not allowed here: local files outside / without media_root, remote media switched off."""
+
+    status = 403
+
+
+class MediaTooLarge(MediaURLError):
+    """An item exceeds max_media_bytes, the request's media exceed max_request_bytes, or frames the pixel budget."""
+
+    status = 413
+
+
+class TooManyMedia(MediaURLError):
+    """More than max_media_per_request items, or more than max_video_frames frames in one video."""
+
+
+class UnsupportedMedia(MediaURLError):
+    """A media kind this server cannot take (video_url: no video decoder)."""
+
+
+class MediaFetchError(MediaURLError):
+    """A remote fetch failed: HTTP error status, connection error, too many redirects."""
+
+
+class MediaFetchTimeout(MediaFetchError):
+    """A remote fetch did not finish within remote_media_timeout_s."""
+
+
+class InvalidMediaData(MediaURLError):
+    """A video frame's bytes are not a decodable image."""
+
+
+def _shown(url: str) -> str:
+    return repr(url if len(url) <= 60 else url[:57] + "...")
+
+
+class _Budget:
+    """Media bytes and decoded video pixels left to one request."""
+
+    def __init__(self, max_bytes: int, max_pixels: int) -> None:
+        self.bytes_left = max_bytes
+        self.pixels_left = max_pixels
+
+    def take_bytes(self, n: int, param: str | None) -> None:
+        if n > self.bytes_left:
+            raise MediaTooLarge("the media of this request exceed max_request_bytes in total", param=param)
+        self.bytes_left -= n
+
+
+class _Fetcher:
+    """One httpx client per resolve call, opened on the first remote URL."""
+
+    def __init__(self, settings: ServerSettings, transport: httpx.BaseTransport | None) -> None:
+        self._settings = settings
+        self._transport = transport
+        self._client: httpx.Client | None = None
+
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            s = self._settings
+            self._client = httpx.Client(
+                transport=self._transport,
+                timeout=httpx.Timeout(s.remote_media_timeout_s),
+                follow_redirects=s.remote_media_max_redirects > 0,
+                max_redirects=s.remote_media_max_redirects,
+                trust_env=False,  # no proxies / netrc from the server's environment
+            )
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+class MediaResolver:
+    """Resolves the media URLs of validated chat messages under `settings`' limits.
+
+    `transport` (an `httpx.BaseTransport`, e.g. `httpx.MockTransport`) replaces the network for remote URLs.
+    """
+
+    def __init__(self, settings: ServerSettings, *, transport: httpx.BaseTransport | None = None) -> None:
+        self.settings = settings
+        self._transport = transport
+
+    # ---------------------------------------------------------------------------------- messages
+    def resolve_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+        """Protocol messages -> `prepare_chat` messages: text kept, images as encoded bytes
+        (`{"type": "image", "image": bytes}`), videos as decoded frames
+        (`{"type": "video", "video": [PIL.Image, ...], "fps": fps}`); "developer" becomes "system"."""
+        self._check_counts(messages)
+        s = self.settings
+        budget = _Budget(s.max_request_bytes, s.max_video_pixels)
+        fetcher = _Fetcher(s, self._transport)
+        try:
+            out = []
+            for i, message in enumerate(messages):
+                role = "system" if isinstance(message, SystemMessage) else message.role
+                content = message.content
+                if isinstance(content, list):
+                    content = [
+                        self._resolve_part(part, f"messages[{i}].content[{j}]", budget, fetcher)
+                        for j, part in enumerate(content)
+                    ]
+                out.append({"role": role, "content": content})
+            return out
+        finally:
+            fetcher.close()
+
+    def resolve_url(self, url: str, *, param: str | None = None) -> bytes:
+        """The bytes behind one media URL (data:, file://, absolute path, http(s)://) under the limits."""
+        s = self.settings
+        fetcher = _Fetcher(s, self._transport)
+        try:
+            return self._fetch(url, param, _Budget(s.max_request_bytes, s.max_video_pixels), fetcher)
+        finally:
+            fetcher.close()
+
+    def _check_counts(self, messages: Sequence[ChatMessage]) -> None:
+        items = 0
+        for i, message in enumerate(messages):
+            if not isinstance(message.content, list):
+                continue
+            for j, part in enumerate(message.content):
+                where = f"messages[{i}].content[{j}]"
+                if isinstance(part, VideoURLPart):
+                    raise UnsupportedMedia(
+                        "video_url is not supported (no video decoder on this server); send decoded frames as "
+                        '{"type": "video", "video": {"frames": [image URLs], "fps": ...}}',
+                        param=where,
+                    )
+                if isinstance(part, VideoPart) and len(part.video.frames) > self.settings.max_video_frames:
+                    raise TooManyMedia(
+                        f"a video may have at most {self.settings.max_video_frames} frames, "
+                        f"got {len(part.video.frames)}",
+                        param=f"{where}.video.frames",
+                    )
+                items += not isinstance(part, TextPart)
+        if items > self.settings.max_media_per_request:
+            raise TooManyMedia(
+                f"a request may carry at most {self.settings.max_media_per_request} images and videos, got {items}",
+                param="messages",
+            )
+
+    def _resolve_part(self, part: Any, where: str, budget: _Budget, fetcher: _Fetcher) -> dict[str, Any]:
+        if isinstance(part, TextPart):
+            return {"type": "text", "text": part.text}
+        if isinstance(part, ImageURLPart):
+            param = f"{where}.image_url.url"
+            return {"type": "image", "image": self._fetch(part.image_url.url, param, budget, fetcher)}
+        if isinstance(part, VideoPart):
+            frames = []
+            for k, url in enumerate(part.video.frames):
+                param = f"{where}.video.frames[{k}]"
+                frames.append(self._decode_frame(self._fetch(url, param, budget, fetcher), param, budget))
+            return {"type": "video", "video": frames, "fps": part.video.fps}
+        raise TypeError(f"{where}: not a validated content part: {type(part).__name__}")
+
+    def _decode_frame(self, data: bytes, param: str, budget: _Budget) -> Image.Image:
+        limit = min(budget.pixels_left, DEFAULT_LIMITS.max_pixels)
+        try:
+            frame = decode_image(
+                data, DecodeLimits(max_pixels=limit, max_bytes=self.settings.max_media_bytes)
+            )
+        except DecompressionBombError as exc:
+            raise MediaTooLarge(
+                f"the decoded video frames of this request exceed max_video_pixels={self.settings.max_video_pixels} "
+                f"({exc})",
+                param=param,
+            ) from exc
+        except MediaError as exc:
+            raise InvalidMediaData(f"video frame is not a decodable image: {exc}", param=param) from exc
+        budget.pixels_left -= frame.width * frame.height
+        return frame
+
+    # ---------------------------------------------------------------------------------- sources
+    def _fetch(self, url: str, param: str | None, budget: _Budget, fetcher: _Fetcher) -> bytes:
+        head = url[:8].lower()
+        if head.startswith("data:"):
+            return self._data_url(url, param, budget)
+        if head.startswith(("http://", "https://")):
+            return self._remote(url, param, budget, fetcher)
+        if head.startswith("file:") or url.startswith("/"):
+            return self._local(url, param, budget)
+        raise InvalidMediaURL(
+            f"unsupported media URL {_shown(url)}: expected data:, file://, an absolute path, http:// or https://",
+            param=param,
+        )
+
+    def _data_url(self, url: str, param: str | None, budget: _Budget) -> bytes:
+        comma = url.find(",")
+        if comma < 0:
+            raise InvalidMediaURL("data URL has no ',' before its payload", param=param)
+        mime, *options = (p.strip().lower() for p in url[5:comma].split(";"))
+        if not mime.startswith("image/"):
+            raise InvalidMediaURL(f"data URL media type must be image/*, got {mime or 'none'!r}", param=param)
+        if "base64" not in options:
+            raise InvalidMediaURL("data URLs must be base64-encoded (';base64,')", param=param)
+        payload = "".join(url[comma + 1 :].split())  # line breaks (MIME-style base64) are not data
+        padding = len(payload) - len(payload.rstrip("="))
+        size = len(payload) // 4 * 3 - min(padding, 2)
+        limit = self.settings.max_media_bytes
+        if size > limit:  # refused before decoding anything
+            raise MediaTooLarge(f"data URL holds {size} bytes; the limit is {limit}", param=param)
+        if size <= 0:
+            raise InvalidMediaURL("data URL payload is empty", param=param)
+        budget.take_bytes(size, param)
+        try:
+            return binascii.a2b_base64(payload.encode("ascii"), strict_mode=True)
+        except (binascii.Error, UnicodeEncodeError) as exc:
+            raise InvalidMediaURL(f"data URL payload is not valid base64: {exc}", param=param) from None
+
+    def _local(self, url: str, param: str | None, budget: _Budget) -> bytes:
+        root = self.settings.media_root
+        if url[:5].lower() == "file:":
+            parts = urlsplit(url)
+            if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+                raise InvalidMediaURL(f"file URL {_shown(url)} must be file:///absolute/path", param=param)
+            path = unquote(parts.path)
+        else:
+            path = url
+        if root is None:
+            raise ForbiddenMedia("local media files are disabled on this server (no media root)", param=param)
+        if "\x00" in path or not os.path.isabs(path):
+            raise InvalidMediaURL(f"local media path {_shown(path)} must be absolute", param=param)
+        real = os.path.realpath(path)  # symlinks and '..' resolved: containment is checked on the real path
+        if os.path.commonpath([real, str(root)]) != str(root):
+            raise ForbiddenMedia(f"{_shown(path)} is outside the media root", param=param)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(real, flags)
+        except FileNotFoundError:
+            raise MediaNotFound(f"no such file: {_shown(path)}", param=param) from None
+        except OSError as exc:  # permissions, or a symlink swapped in after the check (ELOOP)
+            raise ForbiddenMedia(f"cannot open {_shown(path)}: {exc.strerror}", param=param) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidMediaURL(f"{_shown(path)} is not a regular file", param=param)
+            limit = self.settings.max_media_bytes
+            if info.st_size > limit:
+                raise MediaTooLarge(f"file is {info.st_size} bytes; the limit is {limit}", param=param)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(limit + 1)  # the file may have grown since fstat
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise MediaTooLarge(f"file is more than {limit} bytes", param=param)
+        if not data:
+            raise InvalidMediaURL(f"{_shown(path)} is empty", param=param)
+        budget.take_bytes(len(data), param)
+        return data
+
+    def _remote(self, url: str, param: str | None, budget: _Budget, fetcher: _Fetcher) -> bytes:
+        s = self.settings
+        if not s.allow_remote_media:
+            raise ForbiddenMedia(
+                "remote media URLs are disabled on this server (PRISM_ALLOW_REMOTE_MEDIA=1 enables them)",
+                param=param,
+            )
+        limit = s.max_media_bytes
+        deadline = time.monotonic() + s.remote_media_timeout_s
+        timeout_msg = f"fetching {_shown(url)} took longer than {s.remote_media_timeout_s:g} s"
+        try:
+            with fetcher.client().stream("GET", url) as resp:
+                if resp.status_code != 200:
+                    raise MediaFetchError(
+                        f"fetching {_shown(url)} returned HTTP {resp.status_code}", param=param
+                    )
+                declared = resp.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise MediaTooLarge(
+                        f"remote media is {declared} bytes; the limit is {limit}", param=param
+                    )
+                data = bytearray()
+                for chunk in resp.iter_bytes():  # decoded bytes: a compressed bomb hits the cap too
+                    data += chunk
+                    if len(data) > limit:
+                        raise MediaTooLarge(f"remote media is more than {limit} bytes", param=param)
+                    if time.monotonic() > deadline:  # a slow drip within each read timeout
+                        raise MediaFetchTimeout(timeout_msg, param=param)
+        except httpx.TimeoutException:
+            raise MediaFetchTimeout(timeout_msg, param=param) from None
+        except httpx.TooManyRedirects:
+            raise MediaFetchError(
+                f"fetching {_shown(url)} took more than {s.remote_media_max_redirects} redirects", param=param
+            ) from None
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+            raise InvalidMediaURL(f"bad remote URL {_shown(url)}: {exc}", param=param) from None
+        except httpx.HTTPError as exc:
+            raise MediaFetchError(
+                f"fetching {_shown(url)} failed: {type(exc).__name__}: {exc}", param=param
+            ) from None
+        if not data:
+            raise MediaFetchError(f"{_shown(url)} returned no data", param=param)
+        budget.take_bytes(len(data), param)
+        return bytes(data)

@@ -1,0 +1,101 @@
+"""Prometheus metrics, named as vLLM names them (prefix `prism:`), on a registry per app.
+
+Latency histograms are observed from each request's event stream (on the event loop); cache and
+pool figures are read from the engine's own counters at scrape time, so they cost nothing per step.
+Prefix-cache queries and hits count tokens; media-cache queries and hits count images.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine.engine import Engine
+from ..engine.request import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineCollector:
+    """Reads the engine's counters when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        kv = e.kv
+        yield _counter("prism:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.stats.queries_tokens)
+        yield _counter("prism:prefix_cache_hits", "Prompt tokens served from the prefix cache.", kv.stats.hit_tokens)
+        media = e.inputs.cache.stats() if e.inputs.cache is not None else None
+        if media is not None:
+            yield _counter("prism:mm_cache_queries", "Media items looked up in the preprocessing cache.",
+                           media.hits + media.misses)
+            yield _counter("prism:mm_cache_hits", "Media items served from the preprocessing cache.", media.hits)
+        runner = e.runner.stats
+        yield _counter("prism:vision_encoder_items", "Media items run through the vision encoder.", runner.vision_items_encoded)
+        yield _counter("prism:encoder_cache_hits", "Media items whose vision features came from the encoder cache.",
+                       runner.encoder_cache_hits)
+        yield _counter("prism:num_preemptions", "Requests preempted (swapped out or recomputed).", e.stats.preemptions)
+        yield _gauge("prism:kv_cache_pages_total", "KV pages in the GPU pool.", kv.gpu.num_pages)
+        yield _gauge("prism:kv_cache_pages_used", "KV pages referenced (requests, cache entries, transfers).", kv.gpu.num_used)
+        yield _gauge("prism:kv_cache_usage_perc", "Fraction of KV pages in use.", kv.gpu.num_used / max(kv.gpu.num_pages, 1))
+        yield _gauge("prism:num_requests_running", "Requests running (scheduled with pages).", len(e.scheduler.running))
+        yield _gauge("prism:num_requests_waiting", "Requests waiting to be scheduled.", len(e.scheduler.waiting))
+        yield _gauge("prism:num_requests_swapped", "Requests swapped out to the CPU pool.", len(e.scheduler.swapped))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+class ServingMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram("prism:time_to_first_token_seconds", "Time to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("prism:inter_token_latency_seconds", "Time between generated tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("prism:e2e_request_latency_seconds", "Time from arrival to the terminal event.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("prism:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("prism:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("prism:generation_tokens", "Generated tokens.", registry=r)
+        self.rejected = Counter("prism:requests_rejected", "Requests refused before reaching the engine, by HTTP status.",
+                                ["status"], registry=r)
+
+    def tracker(self, arrival: float) -> RequestTracker:
+        return RequestTracker(self, arrival)
+
+
+class RequestTracker:
+    """Observes one request's events: TTFT at the first token, ITL between tokens, E2E at the end."""
+
+    def __init__(self, metrics: ServingMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last_token: float | None = None
+
+    def __call__(self, event: RequestOutput, now: float) -> None:
+        m = self.metrics
+        if event.new_token_ids:
+            if self.last_token is None:
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe((now - self.last_token) / len(event.new_token_ids))
+            self.last_token = now
+            m.generation_tokens.inc(len(event.new_token_ids))
+        if event.finished:
+            m.e2e.observe(now - self.arrival)
+            m.prompt_tokens.inc(event.prompt_tokens)
+            m.finished.labels(finished_reason=event.finish_reason.value if event.finish_reason else "unknown").inc()

@@ -1,0 +1,527 @@
+"""The OpenAI-compatible chat-completions wire format: request validation, response / chunk / error shapes.
+
+Owns the rule "hostile input -> 4xx" at the schema level: a request either validates into a typed
+`ChatCompletionRequest` whose every field is within what `SamplingParams` accepts, or fails with a
+`ProtocolError` whose message and `param` name the offending field (OpenAI style: `messages[0].content[1].type`).
+Validation is strict (no "1" for 1, no 1.5 for an int, no NaN): OpenAI rejects those too.
+
+Accepted and ignored (the official client sends them or they change nothing here): `user`, `metadata`, `store`,
+`service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`, `stream_options.include_obfuscation`,
+`image_url.detail` (the checkpoint's processor decides the resolution), message `name`, zero penalties, an empty
+`logit_bias`, `modalities=["text"]`, `response_format={"type": "text"}`. Anything else unknown is refused.
+Extensions (vLLM names): `top_k`, `ignore_eos`, `stop_token_ids`, and the content part
+`{"type": "video", "video": {"frames": [image URL, ...], "fps": float}}`.
+
+Output models serialize to OpenAI's JSON exactly: compact, with `null` where OpenAI sends null
+(`finish_reason`, `logprobs`, error `param` / `code`) and omitted where OpenAI omits (empty delta fields, chunk
+`usage` when absent). `prism.serving.stream` fills them from engine events.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from ..engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ProtocolError(ValueError):
+    """A request does not follow the schema; `param` names the field (e.g. "messages[0].content")."""
+
+    status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended a request with ERROR (or ABORT, which must not reach a client): map to an error."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+# ------------------------------------------------------------------------------------------ requests
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _by_key(key: str) -> Callable[[Any], str | None]:
+    def tag(value: Any) -> str | None:
+        found = value.get(key) if isinstance(value, Mapping) else getattr(value, key, None)
+        return f"{key}={found}" if isinstance(found, str) else None
+
+    return tag
+
+
+def _str_or_list(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "kind=str"
+    return "kind=list" if isinstance(value, (list, tuple)) else None
+
+
+def _text_or_parts(part: Any, what: str) -> Any:
+    """`str | list[part]` as a tagged union, so a bad list reports the bad part, not 'not a string'."""
+    return Annotated[
+        Annotated[str, Tag("kind=str")] | Annotated[list[part], Field(min_length=1), Tag("kind=list")],
+        Discriminator(
+            _str_or_list,
+            custom_error_type="content_type",
+            custom_error_message=f"content must be a string or a non-empty list of {what}",
+        ),
+    ]
+
+
+class TextPart(_In):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_In):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored
+
+
+class ImageURLPart(_In):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class VideoURL(_In):
+    url: str = Field(min_length=1)
+
+
+class VideoURLPart(_In):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class VideoFrames(_In):
+    frames: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    fps: float = Field(gt=0)
+
+
+class VideoPart(_In):
+    type: Literal["video"]
+    video: VideoFrames
+
+
+MediaPart = ImageURLPart | VideoURLPart | VideoPart
+UserPart = Annotated[
+    Annotated[TextPart, Tag("type=text")]
+    | Annotated[ImageURLPart, Tag("type=image_url")]
+    | Annotated[VideoURLPart, Tag("type=video_url")]
+    | Annotated[VideoPart, Tag("type=video")],
+    Discriminator(
+        _by_key("type"),
+        custom_error_type="content_part_type",
+        custom_error_message="unknown content part type; expected text, image_url, video_url or video",
+    ),
+]
+TextOnlyPart = Annotated[
+    Annotated[TextPart, Tag("type=text")],
+    Discriminator(
+        _by_key("type"),
+        custom_error_type="content_part_type",
+        custom_error_message="only text parts are allowed in system and assistant messages",
+    ),
+]
+
+
+SystemContent = _text_or_parts(TextOnlyPart, "text parts")
+UserContent = _text_or_parts(UserPart, "content parts")
+
+
+class SystemMessage(_In):
+    role: Literal["system", "developer"]  # "developer" is OpenAI's newer name; rendered as system
+    content: SystemContent  # type: ignore[valid-type]
+    name: str | None = None  # accepted, ignored
+
+
+class UserMessage(_In):
+    role: Literal["user"]
+    content: UserContent  # type: ignore[valid-type]
+    name: str | None = None
+
+
+class AssistantMessage(_In):
+    role: Literal["assistant"]
+    content: SystemContent  # type: ignore[valid-type]
+    name: str | None = None
+    # What the official client echoes back when a response message is appended to the history: ignored.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None  # tools are not supported
+    function_call: None = None
+    audio: None = None
+
+
+ChatMessage = Annotated[
+    Annotated[SystemMessage, Tag("role=system")]
+    | Annotated[SystemMessage, Tag("role=developer")]
+    | Annotated[UserMessage, Tag("role=user")]
+    | Annotated[AssistantMessage, Tag("role=assistant")],
+    Discriminator(
+        _by_key("role"),
+        custom_error_type="message_role",
+        custom_error_message="role must be one of system, developer, user, assistant (tools are not supported)",
+    ),
+]
+
+
+class StreamOptions(_In):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted, ignored
+
+
+class TextResponseFormat(_In):
+    type: Literal["text"]
+
+
+class _FieldError(ValueError):
+    """Raised inside a model validator: carries the field it is about (the root loc does not)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ChatCompletionRequest(_In):
+    """POST /v1/chat/completions body."""
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # extension: 0 / -1 disable
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: (
+        Annotated[
+            Annotated[str, Tag("kind=str")] | Annotated[list[str], Tag("kind=list")],
+            Discriminator(
+                _str_or_list,
+                custom_error_type="stop_type",
+                custom_error_message="stop must be a string or a list of strings",
+            ),
+        ]
+        | None
+    ) = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    ignore_eos: bool | None = None  # extension
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
+    # Accepted so the official client's usual fields do not fail; they change nothing (or only their no-op value).
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, int] | None = None
+    modalities: list[Literal["text"]] | None = None
+    response_format: TextResponseFormat | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        items = [stop] if isinstance(stop, str) else stop or []
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(items)}")
+        for s in items:
+            if not s:
+                raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        return stop
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float | None) -> float | None:
+        if value not in (None, 0):
+            raise ValueError(
+                "penalties are not implemented by this server; only 0 (or omitting it) is accepted"
+            )
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, int] | None) -> dict[str, int] | None:
+        if value:
+            raise ValueError(
+                "not implemented by this server; only an empty object (or omitting it) is accepted"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ChatCompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError("stream_options is only allowed when stream is true", "stream_options")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _FieldError("top_logprobs requires logprobs to be true", "top_logprobs")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """A final usage-only chunk is wanted (streaming with stream_options.include_usage)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def media_parts(self) -> list[MediaPart]:
+        """Every image / video part of the request, in prompt order."""
+        return [
+            part
+            for message in self.messages
+            if isinstance(message, UserMessage) and isinstance(message.content, list)
+            for part in message.content
+            if not isinstance(part, TextPart)
+        ]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """OpenAI defaults (temperature 1, top_p 1); max_completion_tokens wins over max_tokens;
+        logprobs=true -> SamplingParams.logprobs = top_logprobs (0 = only the chosen token's)."""
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            n=self.num_choices,
+        )
+
+
+def _param_path(loc: Sequence[int | str]) -> str | None:
+    parts = [p for p in loc if not (isinstance(p, str) and "=" in p)]  # drop union tags (they hold "=")
+    if parts and parts[0] == "body":  # FastAPI's RequestValidationError prefixes body fields
+        parts = parts[1:]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for pydantic / FastAPI validation errors: the first error, its field path first."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    ctx_error = (first.get("ctx") or {}).get("error")
+    param = getattr(ctx_error, "param", None) or _param_path(first.get("loc", ()))
+    msg = str(ctx_error) if isinstance(ctx_error, _FieldError) else str(first.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown or unsupported field"
+    value = first.get("input")
+    if first.get("type") != "missing" and isinstance(value, (int, float, str, bool)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        msg += f" (got {shown})"
+    more = f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+def parse_chat_request(body: bytes | str | Mapping[str, Any]) -> ChatCompletionRequest:
+    """Validate a request body (raw JSON or a parsed dict); `ProtocolError` (400) naming the field if bad."""
+    try:
+        if isinstance(body, (bytes, str)):
+            return ChatCompletionRequest.model_validate_json(body)
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        message, param = describe_validation_errors(exc.errors())
+        raise ProtocolError(message, param) from None
+
+
+# ------------------------------------------------------------------------------------------ responses
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    OMIT_IF_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        data = handler(self)
+        for key in self.OMIT_IF_NONE:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprob] | None
+
+
+class ResponseMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class Choice(_Out):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    OMIT_IF_NONE = frozenset({"prompt_tokens_details"})
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class DeltaMessage(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    OMIT_IF_NONE = frozenset({"role", "content"})
+
+
+class ChunkChoice(_Out):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    OMIT_IF_NONE = frozenset({"usage"})
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prism"
+    max_model_len: int | None = None  # extension (vLLM's name), omitted when unknown
+    OMIT_IF_NONE = frozenset({"max_model_len"})
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+_ERROR_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    403: ("permission_error", "forbidden"),
+    404: ("not_found_error", "model_not_found"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "unprocessable_entity"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for an HTTP status."""
+    kind, default_code = _ERROR_KINDS.get(
+        status, ("server_error" if status >= 500 else "invalid_request_error", None)
+    )
+    detail = ErrorDetail(message=message, type=kind, param=param, code=code or default_code)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """(status, error body) for an exception: `status` / `param` attributes when it has them (ProtocolError,
+    MediaURLError, RequestFailedError), 400 for any other ValueError, else 500 without internals."""
+    status = getattr(exc, "status", None)
+    if not isinstance(status, int):
+        status = 400 if isinstance(exc, ValueError) else 500
+    if status >= 500 and not isinstance(exc, RequestFailedError):
+        return status, error_body(status, "internal server error")
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return status, error_body(status, message, getattr(exc, "param", None))
+
+
+def sse(obj: BaseModel | Mapping[str, Any]) -> bytes:
+    """One server-sent event `data: {compact json}\\n\\n`."""
+    if isinstance(obj, BaseModel):
+        payload = obj.model_dump_json()
+    else:
+        payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return b"data: " + payload.encode("utf-8") + b"\n\n"

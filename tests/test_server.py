@@ -1,0 +1,240 @@
+"""The HTTP server for real: uvicorn on 127.0.0.1 in a thread, the tiny checkpoint, the official `openai`
+client, concurrent streaming clients that disconnect, every kind of bad input, and a schemathesis run."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from PIL import Image
+
+from prism.serving.app import create_app
+from prism.serving.settings import ServerSettings
+
+MODEL = "prism-tiny"
+
+
+def _png(seed: int, size=(64, 64)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _data_url(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+
+def _image_message(url: str, text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
+
+
+class LiveServer:
+    def __init__(self, settings: ServerSettings) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.app = create_app(settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 120
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):
+        return self.app.state.prism.engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    (root / "cat.png").write_bytes(_png(1))
+    server = LiveServer(ServerSettings(media_root=root, max_media_per_request=4, max_request_bytes=2 * 2**20))
+    yield server
+    server.stop()
+
+
+def test_openai_client_plain_and_streaming(live):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=live.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    url = _data_url(_png(7))
+    first = client.chat.completions.create(model=MODEL, messages=_image_message(url, "What is it?"), max_tokens=4)
+    assert first.choices[0].finish_reason in ("stop", "length") and first.usage.prompt_tokens > 64
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=_image_message(url, "Now a new question."), max_tokens=4, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "same image + new question must hit the cache"
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    metrics = httpx.get(live.url + "/metrics").text
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("prism:prefix_cache_hits_total"))
+    assert hits > 0
+    assert "prism:time_to_first_token_seconds_bucket" in metrics and "prism:mm_cache_hits_total" in metrics
+
+
+def test_local_file_under_the_media_root(live):
+    path = live.app.state.prism.settings.media_root / "cat.png"
+    body = {"model": MODEL, "messages": _image_message(f"file://{path}", "hi"), "max_tokens": 2}
+    assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_64_streaming_clients_a_quarter_disconnecting_leak_nothing(live):
+    urls = [_data_url(_png(100 + i)) for i in range(3)]
+
+    async def client(i: int, http: httpx.AsyncClient) -> tuple[int, bool]:
+        body = {
+            "model": MODEL,
+            "messages": _image_message(urls[i % 3], f"Question {i}"),
+            "max_tokens": 12,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        disconnect = i % 4 == 0
+        lines = []
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line:
+                    lines.append(line)
+                if disconnect and len(lines) >= 2:
+                    return i, False  # leave mid-stream: the server must abort the request
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            assert line.startswith("data: ")
+            chunk = json.loads(line[6:])
+            assert chunk["object"] == "chat.completion.chunk"
+        assert any(json.loads(line[6:])["choices"][0].get("finish_reason") == "length" for line in lines[:-1])
+        return i, True
+
+    async def run():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=live.url, timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(client(i, http) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert sum(done for _, done in results) == 48
+    engine = live.engine
+    deadline = time.time() + 60
+    while engine.has_unfinished_requests() or live.app.state.prism.async_engine.num_in_flight:
+        assert time.time() < deadline, "requests are still in flight after every client finished or left"
+        time.sleep(0.05)
+    assert not engine.kv.seqs, "finished and aborted requests must hold no pages"
+    assert engine.kv.num_allocatable() == engine.kv.gpu.num_pages, "every used page must be reclaimable cache"
+
+
+BOMB = None
+
+
+def _bomb() -> bytes:
+    """A PNG whose header claims 50000 x 50000 pixels (the data is tiny): refused before decoding."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 50000, 50000, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b"{not json", 400, "Invalid JSON"),
+        ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+        ({"model": MODEL, "messages": _image_message("data:image/png;base64,!!!notbase64", "x")}, 400, "base64"),
+        ({"model": MODEL, "messages": _image_message(_data_url(b"definitely not an image"), "x")}, 400, "image"),
+        ({"model": MODEL, "messages": _image_message(_data_url(_bomb()), "x")}, 413, "pixels"),
+        ({"model": MODEL, "messages": _image_message("file:///etc/passwd", "x")}, 403, ""),
+        ({"model": MODEL, "messages": _image_message("http://127.0.0.1:9/x.png", "x")}, 403, "remote"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _data_url(_png(1))}}] * 5}]},
+            400,
+            "",
+        ),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 40000}]}, 400, "max_model_len"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x" * (3 * 2**20)}]}, 413, "limit"),
+    ],
+    ids=["malformed-json", "wrong-type", "wrong-type-int", "bad-value", "unknown-model", "bad-base64", "not-an-image",
+         "decompression-bomb", "forbidden-path", "remote-disabled", "too-many-images", "prompt-too-long", "body-too-large"],
+)
+def test_bad_input_gets_a_clear_error_and_harms_nothing(live, body, status, needle):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(live.url + "/v1/chat/completions", content=content,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and needle.lower() in error["message"].lower(), error
+    ok = httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "still fine?"}], "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_overload_gets_429_and_nothing_is_lost():
+    server = LiveServer(ServerSettings(max_waiting_requests=1))
+    try:
+        async def one(http: httpx.AsyncClient, i: int) -> int:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 300,
+                    "ignore_eos": True}
+            return (await http.post("/v1/chat/completions", json=body)).status_code
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                return await asyncio.gather(*(one(http, i) for i in range(10)))
+
+        codes = asyncio.run(run())
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+        deadline = time.time() + 30
+        while server.engine.has_unfinished_requests():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert not server.engine.kv.seqs
+    finally:
+        server.stop()
+
+
+def test_schemathesis_finds_no_server_error(live):
+    """Every operation of the OpenAPI schema, with generated (mostly hostile) bodies: never a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(live.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert any(op.path == "/v1/chat/completions" and op.body for op in operations), "the chat body must be in the schema"
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case):
+            response = case.call(base_url=live.url, timeout=60)
+            assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:300]}"
+
+        check()
