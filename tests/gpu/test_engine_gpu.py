@@ -102,3 +102,25 @@ def assert_same_or_near_tie(ours, reference) -> None:
             gap = reference.logprobs[step].logprob - top[mine]
             assert gap <= NEAR_TIE_NATS, f"step {step}: ours {mine}, reference {theirs}, logprob gap {gap:.4f}"
             return
+
+
+def test_cuda_graph_decode_matches_eager(ckpt_8b):
+    import time
+
+    prompts = [chat(IMAGES[i % 3], f"Question number {i}?") for i in range(3)] + [chat("A plain text question.")]
+    eager = engine(ckpt_8b, "fp8", cuda_graphs=False)
+    reference = eager.generate(prompts, GREEDY)
+    assert eager.engine.runner.graphs is None
+    del eager
+    torch.cuda.empty_cache()
+    graphs = engine(ckpt_8b, "fp8")  # CUDA graphs are on by default
+    out = graphs.generate(prompts, GREEDY)
+    assert graphs.engine.runner.graphs.replays > 0, "decode steps must replay captured graphs"
+    for ours, ref in zip(out, reference, strict=True):
+        assert_same_or_near_tie(ours, ref)
+    # Not a benchmark (that is `nox -s bench`): a rough batch-1 decode step time for the record.
+    params = SamplingParams.greedy(max_tokens=64, ignore_eos=True)
+    start = time.perf_counter()
+    graphs.generate([chat("Count slowly.")], params)
+    torch.cuda.synchronize()
+    print(f"batch-1, 64 tokens incl. prefill, CUDA graphs + FP8 KV: {(time.perf_counter() - start) / 64 * 1e3:.2f} ms/token")

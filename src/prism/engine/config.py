@@ -43,10 +43,12 @@ class EngineConfig:
     encoder_cache_bytes: int = 256 * 2**20
     preprocess_cache_bytes: int = 256 * 2**20
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
+    cuda_graphs: bool = True  # decode steps replay captured CUDA graphs (CUDA only)
+    cuda_graph_max_batch: int = 32  # larger decode batches run eagerly
     check_invariants: bool = False  # run the KV manager's full accounting check after every step (tests)
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes", "cuda_graph_max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

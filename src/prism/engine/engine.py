@@ -57,7 +57,14 @@ class Engine:
             self.config.num_cpu_pages,
             enable_prefix_cache=self.config.enable_prefix_cache,
         )
-        self.runner = ModelRunner(model, layout, self.config.num_cpu_pages, self.config.encoder_cache_bytes)
+        self.runner = ModelRunner(
+            model,
+            layout,
+            self.config.num_cpu_pages,
+            self.config.encoder_cache_bytes,
+            cuda_graph_max_batch=self.config.cuda_graph_max_batch if self.config.cuda_graphs else None,
+            max_model_len=self.max_model_len,
+        )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}

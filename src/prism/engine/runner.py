@@ -19,6 +19,7 @@ from ..kv.transfers import execute_plan
 from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSlice
 
 
@@ -51,10 +52,16 @@ class ModelRunner:
         layout: KVLayout,
         num_cpu_pages: int,
         encoder_cache_bytes: int,
+        *,
+        cuda_graph_max_batch: int | None = None,
+        max_model_len: int = 0,
     ) -> None:
         self.model = model
         self.device = model.device
-        self.gpu_pool = KVPool.allocate(layout, self.device)
+        use_graphs = cuda_graph_max_batch is not None and self.device.type == "cuda"
+        # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
+        scratch = -(-cuda_graph_max_batch // layout.page_size) if use_graphs else 0
+        self.gpu_pool = KVPool.allocate(layout.with_num_pages(layout.num_pages + scratch), self.device)
         self.cpu_pool = (
             KVPool.allocate(layout.with_num_pages(num_cpu_pages), "cpu", pin_memory=self.device.type == "cuda")
             if num_cpu_pages
@@ -62,6 +69,10 @@ class ModelRunner:
         )
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
         self.stats = RunnerStats()
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
@@ -71,6 +82,8 @@ class ModelRunner:
             execute_plan(plan, self.gpu_pool, self.cpu_pool)
             if not slices:
                 return torch.empty(0)
+            if self.graphs is not None and self._is_graph_decode(slices):
+                return self._graph_decode(slices, kv)
             ids, positions, rows = [], [], []
             offset = 0
             for s in slices:
@@ -98,6 +111,28 @@ class ModelRunner:
             return logits.float()
         finally:
             kv.finish_plan(plan)
+
+    # -- CUDA-graph decode ------------------------------------------------------------------------
+    def _is_graph_decode(self, slices: list[ScheduledSlice]) -> bool:
+        assert self.graphs is not None
+        if any(s.end - s.start != 1 or not s.sample for s in slices):
+            return False
+        return self.graphs.fits(len(slices), max(s.end for s in slices))
+
+    def _graph_decode(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
+        assert self.graphs is not None
+        size = kv.page_size
+        tables = [[page for _, page in kv.seqs[s.request.request_id].pages] for s in slices]
+        logits = self.graphs.run(
+            [s.request.all_token_ids[s.start] for s in slices],
+            torch.cat([token_positions(s.request, s.start, s.end) for s in slices], dim=1),
+            [table[s.start // size] * size + s.start % size for s, table in zip(slices, tables, strict=True)],
+            [s.end for s in slices],
+            tables,
+        )
+        self.stats.steps += 1
+        self.stats.tokens_computed += len(slices)
+        return logits
 
     # -- vision ----------------------------------------------------------------------------------
     def _media_features(self, slices: list[ScheduledSlice]) -> MultimodalEmbeddings | None:
