@@ -1,0 +1,185 @@
+"""GPU benchmark, in-process: Prism vs plain HF transformers on a random-weight Qwen3-VL-8B (same run).
+
+Workloads (REFERENCE §5): W1 cold 8 images (448x448) + question TTFT; W2 the same 8 images + a new
+question TTFT; W3 decode TPOT at batch 1 (and step time at batch 8 / 32); W6 KV tokens per GiB.
+Prism uses scaled-FP8 KV (and BF16 KV for the W3 comparison), CUDA-graph decode. The peer is HF
+`generate` (sdpa) on the same checkpoint and the same prepared inputs. Greedy tokens are compared.
+Writes bench/results/<date>-<gpu>.json and .md; `--quick` runs fewer repetitions.
+
+Not yet here: W4 (injection), W5 (working set), the HTTP variants (issue 6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prism.engine.llm import LLM  # noqa: E402
+from prism.engine.sampling import SamplingParams  # noqa: E402
+from prism.kv import fp8  # noqa: E402
+from prism.testing.checkpoints import build_checkpoint  # noqa: E402
+from prism.testing.hf_reference import random_images  # noqa: E402
+
+
+def cuda_time(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def summary(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {
+        "mean_ms": statistics.fmean(samples) * 1e3,
+        "median_ms": statistics.median(samples) * 1e3,
+        "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3,
+        "n": len(samples),
+    }
+
+
+def chat(images, question: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": question}]}]
+
+
+def hf_inputs(prompt, device="cuda") -> dict:
+    kw = {
+        "input_ids": torch.tensor([prompt.token_ids], device=device),
+        "attention_mask": torch.ones(1, len(prompt.token_ids), dtype=torch.long, device=device),
+        "mm_token_type_ids": torch.as_tensor(prompt.mm_token_type_ids)[None].to(device),
+    }
+    if prompt.images:
+        kw["pixel_values"] = torch.cat([m.pixel_values for m in prompt.images]).to(device)
+        kw["image_grid_thw"] = prompt.image_grid_thw.to(device)
+    return kw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
+    args = parser.parse_args()
+    reps = 3 if args.quick else 10
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "config.json").exists():
+        build_checkpoint("8b", ckpt, device="cuda", progress=True)
+    gpu = torch.cuda.get_device_name()
+    results: dict = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+                     "checkpoint": "random-weight Qwen3-VL-8B shapes, bf16", "workloads": {}}
+    w = results["workloads"]
+
+    # -- W6 capacity (arithmetic, scales counted) --------------------------------------------------
+    bf16 = fp8.tokens_per_gib(36, 8, 128, "bf16")
+    f8 = fp8.tokens_per_gib(36, 8, 128, "fp8")
+    w["W6"] = {"bf16_tokens_per_gib": bf16, "fp8_tokens_per_gib": f8, "ratio": f8 / bf16}
+
+    # -- Prism ---------------------------------------------------------------------------------------
+    llm = LLM(ckpt, kv_dtype="fp8", kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
+              max_num_batched_tokens=8192)
+    inputs = llm.engine.inputs
+    one_token = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
+
+    def ttft(messages) -> float:
+        prompt = inputs.prepare_chat(messages)  # preprocessing is part of TTFT in-process
+        return cuda_time(lambda: llm.generate([prompt], one_token))
+
+    # warm up kernels and allocations
+    ttft(chat(random_images([(448, 448)] * 8, seed=999), "warm up"))
+    cold = [ttft(chat(random_images([(448, 448)] * 8, seed=100 + i), "Describe every picture.")) for i in range(reps)]
+    hot_images = random_images([(448, 448)] * 8, seed=7)
+    ttft(chat(hot_images, "First question about these pictures."))
+    hot = [ttft(chat(hot_images, f"New question number {i}: which picture is brightest?")) for i in range(reps)]
+    w["W1_prism_fp8"] = summary(cold)
+    w["W2_prism_fp8"] = summary(hot)
+
+    def tpot(llm_, batch: int, tokens: int = 128) -> float:
+        prompts = [inputs.prepare_chat(chat(hot_images, f"Decode test {batch}-{i}")) for i in range(batch)]
+        params = SamplingParams.greedy(max_tokens=tokens, ignore_eos=True)
+        llm_.generate(prompts, SamplingParams.greedy(max_tokens=1, ignore_eos=True))  # cache the prefix
+        t_all = cuda_time(lambda: llm_.generate(prompts, params))
+        t_one = cuda_time(lambda: llm_.generate(prompts, SamplingParams.greedy(max_tokens=1, ignore_eos=True)))
+        return (t_all - t_one) / (tokens - 1)
+
+    for batch in (1, 8, 32):
+        w[f"W3_prism_fp8_batch{batch}_step_ms"] = tpot(llm, batch) * 1e3
+    greedy_prompt = inputs.prepare_chat(chat(hot_images, "Tell me about the pictures."))
+    prism_tokens = llm.generate([greedy_prompt], SamplingParams.greedy(max_tokens=16, ignore_eos=True))[0].token_ids
+    llm = None  # free its weights and KV pool before the next engine
+    torch.cuda.empty_cache()
+
+    llm16 = LLM(ckpt, kv_dtype="bf16", kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
+                max_num_batched_tokens=8192)
+    inputs = llm16.engine.inputs
+    w["W3_prism_bf16_batch1_step_ms"] = tpot(llm16, 1) * 1e3
+    llm16 = None
+    torch.cuda.empty_cache()
+
+    # -- the peer: plain HF transformers ---------------------------------------------------------------
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to("cuda").eval()
+
+    def hf_generate(prompt, n: int):
+        gc = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            return hf.generate(**hf_inputs(prompt), generation_config=gc)
+
+    def hf_ttft(messages) -> float:
+        return cuda_time(lambda: hf_generate(inputs.prepare_chat(messages), 1))
+
+    hf_ttft(chat(random_images([(448, 448)] * 8, seed=999), "warm up"))
+    hf_cold = [hf_ttft(chat(random_images([(448, 448)] * 8, seed=100 + i), "Describe every picture.")) for i in range(reps)]
+    hf_hot = [hf_ttft(chat(hot_images, f"New question number {i}: which picture is brightest?")) for i in range(reps)]
+    w["W1_hf"] = summary(hf_cold)
+    w["W2_hf"] = summary(hf_hot)
+    p1 = inputs.prepare_chat(chat(hot_images, "Decode test 1-0"))
+    t_all = cuda_time(lambda: hf_generate(p1, 32))
+    t_one = cuda_time(lambda: hf_generate(p1, 1))
+    w["W3_hf_batch1_step_ms"] = (t_all - t_one) / 31 * 1e3
+    hf_tokens = hf_generate(greedy_prompt, 16)[0, len(greedy_prompt.token_ids):].tolist()
+    same = next((i for i, (a, b) in enumerate(zip(prism_tokens, hf_tokens, strict=True)) if a != b), 16)
+    results["greedy_agreement"] = {"prism_fp8_kv": prism_tokens, "hf": hf_tokens, "identical_prefix_tokens": same}
+
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['date']}-{gpu.replace(' ', '-').lower()}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (out_dir / f"{stem}.md").write_text(table)
+    print(table)
+
+
+def markdown(r: dict) -> str:
+    w = r["workloads"]
+    lines = [
+        f"GPU: {r['gpu']}, torch {r['torch']}, {r['checkpoint']}, {r['date']}",
+        "",
+        "| workload | Prism (FP8 KV) | HF transformers | target |",
+        "|---|---:|---:|---:|",
+        f"| W1 cold 8 images TTFT, median ms | {w['W1_prism_fp8']['median_ms']:.1f} | {w['W1_hf']['median_ms']:.1f} | <= 60 |",
+        f"| W2 same images + new question TTFT, median ms | {w['W2_prism_fp8']['median_ms']:.1f} | {w['W2_hf']['median_ms']:.1f} | <= 10 |",
+        f"| W3 batch-1 decode step, ms | {w['W3_prism_fp8_batch1_step_ms']:.2f} (BF16 KV {w['W3_prism_bf16_batch1_step_ms']:.2f}) | {w['W3_hf_batch1_step_ms']:.2f} | <= 4.0 |",
+        f"| W3 batch-8 decode step, ms | {w['W3_prism_fp8_batch8_step_ms']:.2f} | | |",
+        f"| W3 batch-32 decode step, ms | {w['W3_prism_fp8_batch32_step_ms']:.2f} | | <= 1.3x batch 1 |",
+        f"| W6 KV tokens per GiB | {w['W6']['fp8_tokens_per_gib']:.0f} ({w['W6']['ratio']:.3f}x BF16) | {w['W6']['bf16_tokens_per_gib']:.0f} (BF16) | >= 1.93x |",
+        "",
+        f"Greedy tokens, Prism FP8 KV vs HF bf16: first {r['greedy_agreement']['identical_prefix_tokens']} of 16 identical.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
