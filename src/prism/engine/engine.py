@@ -9,18 +9,20 @@ sampled tokens appended, and events emitted. Owns *exactly one terminal event pe
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..decision.questions import readout
 from ..kv.manager import KVCacheManager
 from ..model.loading import load_model
 from .config import EngineConfig
 from .detokenize import TextStream
 from .inputs import InputProcessor, PreparedPrompt
-from .request import FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
+from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
 from .runner import ModelRunner
 from .sampler import make_generator, sample
 from .sampling import SamplingParams
@@ -152,9 +154,22 @@ class Engine:
     def _commit(self, slices, logits: torch.Tensor) -> None:
         for s in slices:
             self.kv.publish_computed(s.request.request_id, s.start, s.end)
-        sampling = [s for s in slices if s.sample]
+        rows = [s for s in slices if s.sample]  # logits rows, in this order
+        sampling, sampling_rows = [], []
+        for row, s in enumerate(rows):
+            if s.request.branches is not None:
+                self._spawn_branches(s.request)
+            elif s.request.readout_candidates is not None:
+                request = s.request
+                request.readout = readout(logits[row], request.readout_candidates, request.readout_temperature)
+                self._finish(request, FinishReason.STOP)
+            else:
+                sampling.append(s)
+                sampling_rows.append(row)
         if not sampling:
             return
+        if len(sampling_rows) != len(rows):
+            logits = logits[torch.tensor(sampling_rows, device=logits.device)]
         result = sample(
             logits,
             [s.request.params for s in sampling],
@@ -177,6 +192,58 @@ class Engine:
                 self._events.append(self._event(request, [token], delta, logprobs))
             else:
                 self._finish(request, reason, new_tokens=[token], new_text=delta, logprobs=logprobs)
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def add_readout_request(
+        self, request_id: str, prompt: PreparedPrompt, candidates: tuple[int, ...], temperature: float = 1.0
+    ) -> Request:
+        """A request that ends at its last prompt position with probabilities over `candidates`."""
+        request = self.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+        request.readout_candidates = tuple(candidates)
+        request.readout_temperature = temperature
+        return request
+
+    def add_decision(self, decision_id: str, branches: list[Branch]) -> list[str]:
+        """Questions over one material: the shared prefix of the branch prompts is prefilled once as a
+        material request; when it is computed every branch forks from it (sharing its pages, copying
+        on write) and computes only its question, all in the same steps. Returns the branch request ids,
+        whose terminal events carry the readout."""
+        if not branches:
+            raise RequestError("a decision needs at least one question")
+        prompts = [b.prompt.token_ids for b in branches]
+        # The shared material: the common prefix, leaving every branch at least its last token to compute.
+        shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+        if shared < max((m.end for m in branches[0].prompt.media), default=0):
+            raise RequestError("the questions must follow the whole material (its media included)")
+        if len(branches) == 1 or shared == 0:
+            for b in branches:
+                self.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature)
+            return [b.request_id for b in branches]
+        for b in branches:
+            if b.request_id in self.requests:
+                raise RequestError(f"request id {b.request_id!r} is already in use")
+        material = self.add_request(f"{decision_id}/material", branches[0].prompt.prefix(shared),
+                                    SamplingParams(max_tokens=1))
+        material.branches = list(branches)
+        return [b.request_id for b in branches]
+
+    def _spawn_branches(self, material: Request) -> None:
+        """The material is computed: fork each branch from it, then let the material go (its pages stay
+        referenced by the branches, and by the prefix cache)."""
+        assert material.branches is not None
+        shared = len(material.prompt.token_ids)
+        for b in material.branches:
+            self.kv.fork(material.request_id, b.request_id)
+            self.kv.append_tokens(b.request_id, b.prompt.token_ids[shared:])
+            branch = Request(b.request_id, b.prompt, SamplingParams(max_tokens=1), material.arrival_order)
+            branch.readout_candidates = b.candidates
+            branch.readout_temperature = b.temperature
+            branch.cached_tokens = material.cached_tokens
+            branch.transition(RequestState.RUNNING)
+            self.requests[b.request_id] = branch
+            self._streams[b.request_id] = TextStream(self.inputs.tokenizer, branch.params, b.prompt.token_ids)
+            self.scheduler.running.append(branch)
+        self._finish(material, FinishReason.STOP)
 
     def _finish_reason(self, request: Request, token: int, stopped_by_text: bool) -> FinishReason | None:
         params = request.params
@@ -237,4 +304,5 @@ class Engine:
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.cached_tokens,
             completion_tokens=len(request.output_token_ids),
+            readout=request.readout,
         )

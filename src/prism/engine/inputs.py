@@ -193,6 +193,20 @@ class PreparedPrompt:
         """Token ids (a fresh list: decode appends to it) and one MediaSpan per pad run."""
         return SeqContent(tokens=list(self.token_ids), media=self.media_spans())
 
+    def prefix(self, length: int) -> PreparedPrompt:
+        """The first `length` tokens as a prompt of their own (a shared material); media may not be cut."""
+        if not 0 < length <= len(self.token_ids):
+            raise InputError(f"prefix length {length} outside [1, {len(self.token_ids)}]")
+        if any(m.start < length < m.end for m in self.media):
+            raise InputError(f"a prefix of {length} tokens would cut a media item")
+        return PreparedPrompt(
+            token_ids=self.token_ids[:length],
+            mm_token_type_ids=self.mm_token_type_ids[:length],
+            positions=self.positions[:, :length],
+            rope_delta=self.rope_delta,
+            media=tuple(m for m in self.media if m.end <= length),
+        )
+
 
 @dataclass(frozen=True)
 class _CachedVideo:

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..decision.questions import Answer, Question, candidate_token_ids, make_answer
 from .config import EngineConfig
 from .engine import Engine
 from .inputs import PreparedPrompt
-from .request import FinishReason, RequestOutput, TokenLogprobs
+from .request import Branch, FinishReason, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
 
 PromptLike = PreparedPrompt | str | list[dict]
@@ -55,6 +56,32 @@ class LLM:
                 if event.finished:
                     results[event.request_id] = completions[event.request_id]
         return [results[i] for i in ids]
+
+    def decide(self, material: list[dict], questions: Sequence[Question]) -> list[Answer]:
+        """Several questions over one material (chat messages with images/text): the material is
+        prefilled once, each question forks from it, and each answer is read as probabilities."""
+        inputs = self.engine.inputs
+        decision_id = f"decide-{next(self._ids)}"
+        branches = []
+        for i, question in enumerate(questions):
+            prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
+            candidates = candidate_token_ids(question, inputs.encode)
+            branches.append(Branch(f"{decision_id}/q{i}", prompt, candidates, question.temperature))
+        ids = self.engine.add_decision(decision_id, branches)
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            for event in self.engine.step():
+                if event.finished and event.request_id in ids:
+                    finals[event.request_id] = event
+        answers = []
+        for i, (question, request_id) in enumerate(zip(questions, ids, strict=True)):
+            event = finals[request_id]
+            if event.readout is None:
+                raise RuntimeError(f"question {i} failed: {event.error or event.finish_reason}")
+            answer = make_answer(i, question, event.readout)
+            answer.prompt_tokens, answer.cached_tokens = event.prompt_tokens, event.cached_tokens
+            answers.append(answer)
+        return answers
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Events of one request as the engine produces them (other requests may share the steps)."""

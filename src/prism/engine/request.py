@@ -63,6 +63,17 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    readout: list[float] | None = None  # probabilities over the request's candidate tokens
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One question forked from a material: its full prompt and its readout candidates."""
+
+    request_id: str
+    prompt: object  # PreparedPrompt: the material's tokens, then the question's
+    candidates: tuple[int, ...]
+    temperature: float = 1.0
 
 
 @dataclass
@@ -89,6 +100,12 @@ class Request:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_preemptions = 0
         self.times = RequestTimes()
+        # A readout request ends at its last prompt position with probabilities over these token ids.
+        self.readout_candidates: tuple[int, ...] | None = None
+        self.readout_temperature = 1.0
+        self.readout: list[float] | None = None
+        # A material request: once its prefill is computed, these branches fork from it (see Engine.add_decision).
+        self.branches: list[Branch] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -113,7 +113,7 @@ Lists: apples, oranges, bananas, grapes, pears; red, green, blue, yellow, black,
 这是一张图片。图片里有一只猫。请描述这张图片。视频里有一个人在走路。答案是B。
 Les images et les vidéos sont traitées par le modèle. Das Bild zeigt einen Hund im Garten.
 user assistant system user assistant system user: hello assistant: hi there, how can I help you today?
-"""
+""" + "Yes\nNo\n" * 40  # decision answers begin the assistant turn: "Yes" and "No" must be single tokens
 
 
 def _train_merges(words: Counter[tuple[str, ...]], target_vocab: int, alphabet: list[str]):

@@ -1,0 +1,120 @@
+"""Decision questions and their probability readout.
+
+Owns what a question asks and how its answer is read: a question renders to one user turn, its answer
+is one token among listed candidates (option letters, Yes/No, score levels), and the readout is the
+softmax of the fp32 logits of those candidates only, at the branch's last position. Each candidate must
+be exactly one token of the checkpoint's tokenizer, checked before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Kind = Literal["choice", "yes_no", "score"]
+MAX_OPTIONS = len(string.ascii_uppercase)
+
+
+class QuestionError(ValueError):
+    """A question that cannot be asked (no options, too many, a candidate that is not one token...)."""
+
+
+@dataclass(frozen=True)
+class Question:
+    kind: Kind
+    text: str
+    options: tuple[str, ...] = ()  # choice: the option texts, labelled A, B, C...
+    levels: tuple[int, ...] = ()  # score: the allowed scores
+    temperature: float = 1.0  # readout temperature (softmax over candidate logits / temperature)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", tuple(self.options))
+        object.__setattr__(self, "levels", tuple(self.levels))
+        if self.kind not in ("choice", "yes_no", "score"):
+            raise QuestionError(f"question kind must be choice, yes_no or score, got {self.kind!r}")
+        if not self.text.strip():
+            raise QuestionError("a question needs text")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise QuestionError(f"temperature must be a positive number, got {self.temperature!r}")
+        if self.kind == "choice":
+            if len(self.options) < 2:
+                raise QuestionError("a choice question needs at least two options")
+            if len(self.options) > MAX_OPTIONS:
+                raise QuestionError(
+                    f"a choice question has {len(self.options)} options; at most {MAX_OPTIONS} (A-Z) are supported"
+                )
+        elif self.options:
+            raise QuestionError(f"options are only for choice questions, not {self.kind}")
+        if self.kind == "score":
+            if len(self.levels) < 2 or len(set(self.levels)) != len(self.levels):
+                raise QuestionError("a score question needs at least two distinct levels")
+        elif self.levels:
+            raise QuestionError(f"levels are only for score questions, not {self.kind}")
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The answer strings, one token each."""
+        if self.kind == "choice":
+            return tuple(string.ascii_uppercase[: len(self.options)])
+        if self.kind == "yes_no":
+            return ("Yes", "No")
+        return tuple(str(level) for level in self.levels)
+
+    def render(self) -> str:
+        """The user turn that asks this question."""
+        if self.kind == "choice":
+            lines = [f"{label}. {option}" for label, option in zip(self.labels, self.options, strict=True)]
+            return f"{self.text}\n" + "\n".join(lines) + "\nAnswer with the letter of the correct option only."
+        if self.kind == "yes_no":
+            return f"{self.text}\nAnswer Yes or No only."
+        return f"{self.text}\nAnswer with one score from {', '.join(self.labels)} only."
+
+
+def candidate_token_ids(question: Question, encode) -> tuple[int, ...]:
+    """The token id of each label; refuses a label the tokenizer splits into several tokens."""
+    ids = []
+    for label in question.labels:
+        tokens = encode(label)
+        if len(tokens) != 1:
+            raise QuestionError(
+                f"the answer {label!r} is {len(tokens)} tokens for this tokenizer; a readout needs exactly one"
+            )
+        ids.append(tokens[0])
+    if len(set(ids)) != len(ids):
+        raise QuestionError(f"two answers of {question.labels} share a token")
+    return tuple(ids)
+
+
+@dataclass
+class Answer:
+    """The readout of one question."""
+
+    index: int
+    kind: Kind
+    probabilities: dict[str, float]
+    answer: str
+    confidence: float
+    expected_value: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def readout(logits: torch.Tensor, candidates: Sequence[int], temperature: float = 1.0) -> list[float]:
+    """Softmax over the candidates' fp32 logits only (the rest of the vocabulary plays no part)."""
+    picked = logits.float()[torch.as_tensor(list(candidates), dtype=torch.long, device=logits.device)]
+    return torch.softmax(picked / temperature, dim=-1).tolist()
+
+
+def make_answer(index: int, question: Question, probabilities: Sequence[float]) -> Answer:
+    probs = dict(zip(question.labels, (float(p) for p in probabilities), strict=True))
+    best = max(question.labels, key=lambda label: (probs[label], -question.labels.index(label)))
+    expected = None
+    if question.kind == "score":
+        expected = sum(level * probs[str(level)] for level in question.levels)
+    return Answer(index, question.kind, probs, best, probs[best], expected)

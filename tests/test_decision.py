@@ -1,0 +1,106 @@
+"""Decision requests on the tiny checkpoint (CPU, fp32 weights and KV): each branch forked from the
+material reads the same probabilities as its question sent alone as a full prompt; siblings change
+nothing; the vision encoder runs once per decide; a second decide over the material is a full hit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism.decision.questions import Question, QuestionError, candidate_token_ids, make_answer, readout
+from prism.engine.llm import LLM
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.hf_reference import random_images
+
+IMAGES = random_images([(64, 64), (64, 96)], seed=2)
+MATERIAL = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0]}, {"type": "image", "image": IMAGES[1]},
+                                         {"type": "text", "text": "Look at these two pictures carefully."}]}]
+QUESTIONS = [
+    Question("choice", "Which picture is larger?", ("the first", "the second", "they are the same size")),
+    Question("yes_no", "Is either picture mostly dark?"),
+    Question("score", "How colourful are they?", levels=(1, 2, 3, 4, 5)),
+    Question("choice", "What do they show?", ("noise", "a cat", "a dog", "a chart")),
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def new_llm(**overrides) -> LLM:
+    return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256, check_invariants=True,
+               **overrides)
+
+
+def alone(llm: LLM, question: Question) -> list[float]:
+    """The same question as one full prompt, read out at its last position (no branch, no cache)."""
+    prompt = llm.engine.inputs.prepare_chat([*MATERIAL, {"role": "user", "content": question.render()}])
+    candidates = candidate_token_ids(question, llm.engine.inputs.encode)
+    llm.engine.add_readout_request("alone", prompt, candidates, question.temperature)
+    while True:
+        for event in llm.engine.step():
+            if event.finished and event.request_id == "alone":
+                return event.readout
+
+
+def test_each_branch_equals_its_question_alone():
+    reference = new_llm(enable_prefix_cache=False)
+    expected = [alone(reference, q) for q in QUESTIONS]
+    llm = new_llm()
+    answers = llm.decide(MATERIAL, QUESTIONS)
+    for question, answer, probs in zip(QUESTIONS, answers, expected, strict=True):
+        got = [answer.probabilities[label] for label in question.labels]
+        assert max(abs(a - b) for a, b in zip(got, probs, strict=True)) <= 1e-5, (question.text, got, probs)
+        assert answer.answer == question.labels[max(range(len(probs)), key=probs.__getitem__)]
+        assert abs(sum(got) - 1) < 1e-5
+    assert not llm.engine.kv.seqs
+
+
+def test_siblings_change_no_answer():
+    full = {q.text: a.probabilities for q, a in zip(QUESTIONS, new_llm().decide(MATERIAL, QUESTIONS), strict=True)}
+    for subset in (QUESTIONS[::-1], QUESTIONS[1:3], [QUESTIONS[2]], [QUESTIONS[0], QUESTIONS[0]]):
+        for q, a in zip(subset, new_llm().decide(MATERIAL, subset), strict=True):
+            for label, p in a.probabilities.items():
+                assert abs(p - full[q.text][label]) <= 1e-6, (q.text, label)
+
+
+def test_vision_runs_once_and_a_second_decide_is_a_full_hit():
+    llm = new_llm()
+    stats = llm.engine.runner.stats
+    first = llm.decide(MATERIAL, QUESTIONS)
+    assert stats.vision_items_encoded == 2, "the material's two images are encoded once for all questions"
+    assert all(a.cached_tokens == 0 for a in first)
+    second = llm.decide(MATERIAL, QUESTIONS[:2])
+    assert stats.vision_items_encoded == 2, "a second decide over the same material must not run vision"
+    material_tokens = len(llm.engine.inputs.prepare_chat(MATERIAL).token_ids)
+    assert all(a.cached_tokens >= material_tokens - 8 for a in second)
+    for a, b in zip(first[:2], second, strict=True):
+        assert a.probabilities == pytest.approx(b.probabilities, abs=1e-5)
+    llm.engine.kv.clear_cache()
+    assert llm.engine.kv.gpu.num_free == llm.engine.kv.gpu.num_pages
+
+
+def test_question_validation_and_single_token_candidates():
+    with pytest.raises(QuestionError, match="at most 26"):
+        Question("choice", "Pick", tuple(str(i) for i in range(27)))
+    with pytest.raises(QuestionError, match="at least two options"):
+        Question("choice", "Pick", ("only",))
+    with pytest.raises(QuestionError, match="distinct levels"):
+        Question("score", "Rate", levels=(3, 3))
+    with pytest.raises(QuestionError, match="kind"):
+        Question("essay", "Write")  # type: ignore[arg-type]
+    with pytest.raises(QuestionError, match="2 tokens"):
+        candidate_token_ids(Question("score", "Rate", levels=(1, 10)), lambda text: [ord(c) for c in text])
+
+
+def test_readout_is_a_softmax_over_candidates_only():
+    logits = torch.tensor([0.0, 2.0, 1.0, 50.0])  # token 3 dominates the vocabulary but is not a candidate
+    probs = readout(logits, [1, 2])
+    assert probs == pytest.approx(torch.softmax(torch.tensor([2.0, 1.0]), 0).tolist())
+    assert readout(logits, [1, 2], temperature=2.0) == pytest.approx(torch.softmax(torch.tensor([1.0, 0.5]), 0).tolist())
+    answer = make_answer(0, Question("score", "Rate", levels=(1, 2)), [0.25, 0.75])
+    assert answer.answer == "2" and answer.expected_value == pytest.approx(1.75)
