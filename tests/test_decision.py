@@ -104,3 +104,21 @@ def test_readout_is_a_softmax_over_candidates_only():
     assert readout(logits, [1, 2], temperature=2.0) == pytest.approx(torch.softmax(torch.tensor([1.0, 0.5]), 0).tolist())
     answer = make_answer(0, Question("score", "Rate", levels=(1, 2)), [0.25, 0.75])
     assert answer.answer == "2" and answer.expected_value == pytest.approx(1.75)
+
+
+def test_gated_thinking_thinks_only_below_the_gate_and_ignores_siblings():
+    from prism.decision.thinking import ThinkingConfig
+
+    never = new_llm().decide(MATERIAL, QUESTIONS, ThinkingConfig(gate=0.0))
+    plain = new_llm().decide(MATERIAL, QUESTIONS)
+    assert not any(a.thought for a in never)
+    assert [a.probabilities for a in never] == [a.probabilities for a in plain]
+
+    always = ThinkingConfig(gate=1.0, max_tokens=12, seed=3)
+    together = new_llm().decide(MATERIAL, QUESTIONS, always)
+    assert all(a.thought and 0 < a.thinking_tokens <= 12 for a in together)
+    assert all(abs(sum(a.probabilities.values()) - 1) < 1e-5 for a in together)
+    # The same question alone (no siblings, other batch companions): the same reasoning and answer.
+    alone_answer = new_llm().decide(MATERIAL, [QUESTIONS[2]], always)[0]
+    assert alone_answer.thinking_tokens == together[2].thinking_tokens
+    assert alone_answer.probabilities == pytest.approx(together[2].probabilities, abs=1e-5)

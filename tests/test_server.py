@@ -238,3 +238,31 @@ def test_schemathesis_finds_no_server_error(live):
             assert response.status_code < 500, f"{case.method} {case.path}: {response.status_code} {response.text[:300]}"
 
         check()
+
+
+def test_decide_endpoint(live):
+    url = _data_url(_png(21))
+    body = {
+        "model": MODEL,
+        "material": _image_message(url, "Look at this picture."),
+        "questions": [
+            {"type": "choice", "text": "What is it?", "options": ["noise", "a cat", "a chart"]},
+            {"type": "yes_no", "text": "Is it dark?"},
+            {"type": "score", "text": "How colourful?", "levels": [1, 2, 3, 4, 5], "temperature": 0.5},
+        ],
+    }
+    first = httpx.post(live.url + "/v1/decide", json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    answers = first.json()["answers"]
+    assert [a["type"] for a in answers] == ["choice", "yes_no", "score"]
+    for a in answers:
+        assert abs(sum(a["probabilities"].values()) - 1) < 1e-4 and a["answer"] in a["probabilities"]
+    assert "expected_value" in answers[2]
+    second = httpx.post(live.url + "/v1/decide", json=body, timeout=60).json()
+    assert second["usage"]["cached_tokens"] > 0, "a second decide over the same material must hit the cache"
+    assert [a["answer"] for a in second["answers"]] == [a["answer"] for a in answers]
+    thinking = httpx.post(live.url + "/v1/decide", json={**body, "thinking": {"gate": 1.0, "max_tokens": 6}}, timeout=60)
+    assert thinking.status_code == 200, thinking.text
+    assert all(a["thought"] and 0 < a["thinking_tokens"] <= 6 for a in thinking.json()["answers"])
+    bad = httpx.post(live.url + "/v1/decide", json={**body, "questions": [{"type": "choice", "text": "x", "options": ["one"]}]})
+    assert bad.status_code == 400 and "at least two options" in bad.json()["error"]["message"]

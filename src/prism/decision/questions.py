@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -102,7 +102,8 @@ class Answer:
     expected_value: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    thought: bool = False  # gated thinking ran for this question
+    thinking_tokens: int = 0
 
 
 def readout(logits: torch.Tensor, candidates: Sequence[int], temperature: float = 1.0) -> list[float]:

@@ -193,6 +193,18 @@ class PreparedPrompt:
         """Token ids (a fresh list: decode appends to it) and one MediaSpan per pad run."""
         return SeqContent(tokens=list(self.token_ids), media=self.media_spans())
 
+    def extended(self, token_ids: list[int]) -> PreparedPrompt:
+        """This prompt followed by more text tokens (e.g. generated reasoning), positions continued."""
+        n, k = len(self.token_ids), len(token_ids)
+        more = (torch.arange(n, n + k, dtype=torch.int64) + self.rope_delta).expand(3, k)
+        return PreparedPrompt(
+            token_ids=self.token_ids + list(token_ids),
+            mm_token_type_ids=torch.cat([self.mm_token_type_ids, torch.zeros(k, dtype=torch.int64)]),
+            positions=torch.cat([self.positions, more], dim=1),
+            rope_delta=self.rope_delta,
+            media=self.media,
+        )
+
     def prefix(self, length: int) -> PreparedPrompt:
         """The first `length` tokens as a prompt of their own (a shared material); media may not be cut."""
         if not 0 < length <= len(self.token_ids):

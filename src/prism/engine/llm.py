@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..decision.questions import Answer, Question, candidate_token_ids, make_answer
+from ..decision.thinking import ThinkingConfig, answer_after_thinking, thinking_request
 from .config import EngineConfig
 from .engine import Engine
 from .inputs import PreparedPrompt
@@ -28,6 +29,7 @@ class Completion:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    readout: list[float] | None = None
 
 
 class LLM:
@@ -57,9 +59,12 @@ class LLM:
                     results[event.request_id] = completions[event.request_id]
         return [results[i] for i in ids]
 
-    def decide(self, material: list[dict], questions: Sequence[Question]) -> list[Answer]:
+    def decide(
+        self, material: list[dict], questions: Sequence[Question], thinking: ThinkingConfig | None = None
+    ) -> list[Answer]:
         """Several questions over one material (chat messages with images/text): the material is
-        prefilled once, each question forks from it, and each answer is read as probabilities."""
+        prefilled once, each question forks from it, and each answer is read as probabilities. With
+        `thinking`, a question below the confidence gate reasons (seeded by its own text) and is read again."""
         inputs = self.engine.inputs
         decision_id = f"decide-{next(self._ids)}"
         branches = []
@@ -67,21 +72,51 @@ class LLM:
             prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
             candidates = candidate_token_ids(question, inputs.encode)
             branches.append(Branch(f"{decision_id}/q{i}", prompt, candidates, question.temperature))
-        ids = self.engine.add_decision(decision_id, branches)
-        finals: dict[str, RequestOutput] = {}
-        while len(finals) < len(ids):
-            for event in self.engine.step():
-                if event.finished and event.request_id in ids:
-                    finals[event.request_id] = event
-        answers = []
-        for i, (question, request_id) in enumerate(zip(questions, ids, strict=True)):
-            event = finals[request_id]
-            if event.readout is None:
-                raise RuntimeError(f"question {i} failed: {event.error or event.finish_reason}")
-            answer = make_answer(i, question, event.readout)
-            answer.prompt_tokens, answer.cached_tokens = event.prompt_tokens, event.cached_tokens
-            answers.append(answer)
+        finals = self._run_until_finished(self.engine.add_decision(decision_id, branches))
+        answers = [self._answer(i, q, finals[b.request_id]) for i, (q, b) in enumerate(zip(questions, branches, strict=True))]
+        if thinking is None:
+            return answers
+        doubtful = [i for i, a in enumerate(answers) if a.confidence < thinking.gate]
+        thoughts = {}
+        for i in doubtful:
+            prompt, params = thinking_request(branches[i].prompt, questions[i], thinking, inputs.encode)
+            thoughts[i] = self._add(prompt, params)
+        generated = self._run_until_finished(list(thoughts.values()))
+        rereads = {}
+        for i in doubtful:
+            thought = generated[thoughts[i]].token_ids
+            prompt = answer_after_thinking(branches[i].prompt, thought, inputs.encode)
+            request_id = f"{decision_id}/q{i}/reread"
+            self.engine.add_readout_request(request_id, prompt, branches[i].candidates, questions[i].temperature)
+            rereads[i] = (request_id, len(thought))
+        finals = self._run_until_finished([request_id for request_id, _ in rereads.values()])
+        for i, (request_id, n_thought) in rereads.items():
+            answer = self._answer(i, questions[i], finals[request_id])
+            answer.thought, answer.thinking_tokens = True, n_thought
+            answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
+            answers[i] = answer
         return answers
+
+    def _run_until_finished(self, request_ids: list[str]) -> dict[str, Completion]:
+        """Step until every listed request finished; their accumulated outputs."""
+        completions: dict[str, Completion] = {}
+        done: set[str] = set()
+        while len(done) < len(request_ids):
+            for event in self.engine.step():
+                if event.request_id in request_ids:
+                    self._accumulate(completions, event)
+                    if event.finished:
+                        done.add(event.request_id)
+                        completions[event.request_id].readout = event.readout
+        return completions
+
+    @staticmethod
+    def _answer(index: int, question: Question, completion: Completion) -> Answer:
+        if completion.readout is None:
+            raise RuntimeError(f"question {index} failed: {completion.error or completion.finish_reason}")
+        answer = make_answer(index, question, completion.readout)
+        answer.prompt_tokens, answer.cached_tokens = completion.prompt_tokens, completion.cached_tokens
+        return answer
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Events of one request as the engine produces them (other requests may share the steps)."""

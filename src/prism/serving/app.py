@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,12 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..decision.questions import candidate_token_ids, make_answer
+from ..decision.thinking import answer_after_thinking, thinking_request
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
-from ..engine.request import RequestOutput
+from ..engine.request import Branch, RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
 from .async_engine import AsyncEngine, Overloaded, ShuttingDown
+from .decide_protocol import DecideRequest, decide_response, parse_decide_request
 from .media_urls import MediaResolver
 from .metrics import ServingMetrics
 from .protocol import (
@@ -88,7 +92,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             await asyncio.to_thread(state.async_engine.shutdown)
 
     app = FastAPI(title="Prism", version="0.1.0", lifespan=lifespan)
-    _document_chat_body(app)
+    _document_raw_bodies(app)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -141,34 +145,108 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             )
         return await _collect(state, chat, completion_id, streams)
 
+    @app.post("/v1/decide", response_model=None)
+    async def decide(request: Request) -> Response:
+        """One material, several questions, answers as probabilities (see serving/decide_protocol.py)."""
+        state: ServerState = request.app.state.prism
+        try:
+            body = await _read_body(request, state)
+            decide_request, questions = parse_decide_request(body)
+            if decide_request.model != state.settings.served_model_name:
+                raise _NotFound(f"the model {decide_request.model!r} does not exist; this server serves "
+                                f"{state.settings.served_model_name!r}")
+            material = await state.async_engine.run_in_media_pool(
+                state.resolver.resolve_messages, decide_request.material
+            )
+            decision_id = f"decide-{uuid.uuid4().hex}"
+            branches = await state.async_engine.run_in_media_pool(
+                _branches, state.engine.inputs, decision_id, material, questions
+            )
+            finals = await state.async_engine.decide(decision_id, branches)
+        except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
+            return _error_response(state, error)
+        answers = []
+        for i, (question, branch) in enumerate(zip(questions, branches, strict=True)):
+            event = finals[branch.request_id]
+            if event.readout is None:
+                return JSONResponse(error_body(500, f"question {i} failed: {event.error or 'aborted'}"), status_code=500)
+            answer = make_answer(i, question, event.readout)
+            answer.prompt_tokens, answer.cached_tokens = event.prompt_tokens, event.cached_tokens
+            answers.append(answer)
+        if decide_request.thinking is not None:
+            config = decide_request.thinking.to_config()
+            doubtful = [i for i, a in enumerate(answers) if a.confidence < config.gate]
+            try:
+                rethought = await asyncio.gather(
+                    *(_rethink(state, f"{decision_id}/q{i}", branches[i], questions[i], config) for i in doubtful)
+                )
+            except Exception as error:  # noqa: BLE001
+                return _error_response(state, error)
+            for i, (probabilities, n_thought) in zip(doubtful, rethought, strict=True):
+                answer = make_answer(i, questions[i], probabilities)
+                answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
+                answer.thought, answer.thinking_tokens = True, n_thought
+                answers[i] = answer
+        response = decide_response(decision_id, int(time.time()), decide_request.model, answers)
+        return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+
     return app
 
 
+async def _rethink(state: ServerState, request_id: str, branch: Branch, question, config) -> tuple[list[float], int]:
+    """Gated thinking for one question: generate its reasoning (seeded by its own text), read again."""
+    encode = state.engine.inputs.encode
+    prompt, params = thinking_request(branch.prompt, question, config, encode)
+    thought: list[int] = []
+    async for event in state.async_engine.generate(f"{request_id}/think", prompt, params):
+        thought += event.new_token_ids
+    final = await state.async_engine.readout(
+        f"{request_id}/reread", answer_after_thinking(branch.prompt, thought, encode), branch.candidates,
+        branch.temperature,
+    )
+    if final.readout is None:
+        raise RequestFailedError(f"the reread of {request_id} failed: {final.error or 'aborted'}")
+    return final.readout, len(thought)
+
+
+def _branches(inputs, decision_id: str, material: list[dict], questions) -> list[Branch]:
+    """Each question's full prompt (material + the question's user turn) and readout candidates."""
+    branches = []
+    for i, question in enumerate(questions):
+        prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
+        branches.append(Branch(f"{decision_id}/q{i}", prompt, candidate_token_ids(question, inputs.encode),
+                               question.temperature))
+    return branches
+
+
 # -- helpers ---------------------------------------------------------------------------------------
-def _document_chat_body(app: FastAPI) -> None:
-    """The chat endpoint reads its raw body (to size-check it first), so FastAPI cannot infer its schema:
-    publish ChatCompletionRequest's JSON schema as the request body in /openapi.json."""
+def _document_raw_bodies(app: FastAPI) -> None:
+    """The POST endpoints read their raw body (to size-check it first), so FastAPI cannot infer their
+    schemas: publish the request models' JSON schemas as the request bodies in /openapi.json."""
     from fastapi.openapi.utils import get_openapi
+
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/decide": DecideRequest}
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            body = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
             components = spec.setdefault("components", {}).setdefault("schemas", {})
-            components.update(body.pop("$defs", {}))
-            components["ChatCompletionRequest"] = body
-            spec["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
-            }
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                spec["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                }
             app.openapi_schema = spec
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-
-async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
+async def _read_body(request: Request, state: ServerState) -> bytes:
+    """The raw body, refused (413) as soon as it is known to exceed the limit."""
     limit = state.settings.max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -178,7 +256,11 @@ async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
         body += piece
         if len(body) > limit:
             raise _TooLarge(f"the request body exceeds {limit} bytes")
-    chat = parse_chat_request(bytes(body))
+    return bytes(body)
+
+
+async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
+    chat = parse_chat_request(await _read_body(request, state))
     if chat.model != state.settings.served_model_name:
         raise _NotFound(f"the model {chat.model!r} does not exist; this server serves {state.settings.served_model_name!r}")
     return chat

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.engine import Engine
-from ..engine.request import FinishReason, RequestOutput
+from ..engine.request import Branch, FinishReason, RequestOutput
 from ..engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,8 @@ class _Stream:
 
 @dataclass(frozen=True)
 class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
+    request_ids: tuple[str, ...]  # whose events go to `stream`
+    submit: Callable[[Engine], object]  # runs on the owner thread (add_request / add_decision)
     accepted: asyncio.Future
     stream: _Stream
 
@@ -96,16 +95,7 @@ class AsyncEngine:
         Overloaded when too many are in flight, ShuttingDown while stopping. If the consumer stops
         early (client disconnect), the request is aborted.
         """
-        if self._stopping:
-            raise ShuttingDown("the server is shutting down")
-        if len(self._streams) >= self.max_in_flight:
-            raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.max_in_flight}); retry later")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        accepted = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, accepted, stream))
-        self._wakeup.set()
-        await accepted  # raises what add_request raised
+        stream = await self._submit((request_id,), lambda engine: engine.add_request(request_id, prompt, params))
         finished = False
         try:
             while True:
@@ -119,6 +109,53 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def decide(self, decision_id: str, branches: list[Branch]) -> dict[str, RequestOutput]:
+        """Submit a decision; returns each branch's terminal event (which carries its readout)."""
+        ids = tuple(b.request_id for b in branches)
+        stream = await self._submit(ids, lambda engine: engine.add_decision(decision_id, branches))
+        finals: dict[str, RequestOutput] = {}
+        try:
+            while len(finals) < len(ids):
+                event: RequestOutput = await stream.queue.get()
+                if event.finished:
+                    finals[event.request_id] = event
+            return finals
+        finally:
+            if len(finals) < len(ids):  # cancelled: stop the material and every branch still running
+                for request_id in (f"{decision_id}/material", *ids):
+                    self.abort(request_id)
+
+    async def readout(
+        self, request_id: str, prompt: Any, candidates: tuple[int, ...], temperature: float
+    ) -> RequestOutput:
+        """A readout request's terminal event (its probabilities over `candidates`)."""
+        stream = await self._submit(
+            (request_id,), lambda engine: engine.add_readout_request(request_id, prompt, candidates, temperature)
+        )
+        finished = False
+        try:
+            while True:
+                event: RequestOutput = await stream.queue.get()
+                if event.finished:
+                    finished = True
+                    return event
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def _submit(self, request_ids: tuple[str, ...], submit: Callable[[Engine], object]) -> _Stream:
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down")
+        if len(self._streams) + len(request_ids) > self.max_in_flight:
+            raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.max_in_flight}); retry later")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        accepted = loop.create_future()
+        self._commands.put(_Add(request_ids, submit, accepted, stream))
+        self._wakeup.set()
+        await accepted  # raises what the engine raised
+        return stream
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -162,11 +199,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_settle, command.accepted, ShuttingDown("the server is shutting down"))
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            command.submit(self.engine)
         except Exception as error:  # refused: the coroutine re-raises it as an HTTP error
             loop.call_soon_threadsafe(_settle, command.accepted, error)
             return
-        self._streams[command.request_id] = command.stream
+        for request_id in command.request_ids:
+            self._streams[request_id] = command.stream
         loop.call_soon_threadsafe(_settle, command.accepted, None)
 
     def _step(self) -> None:

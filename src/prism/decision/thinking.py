@@ -1,0 +1,50 @@
+"""Gated thinking: a question whose first readout is not confident enough (below the gate) gets to
+reason, then is read again.
+
+Owns that a question's reasoning depends on nothing but the question: its sampling seed is derived
+from the decision's seed and the question's own text (not its position among siblings), and sampling
+uses a per-request generator, so sibling questions and batch companions cannot change it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ..engine.inputs import PreparedPrompt
+from ..engine.sampling import SamplingParams
+from .questions import Question
+
+THINKING_PREAMBLE = "Let me think about this step by step.\n"
+ANSWER_CUE = "\nFinal answer: "
+
+
+@dataclass(frozen=True)
+class ThinkingConfig:
+    gate: float = 0.6  # think when the first readout's confidence is below this
+    max_tokens: int = 128
+    temperature: float = 0.7
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gate <= 1.0:
+            raise ValueError(f"the thinking gate must be in [0, 1], got {self.gate}")
+        if self.max_tokens < 1:
+            raise ValueError(f"thinking max_tokens must be >= 1, got {self.max_tokens}")
+
+
+def question_seed(config: ThinkingConfig, question: Question) -> int:
+    data = f"{config.seed}\x00{question.kind}\x00{question.render()}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def thinking_request(prompt: PreparedPrompt, question: Question, config: ThinkingConfig, encode) -> tuple[PreparedPrompt, SamplingParams]:
+    """The reasoning generation: the question's prompt, the assistant starting to think."""
+    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
+                            seed=question_seed(config, question), stop=(ANSWER_CUE.strip(),))
+    return prompt.extended(encode(THINKING_PREAMBLE)), params
+
+
+def answer_after_thinking(prompt: PreparedPrompt, thought: list[int], encode) -> PreparedPrompt:
+    """The second readout's prompt: the question, the reasoning, then the answer cue."""
+    return prompt.extended(encode(THINKING_PREAMBLE) + list(thought) + encode(ANSWER_CUE))
