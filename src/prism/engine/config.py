@@ -45,6 +45,9 @@ class EngineConfig:
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
     cuda_graphs: bool = True  # decode steps replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 32  # larger decode batches run eagerly
+    # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
+    # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
+    deterministic: bool = False
     check_invariants: bool = False  # run the KV manager's full accounting check after every step (tests)
 
     def __post_init__(self) -> None:

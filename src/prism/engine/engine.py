@@ -58,6 +58,7 @@ class Engine:
             namespace,
             self.config.num_cpu_pages,
             enable_prefix_cache=self.config.enable_prefix_cache,
+            page_aligned_hits=self.config.deterministic,
         )
         self.runner = ModelRunner(
             model,
@@ -66,6 +67,7 @@ class Engine:
             self.config.encoder_cache_bytes,
             cuda_graph_max_batch=self.config.cuda_graph_max_batch if self.config.cuda_graphs else None,
             max_model_len=self.max_model_len,
+            deterministic=self.config.deterministic,
         )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -23,6 +23,17 @@ from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSlice
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Positions [start, end) of one request in a forward, then `pad` filler rows (deterministic tiles)."""
+
+    request: object
+    start: int
+    end: int
+    pad: int
+    sample: bool
+
+
 @dataclass
 class RunnerStats:
     steps: int = 0
@@ -55,10 +66,12 @@ class ModelRunner:
         *,
         cuda_graph_max_batch: int | None = None,
         max_model_len: int = 0,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
         self.device = model.device
-        use_graphs = cuda_graph_max_batch is not None and self.device.type == "cuda"
+        self.deterministic = deterministic
+        use_graphs = cuda_graph_max_batch is not None and self.device.type == "cuda" and not deterministic
         # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
         scratch = -(-cuda_graph_max_batch // layout.page_size) if use_graphs else 0
         self.gpu_pool = KVPool.allocate(layout.with_num_pages(layout.num_pages + scratch), self.device)
@@ -82,35 +95,61 @@ class ModelRunner:
             execute_plan(plan, self.gpu_pool, self.cpu_pool)
             if not slices:
                 return torch.empty(0)
+            if self.deterministic:
+                return self._execute_deterministic(slices, kv)
             if self.graphs is not None and self._is_graph_decode(slices):
                 return self._graph_decode(slices, kv)
-            ids, positions, rows = [], [], []
-            offset = 0
-            for s in slices:
-                ids.extend(s.request.all_token_ids[s.start : s.end])
-                positions.append(token_positions(s.request, s.start, s.end))
-                offset += s.end - s.start
-                if s.sample:
-                    rows.append(offset - 1)
-            meta = PagedAttentionMetadata.build(
-                [s.end - s.start for s in slices],
-                [s.end for s in slices],
-                [[page for _, page in kv.seqs[s.request.request_id].pages] for s in slices],
-                kv.page_size,
-                self.device,
-            )
-            logits = self.model(
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
-                torch.cat(positions, dim=1).to(self.device),
-                PagedKVBackend(self.gpu_pool, meta),
-                multimodal=self._media_features(slices),
-                logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            )
-            self.stats.steps += 1
-            self.stats.tokens_computed += offset
-            return logits.float()
+            return self._forward([_Piece(s.request, s.start, s.end, 0, s.sample) for s in slices], kv)
         finally:
             kv.finish_plan(plan)
+
+    def _forward(self, pieces: list[_Piece], kv: KVCacheManager) -> torch.Tensor:
+        """One packed forward over the pieces; fp32 logits of the sampling pieces' last real rows."""
+        ids, positions, rows = [], [], []
+        offset = 0
+        for p in pieces:
+            ids.extend(p.request.all_token_ids[p.start : p.end])
+            ids.extend([0] * p.pad)
+            positions.append(token_positions(p.request, p.start, p.end + p.pad))
+            if p.sample:
+                rows.append(offset + p.end - p.start - 1)
+            offset += p.end + p.pad - p.start
+        meta = PagedAttentionMetadata.build(
+            [p.end + p.pad - p.start for p in pieces],
+            [p.end + p.pad for p in pieces],
+            [[page for _, page in kv.seqs[p.request.request_id].pages] for p in pieces],
+            kv.page_size,
+            self.device,
+        )
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.cat(positions, dim=1).to(self.device),
+            PagedKVBackend(self.gpu_pool, meta),
+            multimodal=self._media_features(pieces),
+            logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
+        )
+        self.stats.steps += 1
+        self.stats.tokens_computed += offset
+        return logits.float()
+
+    # -- deterministic mode ----------------------------------------------------------------------
+    def _execute_deterministic(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
+        """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
+        the frontier page from its start: every token is always computed in the same tile at the same row
+        with the same shapes, whatever the batch, the chunking or the cache did."""
+        size = kv.page_size
+        out = []
+        for s in slices:
+            tile_start = (s.start // size) * size
+            while tile_start < s.end:
+                tile_end = min(tile_start + size, s.end)
+                last = tile_end == s.end
+                piece = _Piece(s.request, tile_start, tile_end, tile_start + size - tile_end, s.sample and last)
+                logits = self._forward([piece], kv)
+                if piece.sample:
+                    out.append(logits)
+                tile_start += size
+        return torch.cat(out) if out else torch.empty(0)
 
     # -- CUDA-graph decode ------------------------------------------------------------------------
     def _is_graph_decode(self, slices: list[ScheduledSlice]) -> bool:
@@ -135,18 +174,19 @@ class ModelRunner:
         return logits
 
     # -- vision ----------------------------------------------------------------------------------
-    def _media_features(self, slices: list[ScheduledSlice]) -> MultimodalEmbeddings | None:
-        """Features of every media span computed this step, placed at their rows of the packed batch."""
-        wanted = []  # (packed row of the span's first token, media item, span offset in the item, length)
+    def _media_features(self, pieces: list[_Piece]) -> MultimodalEmbeddings | None:
+        """Features of every media token computed this step, placed at their rows of the packed batch."""
+        wanted = []  # (packed row of the first token, media item, offset in the item's features, length)
         row = 0
-        for s in slices:
-            for item in s.request.prompt.media:
+        for p in pieces:
+            for item in p.request.prompt.media:
                 item_offset = 0
                 for span_start, span_len in item.spans:
-                    if s.start <= span_start and span_start + span_len <= s.end:
-                        wanted.append((row + span_start - s.start, item, item_offset, span_len))
+                    lo, hi = max(p.start, span_start), min(p.end, span_start + span_len)
+                    if lo < hi:
+                        wanted.append((row + lo - p.start, item, item_offset + lo - span_start, hi - lo))
                     item_offset += span_len
-            row += s.end - s.start
+            row += p.end + p.pad - p.start
         if not wanted:
             return None
         features = self._encode({id(item): item for _, item, _, _ in wanted}.values())
@@ -173,15 +213,17 @@ class ModelRunner:
                 self.stats.encoder_cache_hits += 1
             elif item.digest not in {m.digest for m in missing}:
                 missing.append(item)
-        if missing:
-            pixels = torch.cat([m.pixel_values for m in missing]).to(self.device, self.model.dtype)
-            out = self.model.encode_media(pixels, [list(m.grid_thw) for m in missing])
+        # Deterministic mode encodes one item at a time: an item's features never depend on its companions.
+        groups = [[m] for m in missing] if self.deterministic else ([missing] if missing else [])
+        for group in groups:
+            pixels = torch.cat([m.pixel_values for m in group]).to(self.device, self.model.dtype)
+            out = self.model.encode_media(pixels, [list(m.grid_thw) for m in group])
             start = 0
-            for item, count in zip(missing, out.tokens_per_item, strict=True):
+            for item, count in zip(group, out.tokens_per_item, strict=True):
                 value = (out.embeds[start : start + count], out.deepstack[:, start : start + count])
                 start += count
                 features[item.digest] = value
                 nbytes = value[0].numel() * value[0].element_size() + value[1].numel() * value[1].element_size()
                 self.encoder_cache.put(CacheKey(item.digest, "vision"), value, nbytes)
-            self.stats.vision_items_encoded += len(missing)
+            self.stats.vision_items_encoded += len(group)
         return features

@@ -65,9 +65,11 @@ class KVCacheManager:
         namespace: str = "",
         num_cpu_pages: int = 0,
         enable_prefix_cache: bool = True,
+        page_aligned_hits: bool = False,
     ) -> None:
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.page_aligned_hits = page_aligned_hits  # deterministic mode: reuse whole pages only, never a tail
         self.gpu = PagePool(num_gpu_pages, "gpu")
         self.cpu = PagePool(num_cpu_pages, "cpu")
         self.index = PrefixIndex(page_size)
@@ -106,7 +108,14 @@ class KVCacheManager:
         """The reusable prefix, leaving at least the last prompt token to compute."""
         if not self.enable_prefix_cache:
             return PrefixHit((), (), None, 0, self.page_size)
-        return self.index.lookup(content, self.root, len(content) - 1)
+        hit = self.index.lookup(content, self.root, len(content) - 1)
+        if self.page_aligned_hits and hit.tail_source is not None:
+            tokens = len(hit.shared_pages) * self.page_size
+            while (span := content.span_containing(tokens)) is not None:  # never end inside an image
+                tokens = span.start // self.page_size * self.page_size
+            pages = tokens // self.page_size
+            return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size)
+        return hit
 
     def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int) -> SeqKV:
         """Attach the cached prefix and reserve pages for up to `reserve_tokens` positions after it.
