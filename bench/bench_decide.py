@@ -1,0 +1,138 @@
+"""GPU benchmark W7 (decisions), in-process: one material (8 images 448x448) + 3 questions as one decide
+vs the same 3 questions as separate readout requests vs plain HF (3 full forwards), on the 8B-shaped
+checkpoint built by bench_engine.py; latency at 1 client, throughput with 32 decides submitted at once.
+Also the cost of deterministic mode on the same decide. Appends to bench/results/<date>-<gpu>-w7.json/.md."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prism.decision.questions import Question, candidate_token_ids  # noqa: E402
+from prism.engine.llm import LLM  # noqa: E402
+from prism.engine.request import Branch  # noqa: E402
+from prism.testing.checkpoints import build_checkpoint  # noqa: E402
+from prism.testing.hf_reference import random_images  # noqa: E402
+
+CKPT = Path("/tmp/prism-bench/qwen3vl-8b-random")
+QUESTIONS = [
+    Question("choice", "Which picture is the brightest?", tuple(f"picture {i + 1}" for i in range(8))),
+    Question("yes_no", "Do all pictures show the same scene?"),
+    Question("score", "How sharp are the pictures overall?", levels=(1, 2, 3, 4, 5)),
+]
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def material(seed: int) -> list[dict]:
+    images = random_images([(448, 448)] * 8, seed=seed)
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": "Here are eight pictures."}]}]
+
+
+def separate(llm: LLM, mat: list[dict]) -> None:
+    """The 3 questions as 3 independent readout requests, submitted together (a general server's view)."""
+    inputs = llm.engine.inputs
+    ids = []
+    for i, q in enumerate(QUESTIONS):
+        prompt = inputs.prepare_chat([*mat, {"role": "user", "content": q.render()}])
+        rid = f"sep-{time.perf_counter_ns()}-{i}"
+        llm.engine.add_readout_request(rid, prompt, candidate_token_ids(q, inputs.encode))
+        ids.append(rid)
+    llm._run_until_finished(ids)
+
+
+def main() -> None:
+    if not (CKPT / "config.json").exists():
+        build_checkpoint("8b", CKPT, device="cuda", progress=True)
+    out: dict = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat()}
+    llm = LLM(CKPT, kv_memory_bytes=24 * 2**30, page_size=256, max_num_seqs=128, max_num_batched_tokens=16384)
+    llm.decide(material(999), QUESTIONS)  # warm-up
+    cold = [timed(lambda s=s: llm.decide(material(100 + s), QUESTIONS)) for s in range(5)]
+    hot_mat = material(7)
+    llm.decide(hot_mat, QUESTIONS)
+    hot = [timed(lambda: llm.decide(hot_mat, QUESTIONS)) for _ in range(5)]
+    sep_cold = [timed(lambda s=s: separate(llm, material(200 + s))) for s in range(5)]
+
+    def many() -> None:  # 32 decides over 4 materials, all submitted before the first step
+        inputs = llm.engine.inputs
+        mats = [material(300 + k) for k in range(4)]
+        ids = []
+        for d in range(32):
+            branches = []
+            for i, q in enumerate(QUESTIONS):
+                prompt = inputs.prepare_chat([*mats[d % 4], {"role": "user", "content": q.render()}])
+                branches.append(Branch(f"m{d}-{time.perf_counter_ns()}-{i}", prompt, candidate_token_ids(q, inputs.encode)))
+            ids += llm.engine.add_decision(f"many{d}-{time.perf_counter_ns()}", branches)
+        llm._run_until_finished(ids)
+
+    t_many = timed(many)
+    out["prism_decide_cold_ms"] = statistics.median(cold) * 1e3
+    out["prism_decide_hot_ms"] = statistics.median(hot) * 1e3
+    out["prism_3_separate_cold_ms"] = statistics.median(sep_cold) * 1e3
+    out["prism_32_decides_per_s"] = 32 / t_many
+    llm = None
+    torch.cuda.empty_cache()
+
+    det = LLM(CKPT, kv_memory_bytes=24 * 2**30, page_size=256, deterministic=True)
+    det.decide(material(999), QUESTIONS)
+    det_cold = [timed(lambda s=s: det.decide(material(100 + s), QUESTIONS)) for s in range(3)]
+    out["prism_deterministic_decide_cold_ms"] = statistics.median(det_cold) * 1e3
+    inputs = det.engine.inputs
+    det = None
+    torch.cuda.empty_cache()
+
+    from transformers import Qwen3VLForConditionalGeneration
+
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(CKPT, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+
+    def hf_three(mat) -> None:
+        for q in QUESTIONS:
+            p = inputs.prepare_chat([*mat, {"role": "user", "content": q.render()}])
+            kw = {"input_ids": torch.tensor([p.token_ids], device="cuda"),
+                  "attention_mask": torch.ones(1, len(p.token_ids), dtype=torch.long, device="cuda"),
+                  "mm_token_type_ids": torch.as_tensor(p.mm_token_type_ids)[None].cuda(),
+                  "pixel_values": torch.cat([m.pixel_values for m in p.images]).cuda(),
+                  "image_grid_thw": p.image_grid_thw.cuda()}
+            with torch.no_grad():
+                hf(**kw, logits_to_keep=1)
+
+    hf_three(material(999))
+    out["hf_3_forwards_cold_ms"] = statistics.median([timed(lambda s=s: hf_three(material(100 + s))) for s in range(5)]) * 1e3
+    md = "\n".join([
+        f"W7 decisions, {out['gpu']}, {out['date']}: one material of 8 images (448x448) + 3 questions (choice / yes-no / score)",
+        "",
+        "| | latency median | throughput |",
+        "|---|---:|---:|",
+        f"| Prism decide, new material | {out['prism_decide_cold_ms']:.1f} ms | |",
+        f"| Prism decide, same material again (full hit) | {out['prism_decide_hot_ms']:.1f} ms | |",
+        f"| Prism, the 3 questions as separate requests, new material | {out['prism_3_separate_cold_ms']:.1f} ms | |",
+        f"| Prism decide, 32 submitted at once (4 materials) | | {out['prism_32_decides_per_s']:.2f} decides/s |",
+        f"| Prism decide, deterministic mode, new material | {out['prism_deterministic_decide_cold_ms']:.1f} ms | |",
+        f"| HF transformers, 3 full forwards, new material | {out['hf_3_forwards_cold_ms']:.1f} ms | |",
+    ]) + "\n"
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    stem = f"{out['date']}-{out['gpu'].replace(' ', '-').lower()}-w7"
+    (results / f"{stem}.json").write_text(json.dumps(out, indent=2))
+    (results / f"{stem}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Deterministic mode on the H200 with the 8B-shaped checkpoint: a fixed request's logits are bitwise
+identical alone, next to companions, and on a cache hit; the default mode (packed batches, CUDA graphs)
+is the negative control and its difference is reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism.engine.llm import LLM
+from prism.engine.sampling import SamplingParams
+from prism.testing.hf_reference import random_images
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+IMAGE = random_images([(448, 448)], seed=12)[0]
+PARAMS = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+
+
+def message(image, text):
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def target_logits(ckpt, *, deterministic: bool, companions: int, warm: bool) -> torch.Tensor:
+    llm = LLM(ckpt, kv_memory_bytes=8 * 2**30, page_size=64, deterministic=deterministic)
+    engine = llm.engine
+    if warm:
+        llm.generate([message(IMAGE, "What does the picture show, roughly? Give a long answer.")], PARAMS)
+    captured = []
+    execute = engine.runner.execute
+
+    def capture(slices, kv):
+        logits = execute(slices, kv)
+        for row, s in enumerate([s for s in slices if s.sample]):
+            if s.request.request_id == "target":
+                captured.append(logits[row].clone())
+        return logits
+
+    engine.runner.execute = capture
+    others = random_images([(448, 448)] * companions, seed=40)
+    for i, image in enumerate(others):
+        engine.add_request(f"c{i}", message(image, f"Companion {i} asks something."), SamplingParams.greedy(max_tokens=3 + i))
+    engine.add_request("target", message(IMAGE, "What does the picture show, exactly? Give a long answer."), PARAMS)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = torch.stack(captured).cpu()
+    del llm, engine
+    torch.cuda.empty_cache()
+    return out
+
+
+def test_deterministic_mode_is_bitwise_and_default_mode_is_not_on_gpu(ckpt_8b):
+    alone = target_logits(ckpt_8b, deterministic=True, companions=0, warm=False)
+    busy = target_logits(ckpt_8b, deterministic=True, companions=3, warm=False)
+    hit = target_logits(ckpt_8b, deterministic=True, companions=1, warm=True)
+    assert torch.equal(alone, busy), "deterministic mode: companions changed the logits"
+    assert torch.equal(alone, hit), "deterministic mode: a cache hit changed the logits"
+    default_alone = target_logits(ckpt_8b, deterministic=False, companions=0, warm=False)
+    default_busy = target_logits(ckpt_8b, deterministic=False, companions=3, warm=True)
+    diff = float((default_alone - default_busy).abs().max())
+    print(f"negative control, default mode on {torch.cuda.get_device_name()}: "
+          f"{'differs' if diff else 'identical'} (max abs logit diff {diff:.4g})")
