@@ -85,8 +85,6 @@ def test_vision_runs_once_and_a_second_decide_is_a_full_hit():
 
 
 def test_question_validation_and_single_token_candidates():
-    with pytest.raises(QuestionError, match="at most 26"):
-        Question("choice", "Pick", tuple(str(i) for i in range(27)))
     with pytest.raises(QuestionError, match="at least two options"):
         Question("choice", "Pick", ("only",))
     with pytest.raises(QuestionError, match="distinct levels"):
@@ -122,3 +120,17 @@ def test_gated_thinking_thinks_only_below_the_gate_and_ignores_siblings():
     alone_answer = new_llm().decide(MATERIAL, [QUESTIONS[2]], always)[0]
     assert alone_answer.thinking_tokens == together[2].thinking_tokens
     assert alone_answer.probabilities == pytest.approx(together[2].probabilities, abs=1e-5)
+
+
+def test_more_than_26_options_go_through_grouped_rounds():
+    options = tuple(f"option number {k}" for k in range(30))
+    question = Question("choice", "Which option fits best?", options)
+    assert question.labels[:3] == ("1", "2", "3") and len(question.labels) == 30
+    llm = new_llm()
+    (answer,) = llm.decide(MATERIAL, [question])
+    assert set(answer.probabilities) == set(question.labels)
+    assert abs(sum(answer.probabilities.values()) - 1) < 1e-5
+    nonzero = [label for label, p in answer.probabilities.items() if p > 0]
+    assert len(nonzero) == 2, "two groups (26 + 4): the final round is between their two winners"
+    assert answer.answer in nonzero and answer.confidence == max(answer.probabilities.values())
+    assert llm.engine.runner.stats.vision_items_encoded == 2

@@ -28,7 +28,7 @@ class QuestionError(ValueError):
 class Question:
     kind: Kind
     text: str
-    options: tuple[str, ...] = ()  # choice: the option texts, labelled A, B, C...
+    options: tuple[str, ...] = ()  # choice: the option texts, labelled A, B, C... (more than 26: grouped rounds)
     levels: tuple[int, ...] = ()  # score: the allowed scores
     temperature: float = 1.0  # readout temperature (softmax over candidate logits / temperature)
 
@@ -44,10 +44,6 @@ class Question:
         if self.kind == "choice":
             if len(self.options) < 2:
                 raise QuestionError("a choice question needs at least two options")
-            if len(self.options) > MAX_OPTIONS:
-                raise QuestionError(
-                    f"a choice question has {len(self.options)} options; at most {MAX_OPTIONS} (A-Z) are supported"
-                )
         elif self.options:
             raise QuestionError(f"options are only for choice questions, not {self.kind}")
         if self.kind == "score":
@@ -60,6 +56,8 @@ class Question:
     def labels(self) -> tuple[str, ...]:
         """The answer strings, one token each."""
         if self.kind == "choice":
+            if len(self.options) > MAX_OPTIONS:  # asked in grouped rounds; answers named by position
+                return tuple(str(k + 1) for k in range(len(self.options)))
             return tuple(string.ascii_uppercase[: len(self.options)])
         if self.kind == "yes_no":
             return ("Yes", "No")

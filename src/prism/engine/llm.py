@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..decision.questions import Answer, Question, candidate_token_ids, make_answer
-from ..decision.thinking import ThinkingConfig, answer_after_thinking, thinking_request
+from ..decision.plan import Generations, Outcome, Readouts, advance, plan_decision
+from ..decision.questions import Answer, Question
+from ..decision.thinking import ThinkingConfig
 from .config import EngineConfig
 from .engine import Engine
 from .inputs import PreparedPrompt
-from .request import Branch, FinishReason, RequestOutput, TokenLogprobs
+from .request import FinishReason, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
 
 PromptLike = PreparedPrompt | str | list[dict]
@@ -65,37 +66,23 @@ class LLM:
         """Several questions over one material (chat messages with images/text): the material is
         prefilled once, each question forks from it, and each answer is read as probabilities. With
         `thinking`, a question below the confidence gate reasons (seeded by its own text) and is read again."""
-        inputs = self.engine.inputs
-        decision_id = f"decide-{next(self._ids)}"
-        branches = []
-        for i, question in enumerate(questions):
-            prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
-            candidates = candidate_token_ids(question, inputs.encode)
-            branches.append(Branch(f"{decision_id}/q{i}", prompt, candidates, question.temperature))
-        finals = self._run_until_finished(self.engine.add_decision(decision_id, branches))
-        answers = [self._answer(i, q, finals[b.request_id]) for i, (q, b) in enumerate(zip(questions, branches, strict=True))]
-        if thinking is None:
-            return answers
-        doubtful = [i for i, a in enumerate(answers) if a.confidence < thinking.gate]
-        thoughts = {}
-        for i in doubtful:
-            prompt, params = thinking_request(branches[i].prompt, questions[i], thinking, inputs.encode)
-            thoughts[i] = self._add(prompt, params)
-        generated = self._run_until_finished(list(thoughts.values()))
-        rereads = {}
-        for i in doubtful:
-            thought = generated[thoughts[i]].token_ids
-            prompt = answer_after_thinking(branches[i].prompt, thought, inputs.encode)
-            request_id = f"{decision_id}/q{i}/reread"
-            self.engine.add_readout_request(request_id, prompt, branches[i].candidates, questions[i].temperature)
-            rereads[i] = (request_id, len(thought))
-        finals = self._run_until_finished([request_id for request_id, _ in rereads.values()])
-        for i, (request_id, n_thought) in rereads.items():
-            answer = self._answer(i, questions[i], finals[request_id])
-            answer.thought, answer.thinking_tokens = True, n_thought
-            answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
-            answers[i] = answer
-        return answers
+        plan = plan_decision(f"decide-{next(self._ids)}", material, list(questions), self.engine.inputs, thinking)
+        state, value = advance(plan, None)
+        while state == "work":
+            state, value = advance(plan, self._run_work(value))
+        return value
+
+    def _run_work(self, work: Readouts | Generations) -> dict[str, Outcome]:
+        engine = self.engine
+        if isinstance(work, Readouts) and work.decision_id is not None:
+            ids = engine.add_decision(work.decision_id, work.branches)
+        elif isinstance(work, Readouts):
+            ids = [engine.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature).request_id
+                   for b in work.branches]
+        else:
+            ids = [engine.add_request(rid, prompt, params).request_id for rid, prompt, params in work.requests]
+        done = self._run_until_finished(ids)
+        return {rid: Outcome(c.readout, c.token_ids, c.prompt_tokens, c.cached_tokens, c.error) for rid, c in done.items()}
 
     def _run_until_finished(self, request_ids: list[str]) -> dict[str, Completion]:
         """Step until every listed request finished; their accumulated outputs."""
@@ -109,14 +96,6 @@ class LLM:
                         done.add(event.request_id)
                         completions[event.request_id].readout = event.readout
         return completions
-
-    @staticmethod
-    def _answer(index: int, question: Question, completion: Completion) -> Answer:
-        if completion.readout is None:
-            raise RuntimeError(f"question {index} failed: {completion.error or completion.finish_reason}")
-        answer = make_answer(index, question, completion.readout)
-        answer.prompt_tokens, answer.cached_tokens = completion.prompt_tokens, completion.cached_tokens
-        return answer
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Events of one request as the engine produces them (other requests may share the steps)."""

@@ -21,11 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..decision.questions import candidate_token_ids, make_answer
-from ..decision.thinking import answer_after_thinking, thinking_request
+from ..decision.plan import Generations, Outcome, Readouts, advance, plan_decision
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
-from ..engine.request import Branch, RequestOutput
+from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
 from .async_engine import AsyncEngine, Overloaded, ShuttingDown
@@ -159,64 +158,45 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 state.resolver.resolve_messages, decide_request.material
             )
             decision_id = f"decide-{uuid.uuid4().hex}"
-            branches = await state.async_engine.run_in_media_pool(
-                _branches, state.engine.inputs, decision_id, material, questions
-            )
-            finals = await state.async_engine.decide(decision_id, branches)
+            thinking = decide_request.thinking.to_config() if decide_request.thinking is not None else None
+            plan = plan_decision(decision_id, material, questions, state.engine.inputs, thinking)
+            # Each plan step prepares prompts (template, image preprocessing): run it off the event loop.
+            step, value = await state.async_engine.run_in_media_pool(advance, plan, None)
+            while step == "work":
+                outcomes = await _run_work(state, value)
+                step, value = await state.async_engine.run_in_media_pool(advance, plan, outcomes)
+            answers = value
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
             return _error_response(state, error)
-        answers = []
-        for i, (question, branch) in enumerate(zip(questions, branches, strict=True)):
-            event = finals[branch.request_id]
-            if event.readout is None:
-                return JSONResponse(error_body(500, f"question {i} failed: {event.error or 'aborted'}"), status_code=500)
-            answer = make_answer(i, question, event.readout)
-            answer.prompt_tokens, answer.cached_tokens = event.prompt_tokens, event.cached_tokens
-            answers.append(answer)
-        if decide_request.thinking is not None:
-            config = decide_request.thinking.to_config()
-            doubtful = [i for i, a in enumerate(answers) if a.confidence < config.gate]
-            try:
-                rethought = await asyncio.gather(
-                    *(_rethink(state, f"{decision_id}/q{i}", branches[i], questions[i], config) for i in doubtful)
-                )
-            except Exception as error:  # noqa: BLE001
-                return _error_response(state, error)
-            for i, (probabilities, n_thought) in zip(doubtful, rethought, strict=True):
-                answer = make_answer(i, questions[i], probabilities)
-                answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
-                answer.thought, answer.thinking_tokens = True, n_thought
-                answers[i] = answer
         response = decide_response(decision_id, int(time.time()), decide_request.model, answers)
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
     return app
 
 
-async def _rethink(state: ServerState, request_id: str, branch: Branch, question, config) -> tuple[list[float], int]:
-    """Gated thinking for one question: generate its reasoning (seeded by its own text), read again."""
-    encode = state.engine.inputs.encode
-    prompt, params = thinking_request(branch.prompt, question, config, encode)
-    thought: list[int] = []
-    async for event in state.async_engine.generate(f"{request_id}/think", prompt, params):
-        thought += event.new_token_ids
-    final = await state.async_engine.readout(
-        f"{request_id}/reread", answer_after_thinking(branch.prompt, thought, encode), branch.candidates,
-        branch.temperature,
-    )
-    if final.readout is None:
-        raise RequestFailedError(f"the reread of {request_id} failed: {final.error or 'aborted'}")
-    return final.readout, len(thought)
+async def _run_work(state: ServerState, work: Readouts | Generations) -> dict[str, Outcome]:
+    """One batch of a decision plan through the async engine."""
+    engine = state.async_engine
+    if isinstance(work, Readouts) and work.decision_id is not None:
+        finals = await engine.decide(work.decision_id, work.branches)
+    elif isinstance(work, Readouts):
+        events = await asyncio.gather(
+            *(engine.readout(b.request_id, b.prompt, b.candidates, b.temperature) for b in work.branches)
+        )
+        finals = {b.request_id: e for b, e in zip(work.branches, events, strict=True)}
+    else:
+        async def generate(request_id, prompt, params) -> tuple[RequestOutput, list[int]]:
+            tokens: list[int] = []
+            async for event in engine.generate(request_id, prompt, params):
+                tokens += event.new_token_ids
+            return event, tokens
 
-
-def _branches(inputs, decision_id: str, material: list[dict], questions) -> list[Branch]:
-    """Each question's full prompt (material + the question's user turn) and readout candidates."""
-    branches = []
-    for i, question in enumerate(questions):
-        prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
-        branches.append(Branch(f"{decision_id}/q{i}", prompt, candidate_token_ids(question, inputs.encode),
-                               question.temperature))
-    return branches
+        results = await asyncio.gather(*(generate(*r) for r in work.requests))
+        return {
+            rid: Outcome(None, tokens, e.prompt_tokens, e.cached_tokens, e.error)
+            for (rid, _, _), (e, tokens) in zip(work.requests, results, strict=True)
+        }
+    return {rid: Outcome(e.readout, None, e.prompt_tokens, e.cached_tokens, e.error) for rid, e in finals.items()}
 
 
 # -- helpers ---------------------------------------------------------------------------------------

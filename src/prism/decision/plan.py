@@ -1,0 +1,141 @@
+"""A decide request as a plan of engine work, written once and driven by both the offline API (`LLM`)
+and the server (`AsyncEngine`).
+
+The plan is a generator: it yields batches of work (readouts forked from the material, plain readouts,
+or generations) and receives each batch's outcomes, until it returns the answers. Round 1 reads every
+question from one material; a choice question with more than 26 options is asked in grouped rounds
+(groups of at most 26, then a final round among the group winners); gated thinking, when asked for,
+re-reads the questions whose confidence stays below the gate after reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+from ..engine.request import Branch
+from ..engine.sampling import SamplingParams
+from .questions import MAX_OPTIONS, Answer, Question, candidate_token_ids, make_answer
+from .thinking import ThinkingConfig, answer_after_thinking, thinking_request
+
+
+@dataclass(frozen=True)
+class Readouts:
+    """Branches to read; with a `decision_id` they fork from their shared material (Engine.add_decision)."""
+
+    decision_id: str | None
+    branches: list[Branch]
+
+
+@dataclass(frozen=True)
+class Generations:
+    requests: list[tuple[str, object, SamplingParams]]  # (request id, PreparedPrompt, params)
+
+
+@dataclass
+class Outcome:
+    readout: list[float] | None = None
+    token_ids: list[int] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+Plan = Generator[Readouts | Generations, dict[str, Outcome], list[Answer]]
+
+
+def grouped(question: Question) -> list[Question]:
+    """The round-1 questions of a choice with more than 26 options: consecutive groups of at most 26."""
+    options = question.options
+    return [
+        Question("choice", question.text, options[i : i + MAX_OPTIONS], temperature=question.temperature)
+        for i in range(0, len(options), MAX_OPTIONS)
+    ]
+
+
+def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
+                  thinking: ThinkingConfig | None = None) -> Plan:
+    def branch(request_id: str, question: Question) -> Branch:
+        prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
+        return Branch(request_id, prompt, candidate_token_ids(question, inputs.encode), question.temperature)
+
+    def read(outcome: Outcome, index: int, question: Question) -> Answer:
+        if outcome.readout is None:
+            raise RuntimeError(f"question {index} failed: {outcome.error or 'aborted'}")
+        answer = make_answer(index, question, outcome.readout)
+        answer.prompt_tokens, answer.cached_tokens = outcome.prompt_tokens, outcome.cached_tokens
+        return answer
+
+    # Round 1: every question (grouped ones as their groups), forked from one material.
+    asked: list[tuple[str, int, Question]] = []  # (request id, question index, question asked)
+    for i, q in enumerate(questions):
+        subs = grouped(q) if q.kind == "choice" and len(q.options) > MAX_OPTIONS else [q]
+        asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
+    round1 = [branch(request_id, sub) for request_id, _, sub in asked]
+    outcomes = yield Readouts(decision_id, round1)
+    answers: dict[int, Answer] = {}
+    finals: list[tuple[int, Question, list[tuple[str, float]]]] = []  # grouped: (index, final question, winners)
+    for i, q in enumerate(questions):
+        parts = [(rid, sub) for rid, qi, sub in asked if qi == i]
+        if len(parts) == 1:
+            answers[i] = read(outcomes[parts[0][0]], i, q)
+            continue
+        winners = []
+        for rid, sub in parts:
+            group = read(outcomes[rid], i, sub)
+            winners.append((sub.options[sub.labels.index(group.answer)], group.confidence))
+        final = Question("choice", q.text, tuple(option for option, _ in winners), temperature=q.temperature)
+        finals.append((i, final, winners))
+        if len(final.options) > MAX_OPTIONS:
+            raise ValueError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups")
+    if finals:  # Round 2: the group winners of each grouped question, forked from the same material
+        round2 = [branch(f"{decision_id}/q{i}final", final) for i, final, _ in finals]
+        outcomes = yield Readouts(f"{decision_id}/final", round2)
+        for (i, final, _), b in zip(finals, round2, strict=True):
+            final_answer = read(outcomes[b.request_id], i, final)
+            # The distribution over all options: the final round's probability for each group winner;
+            # options that lost inside their group get 0. The answer is the final round's winner.
+            labels = questions[i].labels
+            probs = {label: 0.0 for label in labels}
+            for label, option in zip(final.labels, final.options, strict=True):
+                probs[labels[questions[i].options.index(option)]] = final_answer.probabilities[label]
+            best = max(probs, key=lambda label: probs[label])
+            answers[i] = Answer(i, "choice", probs, best, probs[best], None, final_answer.prompt_tokens,
+                                final_answer.cached_tokens)
+
+    if thinking is not None:
+        doubtful = [i for i in sorted(answers) if answers[i].confidence < thinking.gate and i not in {f[0] for f in finals}]
+        if doubtful:
+            requests = []
+            for i in doubtful:
+                prompt, params = thinking_request(round1[_index_of(asked, i)].prompt, questions[i], thinking, inputs.encode)
+                requests.append((f"{decision_id}/q{i}/think", prompt, params))
+            thoughts = yield Generations(requests)
+            rereads = []
+            for i in doubtful:
+                b = round1[_index_of(asked, i)]
+                thought = thoughts[f"{decision_id}/q{i}/think"].token_ids or []
+                rereads.append(Branch(f"{decision_id}/q{i}/reread", answer_after_thinking(b.prompt, thought, inputs.encode),
+                                      b.candidates, b.temperature))
+            outcomes = yield Readouts(None, rereads)
+            for i, b in zip(doubtful, rereads, strict=True):
+                answer = read(outcomes[b.request_id], i, questions[i])
+                answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
+                answer.thought = True
+                answer.thinking_tokens = len(thoughts[f"{decision_id}/q{i}/think"].token_ids or [])
+                answers[i] = answer
+    return [answers[i] for i in range(len(questions))]
+
+
+def _index_of(asked: list[tuple[str, int, Question]], question_index: int) -> int:
+    return next(k for k, (_, i, _) in enumerate(asked) if i == question_index)
+
+
+
+def advance(plan: Plan, outcomes: dict[str, Outcome] | None) -> tuple[str, object]:
+    """One step of a plan: ("work", next batch) or ("done", answers). (Safe to run in a thread pool,
+    where a StopIteration could not cross a future.)"""
+    try:
+        return "work", (next(plan) if outcomes is None else plan.send(outcomes))
+    except StopIteration as done:
+        return "done", done.value
