@@ -26,6 +26,7 @@ import torch
 
 from ..kv import fp8
 from ..kv.fp8 import KVPool
+from .dispatch import want_triton
 
 try:
     import triton
@@ -104,18 +105,7 @@ def write_kv_reference(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.T
 
 
 def _want_triton(device: torch.device, use_triton: bool | None) -> bool:
-    """The dispatch rule of every paged op: Triton on CUDA, the torch reference elsewhere unless forced."""
-    if use_triton is False:
-        return False
-    if use_triton is None and device.type != "cuda":
-        return False
-    if not HAVE_TRITON:
-        raise RuntimeError("Triton is not installed (install prism[kernels]); pass use_triton=False to use the "
-                           "torch reference")
-    if device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(f"Triton kernels need CUDA tensors (got {device}) or TRITON_INTERPRET=1 set before "
-                         "prism.ops is imported")
-    return True
+    return want_triton(device, use_triton, have_triton=HAVE_TRITON, interpreted=_INTERPRETED)
 
 
 if HAVE_TRITON:

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from ..kv.fp8 import KVLayout, KVPool
+from .dispatch import want_triton
 
 try:
     import triton
@@ -242,17 +243,7 @@ else:
 
 
 def _want_triton(device: torch.device, use_triton: bool | None) -> bool:
-    if use_triton is False:
-        return False
-    if use_triton is None and device.type != "cuda":
-        return False
-    if not HAVE_TRITON:
-        raise RuntimeError("Triton is not installed (install prism[kernels]); pass use_triton=False to use the "
-                           "torch reference")
-    if device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(f"Triton kernels need CUDA tensors (pool is on {device}) or TRITON_INTERPRET=1 set "
-                         "before prism.ops.page_copy is imported")
-    return True
+    return want_triton(device, use_triton, have_triton=HAVE_TRITON, interpreted=_INTERPRETED)
 
 
 def _row_views(t: torch.Tensor, num_rows: int) -> torch.Tensor:
