@@ -37,9 +37,10 @@ def target_logits(ckpt, *, deterministic: bool, companions: int, warm: bool) -> 
         return logits
 
     engine.runner.execute = capture
-    others = random_images([(448, 448)] * companions, seed=40)
+    others = random_images([(224, 224)] * companions, seed=40)
     for i, image in enumerate(others):
-        engine.add_request(f"c{i}", message(image, f"Companion {i} asks something."), SamplingParams.greedy(max_tokens=3 + i))
+        engine.add_request(f"c{i}", message(image, f"Companion {i} asks something."),
+                           SamplingParams.greedy(max_tokens=1 + i % 4))
     engine.add_request("target", message(IMAGE, "What does the picture show, exactly? Give a long answer."), PARAMS)
     while engine.has_unfinished_requests():
         engine.step()
@@ -49,11 +50,19 @@ def target_logits(ckpt, *, deterministic: bool, companions: int, warm: bool) -> 
     return out
 
 
-def test_deterministic_mode_is_bitwise_and_default_mode_is_not_on_gpu(ckpt_8b):
-    alone = target_logits(ckpt_8b, deterministic=True, companions=0, warm=False)
-    busy = target_logits(ckpt_8b, deterministic=True, companions=3, warm=False)
+@pytest.fixture(scope="module")
+def alone(ckpt_8b):
+    return target_logits(ckpt_8b, deterministic=True, companions=0, warm=False)
+
+
+@pytest.mark.parametrize("companions", [1, 3, 7, 31])
+def test_deterministic_logits_ignore_companions_on_gpu(ckpt_8b, alone, companions):
+    busy = target_logits(ckpt_8b, deterministic=True, companions=companions, warm=False)
+    assert torch.equal(alone, busy), f"deterministic mode: {companions} companions changed the logits"
+
+
+def test_deterministic_hit_equals_miss_and_default_mode_differs_on_gpu(ckpt_8b, alone):
     hit = target_logits(ckpt_8b, deterministic=True, companions=1, warm=True)
-    assert torch.equal(alone, busy), "deterministic mode: companions changed the logits"
     assert torch.equal(alone, hit), "deterministic mode: a cache hit changed the logits"
     default_alone = target_logits(ckpt_8b, deterministic=False, companions=0, warm=False)
     default_busy = target_logits(ckpt_8b, deterministic=False, companions=3, warm=True)
