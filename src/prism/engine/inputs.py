@@ -25,14 +25,13 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from tokenizers import Tokenizer
 
-from ..kv.content import MediaSpan, SeqContent
 from ..media.cache import CacheKey, PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
 from ..media.digest import DIGEST_SIZE, image_digest, video_digest
@@ -56,6 +55,7 @@ from .chat import (
     read_eos_token_ids,
     special_token_strings,
 )
+from .prompt import PreparedMedia, PreparedPrompt
 
 __all__ = [
     "ChatTemplateError",
@@ -99,125 +99,6 @@ def video_span_digest(video_digest_: bytes, temporal_index: int) -> bytes:
 def _hash_rgb(h: Any, arr: np.ndarray) -> None:
     _field(h, b"shape", np.asarray(arr.shape, dtype="<i8").tobytes())
     _field(h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B"))
-
-
-# ------------------------------------------------------------------------------------------ results
-@dataclass(frozen=True, eq=False)  # holds tensors: identity equality
-class PreparedMedia:
-    """One image or video of a prompt, preprocessed and placed.
-
-    `spans` are the pad runs in the prompt as (start, length): one for an image, one per temporal patch for
-    a video. `span_digests[i]` is what the prefix cache keys run i on: the image digest, or for a video
-    `video_span_digest(digest, i)`. `kv_spans` pairs them as `prism.kv.content.MediaSpan`s.
-    """
-
-    kind: Literal["image", "video"]
-    index: int  # among the prompt's images, or among its videos
-    pixel_values: torch.Tensor  # [t*h*w, C*T*p*p] float32, read-only (may be shared through the cache)
-    grid_thw: tuple[int, int, int]  # in patches
-    digest: bytes  # media content digest (prism.media.digest)
-    spans: tuple[tuple[int, int], ...]
-    span_digests: tuple[bytes, ...]
-    timestamps: tuple[float, ...] = ()  # video: seconds per temporal patch
-
-    def __post_init__(self) -> None:
-        if not self.spans or len(self.spans) != len(self.span_digests):
-            raise InputError(
-                f"{self.kind} {self.index}: {len(self.spans)} spans, {len(self.span_digests)} digests"
-            )
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(length for _, length in self.spans)
-
-    @property
-    def start(self) -> int:
-        """First pad token of the item."""
-        return self.spans[0][0]
-
-    @property
-    def end(self) -> int:
-        """One past the last pad token (a video's timestamp text and wrappers lie inside [start, end))."""
-        start, length = self.spans[-1]
-        return start + length
-
-    @property
-    def kv_spans(self) -> tuple[MediaSpan, ...]:
-        return tuple(MediaSpan(s, n, d) for (s, n), d in zip(self.spans, self.span_digests, strict=True))
-
-
-@dataclass(frozen=True, eq=False)
-class PreparedPrompt:
-    """Everything the engine needs about a prompt; `text` is the prompt before placeholder expansion."""
-
-    token_ids: list[int]
-    mm_token_type_ids: torch.Tensor  # [N] int64: 0 text, 1 image pad, 2 video pad
-    positions: torch.Tensor  # [3, N] int64 M-RoPE (t, h, w)
-    rope_delta: int  # a token appended at sequence index i >= N gets position i + rope_delta
-    media: tuple[PreparedMedia, ...]  # prompt order
-    text: str | None = None
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_media_tokens(self) -> int:
-        return sum(m.num_tokens for m in self.media)
-
-    @property
-    def images(self) -> tuple[PreparedMedia, ...]:
-        return tuple(m for m in self.media if m.kind == "image")
-
-    @property
-    def videos(self) -> tuple[PreparedMedia, ...]:
-        return tuple(m for m in self.media if m.kind == "video")
-
-    @property
-    def image_grid_thw(self) -> torch.Tensor:
-        """[num_images, 3] int64, images in prompt order."""
-        return torch.tensor([m.grid_thw for m in self.images], dtype=torch.int64).reshape(-1, 3)
-
-    @property
-    def video_grid_thw(self) -> torch.Tensor:
-        return torch.tensor([m.grid_thw for m in self.videos], dtype=torch.int64).reshape(-1, 3)
-
-    def media_spans(self) -> tuple[MediaSpan, ...]:
-        """One MediaSpan(start, length, digest) per pad run, in prompt order."""
-        return tuple(s for m in self.media for s in m.kv_spans)
-
-    def kv_content(self) -> SeqContent:
-        """Token ids (a fresh list: decode appends to it) and one MediaSpan per pad run."""
-        return SeqContent(tokens=list(self.token_ids), media=self.media_spans())
-
-    def extended(self, token_ids: list[int]) -> PreparedPrompt:
-        """This prompt followed by more text tokens (e.g. generated reasoning), positions continued."""
-        n, k = len(self.token_ids), len(token_ids)
-        more = (torch.arange(n, n + k, dtype=torch.int64) + self.rope_delta).expand(3, k)
-        return PreparedPrompt(
-            token_ids=self.token_ids + list(token_ids),
-            mm_token_type_ids=torch.cat([self.mm_token_type_ids, torch.zeros(k, dtype=torch.int64)]),
-            positions=torch.cat([self.positions, more], dim=1),
-            rope_delta=self.rope_delta,
-            media=self.media,
-        )
-
-    def prefix(self, length: int) -> PreparedPrompt:
-        """The first `length` tokens as a prompt of their own (a shared material); media may not be cut."""
-        if not 0 < length <= len(self.token_ids):
-            raise InputError(f"prefix length {length} outside [1, {len(self.token_ids)}]")
-        if any(m.start < length < m.end for m in self.media):
-            raise InputError(f"a prefix of {length} tokens would cut a media item")
-        return PreparedPrompt(
-            token_ids=self.token_ids[:length],
-            mm_token_type_ids=self.mm_token_type_ids[:length],
-            positions=self.positions[:, :length],
-            rope_delta=self.rope_delta,
-            media=tuple(m for m in self.media if m.end <= length),
-        )
 
 
 @dataclass(frozen=True)
