@@ -1,0 +1,152 @@
+"""GPU benchmark, in-process: W4 (a cold 8-image request injected into running decodes) and W5 (clients over a
+Zipf working set of image groups, scaled-FP8 vs BF16 KV under the same fixed KV budget), on the 8B-shaped
+checkpoint built by bench_engine.py. `--smoke` runs a tiny version on the CPU (tiny checkpoint) to check the
+harness. Writes bench/results/<date>-<gpu>-workloads.json/.md."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prism.engine.llm import LLM  # noqa: E402
+from prism.engine.sampling import SamplingParams  # noqa: E402
+from prism.testing.checkpoints import build_checkpoint, ensure_tiny_checkpoint  # noqa: E402
+from prism.testing.hf_reference import random_images  # noqa: E402
+
+CKPT = Path("/tmp/prism-bench/qwen3vl-8b-random")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def chat(images, text: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": text}]}]
+
+
+def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int) -> dict:
+    """8 long decodes run; a cold request with `n_images` new images arrives: the running streams' token gaps."""
+    llm = LLM(ckpt, kv_memory_bytes=kv_bytes, page_size=256 if size >= 448 else 16)
+    engine = llm.engine
+    for i in range(8):
+        engine.add_request(f"long{i}", f"Tell a very long story, number {i}.",
+                           SamplingParams.greedy(max_tokens=400, ignore_eos=True))
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    cold_arrival = cold_ttft = None
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 40:  # the decodes are in steady state: inject the cold request
+            prompt = engine.inputs.prepare_chat(chat(random_images([(size, size)] * n_images, seed=5), "Describe all."))
+            engine.add_request("cold", prompt, SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+            cold_arrival = time.perf_counter()
+        for event in engine.step():
+            now = time.perf_counter()
+            if event.request_id == "cold":
+                if cold_ttft is None and event.new_token_ids:
+                    cold_ttft = now - cold_arrival
+                continue
+            if event.new_token_ids:
+                if event.request_id in last and steps >= 35:
+                    gaps.append(now - last[event.request_id])
+                last[event.request_id] = now
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        steps += 1
+    return {"max_itl_ms": max(gaps) * 1e3, "p95_itl_ms": pct(gaps, 0.95) * 1e3,
+            "cold_ttft_ms": (cold_ttft or float("nan")) * 1e3}
+
+
+def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: int, clients: int, requests: int) -> dict:
+    """`clients` requests in flight at all times over `groups` image sets with Zipf(1.1) popularity."""
+    llm = LLM(ckpt, kv_dtype=kv_dtype, kv_memory_bytes=kv_bytes, page_size=256 if size >= 448 else 16,
+              max_num_seqs=clients)
+    engine = llm.engine
+    rng = random.Random(0)
+    weights = [1 / (k + 1) ** 1.1 for k in range(groups)]
+    image_sets = [random_images([(size, size)] * 4, seed=1000 + g) for g in range(groups)]
+    prepared = {}
+    arrivals: dict[str, float] = {}
+    ttft: list[float] = []
+    submitted = finished = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        group = rng.choices(range(groups), weights)[0]
+        question = f"Question {submitted} about set {group}?"
+        key = (group, question)
+        if key not in prepared:
+            prepared[key] = engine.inputs.prepare_chat(chat(image_sets[group], question))
+        request_id = f"w5-{submitted}"
+        engine.add_request(request_id, prepared.pop(key), SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+        arrivals[request_id] = time.perf_counter()
+        submitted += 1
+
+    start = time.perf_counter()
+    while finished < requests:
+        while submitted - finished < clients and submitted < requests:
+            submit()
+        for event in engine.step():
+            if event.new_token_ids and event.request_id in arrivals:
+                ttft.append(time.perf_counter() - arrivals.pop(event.request_id))
+            if event.finished:
+                finished += 1
+    elapsed = time.perf_counter() - start
+    kv = engine.kv
+    return {"req_per_s": requests / elapsed, "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+            "hit_rate": kv.stats.hit_tokens / max(kv.stats.queries_tokens, 1), "evictions": kv.entries.evictions,
+            "pool_pages": kv.gpu.num_pages}
+
+
+def main() -> None:
+    smoke = "--smoke" in sys.argv
+    if smoke:
+        ckpt, size, kv_w5, kv_w4, groups, clients, requests = ensure_tiny_checkpoint(), 64, 2 * 2**20, 16 * 2**20, 6, 8, 40
+    else:
+        ckpt, size, kv_w5, kv_w4, groups, clients, requests = CKPT, 448, 3 * 2**30, 16 * 2**30, 24, 32, 256
+        if not (CKPT / "config.json").exists():
+            build_checkpoint("8b", CKPT, device="cuda", progress=True)
+    gpu = "cpu-smoke" if smoke else torch.cuda.get_device_name()
+    out = {"gpu": gpu, "date": datetime.date.today().isoformat(),
+           "W4": w4_injection(ckpt, size, 8, kv_w4),
+           "W5_fp8": w5_working_set(ckpt, "fp8", kv_w5, size, groups, clients, requests),
+           "W5_bf16": w5_working_set(ckpt, "bf16", kv_w5, size, groups, clients, requests)}
+    f8, b16 = out["W5_fp8"], out["W5_bf16"]
+    md = "\n".join([
+        f"W4/W5, {gpu}, {out['date']}",
+        "",
+        f"W4: 8 running decodes, a cold 8-image request injected: max ITL {out['W4']['max_itl_ms']:.1f} ms, "
+        f"p95 ITL {out['W4']['p95_itl_ms']:.1f} ms, cold TTFT {out['W4']['cold_ttft_ms']:.1f} ms (target: max ITL <= 70 ms)",
+        "",
+        f"W5: {clients} clients, {groups} image groups (4 images each), Zipf 1.1, {requests} requests, same KV budget "
+        f"({kv_w5 / 2**30:.2f} GiB)",
+        "",
+        "| KV | pool pages | req/s | TTFT p50 | TTFT p99 | prefix hit rate | evictions |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *(f"| {name} | {r['pool_pages']} | {r['req_per_s']:.2f} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms | "
+          f"{r['hit_rate']:.1%} | {r['evictions']} |" for name, r in (("scaled FP8", f8), ("BF16", b16))),
+        "",
+        f"FP8 / BF16 req/s: {f8['req_per_s'] / b16['req_per_s']:.2f}x (target >= 1.3x with a higher hit rate)",
+    ]) + "\n"
+    print(md)
+    if not smoke:
+        results = ROOT / "bench" / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        stem = f"{out['date']}-{gpu.replace(' ', '-').lower()}-workloads"
+        (results / f"{stem}.json").write_text(json.dumps(out, indent=2))
+        (results / f"{stem}.md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()
