@@ -6,7 +6,6 @@ Also the cost of deterministic mode on the same decide. Appends to bench/results
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -16,6 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from results_io import write_results  # noqa: E402
 
 from prism.decision.questions import Question, candidate_token_ids  # noqa: E402
 from prism.engine.llm import LLM  # noqa: E402
@@ -126,11 +127,7 @@ def main() -> None:
         f"| Prism decide, deterministic mode, new material | {out['prism_deterministic_decide_cold_ms']:.1f} ms | |",
         f"| HF transformers, 3 full forwards, new material | {out['hf_3_forwards_cold_ms']:.1f} ms | |",
     ]) + "\n"
-    results = ROOT / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    stem = f"{out['date']}-{out['gpu'].replace(' ', '-').lower()}-w7"
-    (results / f"{stem}.json").write_text(json.dumps(out, indent=2))
-    (results / f"{stem}.md").write_text(md)
+    write_results(out, md, out["gpu"], out["date"], "w7")
     print(md)
 
 

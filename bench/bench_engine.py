@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from results_io import write_results  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
@@ -153,12 +154,8 @@ def main() -> None:
     same = next((i for i, (a, b) in enumerate(zip(prism_tokens, hf_tokens, strict=True)) if a != b), 16)
     results["greedy_agreement"] = {"prism_fp8_kv": prism_tokens, "hf": hf_tokens, "identical_prefix_tokens": same}
 
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{results['date']}-{gpu.replace(' ', '-').lower()}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=2))
     table = markdown(results)
-    (out_dir / f"{stem}.md").write_text(table)
+    write_results(results, table, gpu, results["date"])
     print(table)
 
 

@@ -9,7 +9,6 @@ import asyncio
 import base64
 import datetime
 import io
-import json
 import socket
 import statistics
 import sys
@@ -22,6 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from results_io import write_results  # noqa: E402
 
 from prism.serving.app import create_app  # noqa: E402
 from prism.serving.settings import ServerSettings  # noqa: E402
@@ -144,11 +145,7 @@ def main() -> None:
     print(md)
     if smoke:
         return
-    results = ROOT / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    stem = f"{out['date']}-{out['gpu'].replace(' ', '-').lower()}-http"
-    (results / f"{stem}.json").write_text(json.dumps(out, indent=2))
-    (results / f"{stem}.md").write_text(md)
+    write_results(out, md, out["gpu"], out["date"], "http")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ harness. Writes bench/results/<date>-<gpu>-workloads.json/.md."""
 from __future__ import annotations
 
 import datetime
-import json
 import random
 import sys
 import time
@@ -16,6 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from results_io import write_results  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
@@ -141,11 +142,7 @@ def main() -> None:
     ]) + "\n"
     print(md)
     if not smoke:
-        results = ROOT / "bench" / "results"
-        results.mkdir(parents=True, exist_ok=True)
-        stem = f"{out['date']}-{gpu.replace(' ', '-').lower()}-workloads"
-        (results / f"{stem}.json").write_text(json.dumps(out, indent=2))
-        (results / f"{stem}.md").write_text(md)
+        write_results(out, md, gpu, out["date"], "workloads")
 
 
 if __name__ == "__main__":
