@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-if str(SRC) not in sys.path:
-    sys.path.insert(0, str(SRC))
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT / "src", ROOT):  # the package, and the specs whose harnesses some reproducers reuse
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 def verdict(ok: bool, fixed: str, broken: str) -> None:

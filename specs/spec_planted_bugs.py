@@ -135,3 +135,20 @@ def test_int32_offsets_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(page_copy, "_OFFSET_DTYPE", tl.int32)
     _spec_fails(spec_fp8_addressing.spec_kernel_offsets_are_exact_on_the_8b_pool, "kernel offsets")
+
+
+def test_equal_priority_deadlock_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the liveness spec: two requests of equal priority on a full pool (decision branches share
+    their material's arrival order) each waited for the other, forever."""
+    from prism.engine import request as request_module
+    from specs import spec_scheduler_liveness
+
+    init = request_module.Request.__init__
+
+    def init_without_tiebreak(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.priority = (self.arrival_order, 0)
+
+    monkeypatch.setattr(request_module.Request, "__init__", init_without_tiebreak)
+    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool, "no progress")
+

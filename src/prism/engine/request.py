@@ -11,6 +11,7 @@ there, so exactly one terminal event is produced.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,6 +37,9 @@ _ALLOWED = {
     RequestState.SWAPPED: {RequestState.RUNNING, RequestState.FINISHED},
     RequestState.FINISHED: set(),
 }
+
+
+_CREATION_ORDER = itertools.count()
 
 
 class RequestStateError(RuntimeError):
@@ -92,7 +96,10 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt  # PreparedPrompt
         self.params = params  # SamplingParams
-        self.arrival_order = arrival_order  # FCFS priority: lower is older
+        self.arrival_order = arrival_order  # FCFS: lower is older (decision branches share their material's)
+        # A total order even among equal arrivals: preemption needs a strictly younger victim, and two
+        # requests of equal priority could otherwise each wait for the other on a full pool.
+        self.priority = (arrival_order, next(_CREATION_ORDER))
         self.state = RequestState.WAITING
         self.output_token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None

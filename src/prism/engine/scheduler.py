@@ -42,7 +42,7 @@ class ScheduledSlice:
 class SchedulerOutput:
     slices: list[ScheduledSlice] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)  # can never be scheduled, and why
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[tuple[Request, Request]] = field(default_factory=list)  # (victim, the request it made room for)
 
 
 def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
@@ -67,7 +67,7 @@ class Scheduler:
 
     def requeue(self, request: Request) -> None:
         """A preempted request goes back to the waiting queue in arrival order."""
-        items = sorted([*self.waiting, request], key=lambda r: r.arrival_order)
+        items = sorted([*self.waiting, request], key=lambda r: r.priority)
         self.waiting = deque(items)
 
     def remove(self, request: Request) -> None:
@@ -87,7 +87,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        self.running.sort(key=lambda r: r.arrival_order)
+        self.running.sort(key=lambda r: r.priority)
 
         for request in list(self.running):
             if request.state is not RequestState.RUNNING or budget == 0:
@@ -168,15 +168,15 @@ class Scheduler:
                 if victim is None:
                     return False
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted.append((victim, request))
 
     def _youngest_unscheduled(self, request: Request, scheduled: set[str]) -> Request | None:
         candidates = [
             r
             for r in self.running
-            if r.arrival_order > request.arrival_order and r.request_id not in scheduled
+            if r.priority > request.priority and r.request_id not in scheduled
         ]
-        return max(candidates, key=lambda r: r.arrival_order) if candidates else None
+        return max(candidates, key=lambda r: r.priority) if candidates else None
 
     def _preempt(self, victim: Request) -> None:
         self.num_preemptions += 1
@@ -195,7 +195,7 @@ class Scheduler:
         self.requeue(victim)
 
     def _resume_swapped(self) -> None:
-        self.swapped.sort(key=lambda r: r.arrival_order)
+        self.swapped.sort(key=lambda r: r.priority)
         for request in list(self.swapped):
             if len(self.running) >= self.config.max_num_seqs:
                 return

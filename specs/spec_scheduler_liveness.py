@@ -1,0 +1,122 @@
+"""Spec of liveness under a full pool (REFERENCE §2, invariant 9), on the real Scheduler and KVCacheManager.
+
+Random prompts (with atomic visual spans), random max_tokens, a tight pool, chunked prefill, recompute or swap
+preemption, and random cancels. The step loop stands in for the engine's commit only where the model would
+be (a computed slice is published; a slice that reaches the end samples a token). Checked:
+- every accepted request reaches exactly one terminal state, within a step bound once arrivals stop;
+- no chunk ever cuts a visual span, and a running request is only ever preempted by an older one;
+- the KV manager's accounting is exact after every step, and nothing leaks at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism.engine.config import EngineConfig
+from prism.engine.request import FinishReason, Request
+from prism.engine.sampling import SamplingParams
+from prism.engine.scheduler import Scheduler
+from prism.kv.content import MediaSpan, SeqContent
+from prism.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class FakePrompt:
+    """What the scheduler reads of a prompt: its tokens and media spans."""
+
+    token_ids: list[int]
+    spans: tuple[MediaSpan, ...]
+
+    def kv_content(self) -> SeqContent:
+        return SeqContent(list(self.token_ids), self.spans)
+
+
+@st.composite
+def prompts(draw) -> FakePrompt:
+    tokens: list[int] = []
+    spans = []
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()):
+            length = draw(st.integers(2, 10))
+            spans.append(MediaSpan(len(tokens), length, bytes([draw(st.integers(1, 3))]) * 16))
+            tokens += [9] * length
+        tokens += draw(st.lists(st.integers(1, 4), min_size=1, max_size=6))
+    return FakePrompt(tokens, tuple(spans))
+
+
+def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int) -> dict:
+    config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
+                          preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget)
+    kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages)
+    scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
+    live: dict[str, Request] = {}
+    terminal: dict[str, int] = {}
+    pending = list(zip(arrivals, requests, strict=True))
+    step = 0
+    limit = 400 + 60 * len(requests)
+
+    def finish(request: Request, reason: FinishReason) -> None:
+        if request.request_id in kv.seqs:
+            kv.release(request.request_id, keep_in_cache=True)
+        scheduler.remove(request)
+        request.finish(reason)
+        terminal[request.request_id] = terminal.get(request.request_id, 0) + 1
+        live.pop(request.request_id)
+
+    while pending or live:
+        assert step < limit, f"no progress: {len(live)} requests still live after {step} steps"
+        for arrival, (prompt, max_tokens) in [p for p in pending if p[0] <= step]:
+            request = Request(f"r{len(terminal) + len(live)}-{arrival}-{step}", prompt, SamplingParams(max_tokens=max_tokens), step)
+            if len(prompt.token_ids) + 1 > kv.gpu.num_pages * 4:
+                continue  # the engine refuses these at add_request
+            live[request.request_id] = request
+            scheduler.add(request)
+        pending = [p for p in pending if p[0] > step]
+        if step in cancels and live:
+            finish(sorted(live.values(), key=lambda r: r.arrival_order)[cancels[step] % len(live)], FinishReason.ABORT)
+        out = scheduler.schedule()
+        for victim, preemptor in out.preempted:
+            assert victim.priority > preemptor.priority, "a request was preempted by a younger one"
+        for request, _reason in out.failed:
+            finish(request, FinishReason.ERROR)
+        plan = kv.take_plan()
+        for s in out.slices:
+            content = scheduler.content_of(s.request)
+            assert content.span_containing(s.end) is None, "a chunk cut a visual span"
+            kv.publish_computed(s.request.request_id, s.start, s.end)
+        kv.finish_plan(plan)
+        for s in out.slices:
+            if not s.sample or s.request.is_finished:
+                continue
+            request = s.request
+            request.output_token_ids.append(1)
+            if len(request.output_token_ids) >= request.params.max_tokens or \
+                    request.num_prompt_tokens + len(request.output_token_ids) >= scheduler.max_model_len:
+                finish(request, FinishReason.LENGTH)
+            else:
+                kv.append_tokens(request.request_id, [1])
+        kv.check_invariants()
+        step += 1
+    assert all(count == 1 for count in terminal.values()), "a request reached two terminal states"
+    assert not kv.seqs
+    kv.clear_cache()
+    kv.check_invariants()
+    assert kv.gpu.num_free == kv.gpu.num_pages and kv.cpu.num_free == kv.cpu.num_pages, "pages leaked"
+    return {"steps": step, "preemptions": scheduler.num_preemptions}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    requests=st.lists(st.tuples(prompts(), st.integers(1, 8)), min_size=1, max_size=8),
+    data=st.data(),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    pool_pages=st.integers(8, 16),
+    budget=st.integers(12, 24),
+)
+def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, pool_pages, budget) -> None:
+    arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
+    cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
+    run(requests, arrivals, cancels, preemption, pool_pages, budget)
