@@ -70,11 +70,14 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     asked: list[tuple[str, int, Question]] = []  # (request id, question index, question asked)
     for i, q in enumerate(questions):
         subs = grouped(q) if q.kind == "choice" and len(q.options) > MAX_OPTIONS else [q]
+        if len(subs) > MAX_OPTIONS:
+            raise ValueError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups of {MAX_OPTIONS}")
         asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
     round1 = [branch(request_id, sub) for request_id, _, sub in asked]
+    by_question = {i: b for (_, i, _), b in zip(asked, round1, strict=True)}  # ungrouped questions' branches
     outcomes = yield Readouts(decision_id, round1)
     answers: dict[int, Answer] = {}
-    finals: list[tuple[int, Question, list[tuple[str, float]]]] = []  # grouped: (index, final question, winners)
+    finals: list[tuple[int, Question]] = []  # grouped questions: (index, the final round among group winners)
     for i, q in enumerate(questions):
         parts = [(rid, sub) for rid, qi, sub in asked if qi == i]
         if len(parts) == 1:
@@ -83,15 +86,12 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
         winners = []
         for rid, sub in parts:
             group = read(outcomes[rid], i, sub)
-            winners.append((sub.options[sub.labels.index(group.answer)], group.confidence))
-        final = Question("choice", q.text, tuple(option for option, _ in winners), temperature=q.temperature)
-        finals.append((i, final, winners))
-        if len(final.options) > MAX_OPTIONS:
-            raise ValueError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups")
+            winners.append(sub.options[sub.labels.index(group.answer)])
+        finals.append((i, Question("choice", q.text, tuple(winners), temperature=q.temperature)))
     if finals:  # Round 2: the group winners of each grouped question, forked from the same material
-        round2 = [branch(f"{decision_id}/q{i}final", final) for i, final, _ in finals]
+        round2 = [branch(f"{decision_id}/q{i}final", final) for i, final in finals]
         outcomes = yield Readouts(f"{decision_id}/final", round2)
-        for (i, final, _), b in zip(finals, round2, strict=True):
+        for (i, final), b in zip(finals, round2, strict=True):
             final_answer = read(outcomes[b.request_id], i, final)
             # The distribution over all options: the final round's probability for each group winner;
             # options that lost inside their group get 0. The answer is the final round's winner.
@@ -103,33 +103,29 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
             answers[i] = Answer(i, "choice", probs, best, probs[best], None, final_answer.prompt_tokens,
                                 final_answer.cached_tokens)
 
-    if thinking is not None:
-        doubtful = [i for i in sorted(answers) if answers[i].confidence < thinking.gate and i not in {f[0] for f in finals}]
-        if doubtful:
-            requests = []
-            for i in doubtful:
-                prompt, params = thinking_request(round1[_index_of(asked, i)].prompt, questions[i], thinking, inputs.encode)
-                requests.append((f"{decision_id}/q{i}/think", prompt, params))
-            thoughts = yield Generations(requests)
-            rereads = []
-            for i in doubtful:
-                b = round1[_index_of(asked, i)]
-                thought = thoughts[f"{decision_id}/q{i}/think"].token_ids or []
-                rereads.append(Branch(f"{decision_id}/q{i}/reread", answer_after_thinking(b.prompt, thought, inputs.encode),
-                                      b.candidates, b.temperature))
-            outcomes = yield Readouts(None, rereads)
-            for i, b in zip(doubtful, rereads, strict=True):
-                answer = read(outcomes[b.request_id], i, questions[i])
-                answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
-                answer.thought = True
-                answer.thinking_tokens = len(thoughts[f"{decision_id}/q{i}/think"].token_ids or [])
-                answers[i] = answer
+    grouped_questions = {i for i, _ in finals}
+    doubtful = [] if thinking is None else [
+        i for i in sorted(answers) if answers[i].confidence < thinking.gate and i not in grouped_questions
+    ]
+    if doubtful:  # Gated thinking: reason, then read again
+        requests = []
+        for i in doubtful:
+            prompt, params = thinking_request(by_question[i].prompt, questions[i], thinking, inputs.encode)
+            requests.append((f"{decision_id}/q{i}/think", prompt, params))
+        generated = yield Generations(requests)
+        thoughts = {i: generated[f"{decision_id}/q{i}/think"].token_ids or [] for i in doubtful}
+        rereads = [
+            Branch(f"{decision_id}/q{i}/reread", answer_after_thinking(by_question[i].prompt, thoughts[i], inputs.encode),
+                   by_question[i].candidates, by_question[i].temperature)
+            for i in doubtful
+        ]
+        outcomes = yield Readouts(None, rereads)
+        for i, b in zip(doubtful, rereads, strict=True):
+            answer = read(outcomes[b.request_id], i, questions[i])
+            answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
+            answer.thought, answer.thinking_tokens = True, len(thoughts[i])
+            answers[i] = answer
     return [answers[i] for i in range(len(questions))]
-
-
-def _index_of(asked: list[tuple[str, int, Question]], question_index: int) -> int:
-    return next(k for k, (_, i, _) in enumerate(asked) if i == question_index)
-
 
 
 def advance(plan: Plan, outcomes: dict[str, Outcome] | None) -> tuple[str, object]:
