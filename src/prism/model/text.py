@@ -13,29 +13,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops.fused_norms import apply_rope_reference as apply_rope
+from ..ops.fused_norms import qk_norm_rope, rms_norm, rotate_half, silu_and_mul
 from .attention import AttentionBackend
 from .config import TextConfig
 
+__all__ = ["DecoderLayer", "MRoPE", "RMSNorm", "TextDecoder", "apply_rope", "rotate_half"]
+
 
 class RMSNorm(nn.Module):
+    """HF's RMSNorm (`ops.fused_norms.rms_norm`: one kernel on CUDA, the torch reference elsewhere)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MRoPE:
@@ -74,12 +71,6 @@ class MRoPE:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D]; cos/sin [N, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
-
-
 class TextAttention(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -98,10 +89,9 @@ class TextAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        q, k = qk_norm_rope(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.attend(layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -114,8 +104,7 @@ class TextMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

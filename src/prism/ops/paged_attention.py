@@ -43,8 +43,8 @@ _LOG2E = 1.4426950408889634
 # one context, the fewest tokens worth a split, and the programs a launch aims for (tests shrink them).
 _TILE_ELEMS = 8192
 _MAX_SPLITS = 64
-_MIN_SPLIT_TOKENS = 128
-_TARGET_PROGRAMS = 512
+_MIN_SPLIT_TOKENS = 64
+_TARGET_PROGRAMS = 4096
 
 
 # -------------------------------------------------------------------------------------------- metadata
@@ -264,15 +264,18 @@ if HAVE_TRITON:
     @triton.jit
     def _decode_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                       row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, split_len, qk_scale,
+                       row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
                        H, HQ, GROUP, HEAD_DIM,
                        KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
         # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
+        # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
+        # captured for the longest context still gives a short context all its programs.
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + b).to(tl.int32)
+        split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, ctx)
         g = tl.arange(0, BLOCK_G)
@@ -340,8 +343,10 @@ if HAVE_TRITON:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
-    """Context splits of a decode launch: enough programs to fill the device, none shorter than
-    `_MIN_SPLIT_TOKENS`, at most `_MAX_SPLITS`."""
+    """Context splits of a decode launch: enough programs to keep the device's memory pipes busy (the
+    kernel is latency-bound: one program walks its split tile after tile), none shorter than
+    `_MIN_SPLIT_TOKENS` for the longest context, at most `_MAX_SPLITS`. Each sequence divides its own
+    context by this count inside the kernel."""
     want = _cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
     return max(1, min(want, _cdiv(max_context_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
 
@@ -371,7 +376,6 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     block_g = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(dim)
     block_n = max(1, min(64, _TILE_ELEMS // (block_g * block_d)))
-    split_len = _cdiv(_cdiv(max_ctx, num_splits), block_n) * block_n  # whole blocks per split
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dev = pool.device
@@ -388,7 +392,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
             q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
             layer, lay.num_layers + layer, lay.num_slots * lay.num_kv_heads * dim, lay.num_kv_heads * dim,
-            lay.num_slots * lay.num_kv_heads, lay.page_size, split_len, sm_scale * _LOG2E,
+            lay.num_slots * lay.num_kv_heads, lay.page_size, sm_scale * _LOG2E,
             lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
             BLOCK_D=block_d, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
