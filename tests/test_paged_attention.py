@@ -18,6 +18,7 @@ from prism.kv.fp8 import KVLayout, KVPool
 from prism.model.attention import AttentionBackend
 from prism.ops import kv_write as kw
 from prism.ops import paged_attention as pa
+from prism.ops import paged_prefill as pp
 from prism.ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
 
 pytestmark = pytest.mark.filterwarnings(
@@ -307,6 +308,48 @@ def test_decode_kernel_custom_scale_and_more_splits_than_pages():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
+# --------------------------------------------------------------------------------------- prefill kernel
+
+
+@needs_triton
+@pytest.mark.parametrize("scenario", list(SCENARIOS) + ["long"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp32", "bf16"])
+def test_prefill_kernel_matches_reference(kv_dtype, group, scenario):
+    """Any step (prefill chunks after a cached prefix, decode, mixed, contexts of several key tiles and
+    query blocks) through the paged prefill kernel == the reference (fp32 q: 1e-5; fp16 q: 1e-2)."""
+    specs = SCENARIOS.get(scenario, [(150, 70), (0, 3), (61, 9)])
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=120, kv_dtype=kv_dtype)
+    batch = Batch(lay, specs, group, 7 + group, device=DEV)
+    kw.write_kv(batch.pool, batch.layer, batch.meta.slot_mapping, batch.k_new, batch.v_new)
+    for q_dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
+        q = batch.q.to(q_dtype)
+        ref = pa.paged_attention_reference(q, batch.pool, batch.layer, batch.meta)
+        out = pp.paged_prefill_attention(q, batch.pool, batch.layer, batch.meta, use_triton=True)
+        assert out.dtype == q_dtype and out.shape == q.shape
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+
+
+@needs_triton
+def test_prefill_kernel_rows_do_not_depend_on_the_batch():
+    """A sequence alone gives bitwise the same rows as inside a batch (each row reads only its context)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=60, kv_dtype="fp8")
+    batch = Batch(lay, SCENARIOS["prefill_chunks_after_prefix"], 4, 23, device=DEV)
+    kw.write_kv(batch.pool, 0, batch.meta.slot_mapping, batch.k_new, batch.v_new)
+    together = pp.paged_prefill_attention(batch.q, batch.pool, 0, batch.meta, use_triton=True)
+    start = 0
+    for i, n in enumerate(batch.query_lens):
+        alone = PagedAttentionMetadata.build([n], [batch.contexts[i]], [batch.tables[i]], lay.page_size, DEV)
+        out = pp.paged_prefill_attention(batch.q[start:start + n], batch.pool, 0, alone, use_triton=True)
+        assert torch.equal(out, together[start:start + n])
+        start += n
+
+
+def test_prefill_blocks_layout():
+    blocks = pp.prefill_blocks([3, 1, 5], [3, 7, 9], 2)
+    assert blocks.tolist() == [[0, 0, 0, 2], [0, 2, 2, 1], [1, 3, 6, 1], [2, 4, 4, 2], [2, 6, 6, 2], [2, 8, 8, 1]]
+
+
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
 def test_backend_kernel_path_follows_reference_over_steps(kv_dtype):
@@ -328,8 +371,9 @@ def test_backend_kernel_path_follows_reference_over_steps(kv_dtype):
             out_k = PagedKVBackend(kernel_pool, meta, use_triton=True).attend(layer, q, k, v)
             out_r = PagedKVBackend(ref_pool, meta, use_triton=False).attend(layer, q, k, v)
             torch.testing.assert_close(out_k, out_r, atol=1e-5, rtol=0)
-            if step == 0:  # prefill goes to the reference on both sides
-                assert torch.equal(out_k, out_r)
+            if step == 0:  # prefill_kernel=False: the reference on both sides
+                no_kernel = PagedKVBackend(kernel_pool, meta, use_triton=True, prefill_kernel=False)
+                assert torch.equal(no_kernel.attend(layer, q, k, v), out_r)
         assert_same_bytes(kernel_pool, ref_pool)
         lens = [c + 1 for c in lens]
         step_q = [1, 1]
@@ -469,4 +513,12 @@ def test_cuda_kernels_match_references_8b_shape(kv_dtype):
             for splits in (None, 1, 7):
                 got = pa.paged_decode_attention(q, kernel, layer, meta, num_splits=splits)
                 torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=rtol)
+    # The prefill kernel on the same pool: several new tokens per sequence, all of them past 2^31 for layer 1's V.
+    pre_meta = PagedAttentionMetadata.build([1, 100, 2, 300, 64], contexts, tables, 256, "cuda")
+    for q_dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        q = torch.randn(pre_meta.num_tokens, 32, 128, device="cuda", generator=g).to(q_dtype)
+        for layer in range(2):
+            want = pa.paged_attention_reference(q.float(), kernel, layer, pre_meta)
+            got = pp.paged_prefill_attention(q, kernel, layer, pre_meta)
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
     torch.cuda.synchronize()

@@ -124,7 +124,7 @@ class ModelRunner:
         logits = self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             torch.cat(positions, dim=1).to(self.device),
-            PagedKVBackend(self.gpu_pool, meta),
+            PagedKVBackend(self.gpu_pool, meta, prefill_kernel=not self.deterministic),
             multimodal=self._media_features(pieces),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
         )

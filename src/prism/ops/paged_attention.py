@@ -185,6 +185,19 @@ def _check_attention_inputs(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             raise ValueError(f"{name} is on {dev}, the pool on {pool.device}")
 
 
+def kernel_operands(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata
+                    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Checks shared by the attention kernels; returns the GQA group size, the payload as the integer view
+    the kernels decode (fp8: bytes, bf16: int16 bits) and the scales tensor (the payload when unscaled)."""
+    _check_attention_inputs(q, pool, layer, meta)
+    if q.stride(2) != 1:
+        raise ValueError("q's head_dim must be contiguous")
+    lay = pool.layout
+    pay = pool.payload.view(torch.uint8) if lay.scaled else (
+        pool.payload.view(torch.int16) if lay.kv_dtype == "bf16" else pool.payload)
+    return q.shape[1] // lay.num_kv_heads, pay, pool.scales if pool.scales is not None else pay
+
+
 # ------------------------------------------------------------------------------------------- reference
 
 
@@ -362,12 +375,9 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
                          f"{meta.query_lens}")
     if not _want_triton(pool.device, use_triton):
         return paged_attention_reference(q, pool, layer, meta, scale)
-    _check_attention_inputs(q, pool, layer, meta)
+    group, pay, sc = kernel_operands(q, pool, layer, meta)
     lay = pool.layout
     bsz, hq, dim = q.shape
-    if q.stride(2) != 1:
-        raise ValueError("q's head_dim must be contiguous")
-    group = hq // lay.num_kv_heads
     max_ctx = meta.max_context_len
     if num_splits is None:
         num_splits = decode_num_splits(bsz, lay.num_kv_heads, max_ctx)
@@ -379,9 +389,6 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dev = pool.device
-    pay = pool.payload.view(torch.uint8) if lay.scaled else (
-        pool.payload.view(torch.int16) if lay.kv_dtype == "bf16" else pool.payload)
-    sc = pool.scales if pool.scales is not None else pay
     if num_splits > 1:
         part_acc = torch.empty((bsz, hq, num_splits, dim), dtype=torch.float32, device=dev)
         part_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=dev)
@@ -409,19 +416,32 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
 
 
 class PagedKVBackend:
-    """`AttentionBackend` over the paged pool for one step: store the new K/V, then attend through the pool
-    (the decode kernel when every sequence adds one token and Triton applies, else the reference)."""
+    """`AttentionBackend` over the paged pool for one step: store the new K/V, then attend through the pool:
+    the decode kernel when every sequence adds one token, else the paged prefill kernel (`prefill_kernel`,
+    default on), where Triton applies; the reference otherwise."""
 
     def __init__(self, pool: KVPool, meta: PagedAttentionMetadata, scale: float | None = None, *,
-                 use_triton: bool | None = None):
+                 use_triton: bool | None = None, prefill_kernel: bool = True):
         self.pool = pool
         self.meta = meta
         self.scale = scale
         self.use_triton = use_triton
+        self.prefill_kernel = prefill_kernel
+        self._prefill_launch = None  # built by the first layer, reused by the others
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         _check_attention_inputs(q, self.pool, layer_idx, self.meta)  # before anything is written
         write_kv(self.pool, layer_idx, self.meta.slot_mapping, k, v, use_triton=self.use_triton)
-        if self.meta.is_decode and _want_triton(self.pool.device, self.use_triton):
+        kernels = _want_triton(self.pool.device, self.use_triton)
+        if self.meta.is_decode and kernels:
             return paged_decode_attention(q, self.pool, layer_idx, self.meta, self.scale, use_triton=True)
+        if self.prefill_kernel and kernels:
+            from . import paged_prefill  # imports this module's kernels: bound at first use
+
+            if self._prefill_launch is None:
+                group = q.shape[1] // self.pool.layout.num_kv_heads
+                self._prefill_launch = paged_prefill.PrefillLaunch(
+                    self.meta.query_lens, self.meta.context_lens_host, group, self.pool.device)
+            return paged_prefill.paged_prefill_attention(q, self.pool, layer_idx, self.meta, self.scale,
+                                                         launch=self._prefill_launch, use_triton=True)
         return paged_attention_reference(q, self.pool, layer_idx, self.meta, self.scale)
