@@ -18,11 +18,12 @@ run on worker threads concurrently.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
+import os
 import struct
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from tokenizers import Tokenizer
 
 from ..media.cache import CacheKey, PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
-from ..media.digest import DIGEST_SIZE, image_digest, video_digest
+from ..media.digest import hash_field, image_digest, new_hash, video_digest
 from ..media.image import DEFAULT_LIMITS, DecodeLimits, preprocess_image, to_rgb_image
 from ..media.placeholders import SpecialTokens, VideoPlaceholder, expand_placeholders
 from ..media.prepare import PreparedImage, prepare_image
@@ -74,31 +75,24 @@ class PromptTooLongError(InputError):
 
 
 _U64 = struct.Struct("<Q")
-_SPAN_SCHEME = b"prism.video-span.v1"
-_RGB_SCHEME = b"prism.rgb8.v1"
-_FRAMES_SCHEME = b"prism.video-frames.v1"
-
-
-def _field(h: Any, name: bytes, value: bytes | memoryview) -> None:
-    # Same length framing as media.digest: no two field lists give the same byte stream.
-    h.update(_U64.pack(len(name)))
-    h.update(name)
-    h.update(_U64.pack(len(value)))
-    h.update(value)
+_MEDIA_THREADS = max(1, min(8, os.cpu_count() or 1))
+_SPAN_SCHEME = b"prism.video-span.v2"
+_RGB_SCHEME = b"prism.rgb8.v2"
+_FRAMES_SCHEME = b"prism.video-frames.v2"
 
 
 def video_span_digest(video_digest_: bytes, temporal_index: int) -> bytes:
     """Digest of one temporal patch's pad run: the video digest framed with the patch index."""
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    _field(h, b"scheme", _SPAN_SCHEME)
-    _field(h, b"video", video_digest_)
-    _field(h, b"temporal_index", _U64.pack(temporal_index))
+    h = new_hash()
+    hash_field(h, b"scheme", _SPAN_SCHEME)
+    hash_field(h, b"video", video_digest_)
+    hash_field(h, b"temporal_index", _U64.pack(temporal_index))
     return h.digest()
 
 
 def _hash_rgb(h: Any, arr: np.ndarray) -> None:
-    _field(h, b"shape", np.asarray(arr.shape, dtype="<i8").tobytes())
-    _field(h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B"))
+    hash_field(h, b"shape", np.asarray(arr.shape, dtype="<i8").tobytes())
+    hash_field(h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
 @dataclass(frozen=True)
@@ -167,6 +161,8 @@ class InputProcessor:
                     f"{what} (patch, temporal patch, merge) = {got} disagrees with the model's vision config {want}"
                 )
         self.merge_size = vision.spatial_merge_size
+        # Images of one request are prepared in parallel: hashing, PIL resizing and numpy release the GIL.
+        self._media_threads = ThreadPoolExecutor(max_workers=_MEDIA_THREADS, thread_name_prefix="prism-media")
         self.special = SpecialTokens(
             image_pad=self.config.image_token_id,
             video_pad=self.config.video_token_id,
@@ -304,7 +300,11 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
-        prepared_images = [self._image(im.data) for im in images]
+        prepared_images = (
+            list(self._media_threads.map(self._image, [im.data for im in images]))
+            if len(images) > 1
+            else [self._image(im.data) for im in images]
+        )
         prepared_videos = [self._video(v) for v in videos]
         expanded = expand_placeholders(
             ids,
@@ -387,8 +387,8 @@ class InputProcessor:
                 f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}"
             )
         rgb = np.asarray(to_rgb_image(data, self._limits))
-        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-        _field(h, b"scheme", _RGB_SCHEME)
+        h = new_hash()
+        hash_field(h, b"scheme", _RGB_SCHEME)
         _hash_rgb(h, rgb)
         key = CacheKey(h.digest(), self._image_ns)
 
@@ -435,12 +435,12 @@ class InputProcessor:
         else:
             indices = np.arange(len(frame_list), dtype=np.int64)
         # The result depends only on the sampled frames, their indices and the frame rate: key on those.
-        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-        _field(h, b"scheme", _FRAMES_SCHEME)
-        _field(h, b"fps", struct.pack("<d", float(fps)))
-        _field(h, b"num_frames", _U64.pack(num_frames or 0))
-        _field(h, b"total", _U64.pack(len(frame_list)))
-        _field(h, b"indices", np.asarray(indices, dtype="<i8").tobytes())
+        h = new_hash()
+        hash_field(h, b"scheme", _FRAMES_SCHEME)
+        hash_field(h, b"fps", struct.pack("<d", float(fps)))
+        hash_field(h, b"num_frames", _U64.pack(num_frames or 0))
+        hash_field(h, b"total", _U64.pack(len(frame_list)))
+        hash_field(h, b"indices", np.asarray(indices, dtype="<i8").tobytes())
         for i in indices.tolist():
             _hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
         key = CacheKey(h.digest(), self._video_ns)

@@ -1,11 +1,16 @@
 """Content digests of media: the identity the prefix cache and the encoder cache key on.
 
-Owns the invariant "same pixels <=> same digest": `media_digest` hashes the DECODED, PREPROCESSED pixels
-(pixel_values as fed to the vision encoder), so the same picture stored as PNG, lossless JPEG/WebP or with
-other metadata bytes gives one digest, while any pixel change, grid change or processor-setting change
-gives another. `raw_digest` hashes the encoded file bytes (the cheap key of the CPU preprocessing cache).
+Owns the invariant "same pixels <=> same digest": `media_digest` hashes the DECODED, PREPROCESSED pixels,
+so the same picture stored as PNG, lossless JPEG/WebP or with other metadata bytes gives one digest, while
+any pixel change, grid change or processor-setting change gives another. For an image the pixels hashed are
+the uint8 RGB after smart resize (`PreprocessedImage.resized_pixels`): pixel_values is a one-to-one function
+of them and the settings (which are hashed too), and they are 8x fewer bytes than the float32, temporally
+repeated pixel_values. Videos hash pixel_values. `raw_digest` hashes the encoded file bytes (the cheap key of
+the CPU preprocessing cache).
 
-Hash: BLAKE2b with a 256-bit output (never truncated below 128 bits by callers: `DIGEST_SIZE`).
+Hash: SHA-256 (collision resistant, so a client cannot make its picture take another's cached KV; about
+twice BLAKE2b's speed on CPUs with SHA extensions), never truncated below 128 bits by callers
+(`DIGEST_SIZE`).
 
 Framing (explicit, so no two different field lists can produce the same byte stream; a peer's collision
 bug came from hashing unframed concatenations). The hash input is a sequence of fields, each encoded as
@@ -13,10 +18,10 @@ bug came from hashing unframed concatenations). The hash input is a sequence of 
     u64le(len(name)) || name || u64le(len(value)) || value
 
 with names ASCII and fixed, values raw bytes, in this order:
-  media_digest: scheme ("prism.media.v1"), model_id (UTF-8), settings (processor fingerprint, UTF-8),
+  media_digest: scheme ("prism.media.v2"), model_id (UTF-8), settings (processor fingerprint, UTF-8),
                 kind ("image" | "video"), grid (3 x i64le: t, h, w), dtype (numpy dtype.str, e.g. "<f4"),
                 shape (i64le per dim), [timestamps (f64le per temporal patch), video only], pixels (C-order bytes).
-  raw_digest:   scheme ("prism.raw.v1"), bytes (the encoded file).
+  raw_digest:   scheme ("prism.raw.v2"), bytes (the encoded file).
 """
 
 from __future__ import annotations
@@ -34,13 +39,18 @@ from .image import PreprocessedImage
 from .video import PreprocessedVideo
 
 DIGEST_SIZE = 32  # bytes (256 bits)
-MEDIA_SCHEME = b"prism.media.v1"
-RAW_SCHEME = b"prism.raw.v1"
+MEDIA_SCHEME = b"prism.media.v2"
+RAW_SCHEME = b"prism.raw.v2"
 
 _U64 = struct.Struct("<Q")
 
 
-def _field(h: hashlib._Hash, name: bytes, value: bytes | memoryview) -> None:
+def new_hash() -> hashlib._Hash:
+    """The one hash of media identity (see the module docstring); its digest is `DIGEST_SIZE` bytes."""
+    return hashlib.sha256()
+
+
+def hash_field(h: hashlib._Hash, name: bytes, value: bytes | memoryview) -> None:
     h.update(_U64.pack(len(name)))
     h.update(name)
     h.update(_U64.pack(len(value)))
@@ -55,9 +65,9 @@ def raw_digest(data: bytes | bytearray | memoryview) -> bytes:
     """Digest of the encoded file bytes (32 bytes)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MediaError(f"raw_digest needs bytes, got {type(data).__name__}")
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    _field(h, b"scheme", RAW_SCHEME)
-    _field(h, b"bytes", memoryview(data).cast("B"))
+    h = new_hash()
+    hash_field(h, b"scheme", RAW_SCHEME)
+    hash_field(h, b"bytes", memoryview(data).cast("B"))
     return h.digest()
 
 
@@ -91,23 +101,23 @@ def media_digest(
     if kind == "image" and timestamps is not None:
         raise MediaError("an image digest takes no timestamps")
     arr = _as_array(pixel_values)
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    _field(h, b"scheme", MEDIA_SCHEME)
-    _field(h, b"model_id", model_id.encode("utf-8"))
-    _field(h, b"settings", settings.encode("utf-8"))
-    _field(h, b"kind", kind.encode("ascii"))
-    _field(h, b"grid", _i64s(grid))
-    _field(h, b"dtype", arr.dtype.str.encode("ascii"))
-    _field(h, b"shape", _i64s(arr.shape))
+    h = new_hash()
+    hash_field(h, b"scheme", MEDIA_SCHEME)
+    hash_field(h, b"model_id", model_id.encode("utf-8"))
+    hash_field(h, b"settings", settings.encode("utf-8"))
+    hash_field(h, b"kind", kind.encode("ascii"))
+    hash_field(h, b"grid", _i64s(grid))
+    hash_field(h, b"dtype", arr.dtype.str.encode("ascii"))
+    hash_field(h, b"shape", _i64s(arr.shape))
     if timestamps is not None:
-        _field(h, b"timestamps", np.asarray(list(timestamps), dtype="<f8").tobytes())
-    _field(h, b"pixels", memoryview(arr.reshape(-1).view(np.uint8)))
+        hash_field(h, b"timestamps", np.asarray(list(timestamps), dtype="<f8").tobytes())
+    hash_field(h, b"pixels", memoryview(arr.reshape(-1).view(np.uint8)))
     return h.digest()
 
 
 def image_digest(image: PreprocessedImage, *, model_id: str, config: ImageProcessorConfig) -> bytes:
     return media_digest(
-        image.pixel_values, image.grid_thw, model_id=model_id, settings=config.fingerprint(), kind="image"
+        image.resized_pixels, image.grid_thw, model_id=model_id, settings=config.fingerprint(), kind="image"
     )
 
 

@@ -17,6 +17,7 @@ PIL failure to a typed error, applies the EXIF orientation and converts to RGB (
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class PreprocessedImage:
     """One image ready for the vision encoder."""
 
     pixel_values: torch.Tensor  # [gh*gw, C*T*p*p] float32
+    # uint8 [H, W, 3] after smart resize: pixel_values is a function of these and the processor settings,
+    # one-to-one (normalization is injective per channel), so the content digest hashes these 8x fewer bytes.
+    resized_pixels: np.ndarray
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patches
     image_size: tuple[int, int]  # (height, width) before resize
     resized_size: tuple[int, int]  # (height, width) after smart resize
@@ -175,13 +179,34 @@ def resize_rgb(image: Image.Image, height: int, width: int) -> np.ndarray:
     return np.asarray(resized, dtype=np.uint8)
 
 
+@functools.lru_cache(maxsize=16)
+def _normalize_table(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> np.ndarray:
+    """float32 [C, 256]: the normalized value of every uint8 level per channel, computed by HF's formula."""
+    levels = np.arange(256, dtype=np.uint8)[:, None].repeat(len(mean), axis=1)  # [256, C]
+    x = (levels.astype(np.float64) * rescale_factor).astype(np.float32)
+    table = (x - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    table.setflags(write=False)
+    return np.ascontiguousarray(table.T)
+
+
 def normalize(
     frames_u8: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float
 ) -> np.ndarray:
     """uint8 [..., C] -> float32 [..., C]: x * rescale (float64, then float32), then (x - mean) / std in float32,
-    the exact operation order of HF's numpy `rescale` and `normalize`."""
-    x = (frames_u8.astype(np.float64) * rescale_factor).astype(np.float32)
-    return (x - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    the exact operation order of HF's numpy `rescale` and `normalize`. Done as a lookup in the 256-level table
+    of that formula: element-wise arithmetic, so bitwise the same values, without float64 temporaries."""
+    table = _normalize_table(tuple(mean), tuple(std), float(rescale_factor))
+    return table[np.arange(table.shape[0]), frames_u8]
+
+
+def normalize_patches(
+    patches_u8: np.ndarray, channels: int, mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float
+) -> np.ndarray:
+    """uint8 pixel_values [rows, C*T*p*p] (channel-major columns, see `patchify`) -> float32, as `normalize`."""
+    table = _normalize_table(tuple(mean), tuple(std), float(rescale_factor))
+    per_channel = patches_u8.shape[1] // channels
+    channel_of_column = np.repeat(np.arange(channels), per_channel)
+    return table[channel_of_column[None, :], patches_u8]
 
 
 def patchify(
@@ -216,19 +241,20 @@ def preprocess_image(
     new_h, new_w = smart_resize(
         height, width, factor=config.factor, min_pixels=config.min_pixels, max_pixels=config.max_pixels
     )
-    pixels = normalize(
-        resize_rgb(rgb, new_h, new_w), config.image_mean, config.image_std, config.rescale_factor
-    )
+    resized = resize_rgb(rgb, new_h, new_w)
     # A still image fills the temporal patch by repetition (a zero-copy broadcast until the final reshape).
-    frames = np.broadcast_to(pixels[None], (config.temporal_patch_size, *pixels.shape))
-    flat, grid = patchify(
+    # Patchify the uint8 pixels, then normalize: a quarter of the bytes to move.
+    frames = np.broadcast_to(resized[None], (config.temporal_patch_size, *resized.shape))
+    flat_u8, grid = patchify(
         frames,
         patch_size=config.patch_size,
         merge_size=config.merge_size,
         temporal_patch_size=config.temporal_patch_size,
     )
+    flat = normalize_patches(flat_u8, resized.shape[2], config.image_mean, config.image_std, config.rescale_factor)
     return PreprocessedImage(
         pixel_values=torch.from_numpy(flat),
+        resized_pixels=resized,
         grid_thw=grid,
         image_size=(height, width),
         resized_size=(new_h, new_w),
