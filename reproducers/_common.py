@@ -17,3 +17,15 @@ def verdict(ok: bool, fixed: str, broken: str) -> None:
         sys.exit(0)
     print(f"BUG: {broken}", file=sys.stderr)
     sys.exit(1)
+
+
+def liveness_verdict(requests, arrivals, what: str, **run_kwargs) -> None:
+    """Run the liveness spec's scheduler harness on one fixed case; every request must terminate."""
+    from specs.spec_scheduler_liveness import run
+
+    try:
+        stats = run(requests, arrivals, cancels={}, **run_kwargs)
+        ok, detail = True, f"{stats['steps']} steps, {stats['preemptions']} preemption(s)"
+    except AssertionError as error:
+        ok, detail = False, str(error)
+    verdict(ok, f"{what} ({detail})", detail)

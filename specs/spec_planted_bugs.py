@@ -152,3 +152,24 @@ def test_equal_priority_deadlock_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(request_module.Request, "__init__", init_without_tiebreak)
     _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool, "no progress")
 
+
+
+def test_admission_without_reuse_fallback_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the liveness spec: admission only ever tried the whole prefix hit, which can need more
+    pages than a cold admission (pinned hit pages + a tail copy), so a lone prompt waited forever."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    monkeypatch.setattr(scheduler_module, "REUSE_FALLBACKS", ("all",))
+    _spec_fails(spec_scheduler_liveness.spec_a_prompt_that_fits_cold_is_admitted_despite_its_hit, "no progress")
+
+
+def test_swapped_request_keeping_shared_pages_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the liveness spec: preemption never took back the GPU pages a swapped-out request shares
+    with the cache, so an older request that needed them and the swapped one waited on each other."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_youngest_swapped_holding_gpu_pages", lambda self, request: None)
+    _spec_fails(spec_scheduler_liveness.spec_a_swapped_request_gives_up_the_shared_pages_an_older_one_needs,
+                "no progress")

@@ -47,9 +47,11 @@ def prompts(draw) -> FakePrompt:
     return FakePrompt(tokens, tuple(spans))
 
 
-def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int) -> dict:
+def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int,
+        interleave: int | None = None) -> dict:
     config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
-                          preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget)
+                          preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget,
+                          interleave_prefill_tokens=interleave)
     kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages)
     scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
     live: dict[str, Request] = {}
@@ -115,8 +117,50 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     preemption=st.sampled_from(["recompute", "swap"]),
     pool_pages=st.integers(8, 16),
     budget=st.integers(12, 24),
+    interleave=st.one_of(st.none(), st.integers(1, 12)),
 )
-def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, pool_pages, budget) -> None:
+def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, pool_pages, budget,
+                                                   interleave) -> None:
     arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
     cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
-    run(requests, arrivals, cancels, preemption, pool_pages, budget)
+    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave)
+
+
+# The counterexample this spec found: a 15-token prompt leaves its pages cached; a 29-token prompt on an
+# 8-page pool hits them, but the hit pins 4 pages and its tail copy needs a fifth fresh one, so admission
+# with the hit never fits although the prompt fits cold. Kept as a fixed example.
+HIT_NEEDS_MORE_THAN_COLD = (
+    [
+        (FakePrompt([1, 3, 3] + [9] * 10 + [1] * 4 + [9] * 10 + [1, 1],
+                    (MediaSpan(3, 10, b"\x03" * 16), MediaSpan(17, 10, b"\x01" * 16))), 1),
+        (FakePrompt([1, 3, 3] + [9] * 10 + [1, 1], (MediaSpan(3, 10, b"\x03" * 16),)), 1),
+    ],
+    [2, 0],
+)
+
+
+def spec_a_prompt_that_fits_cold_is_admitted_despite_its_hit() -> None:
+    requests, arrivals = HIT_NEEDS_MORE_THAN_COLD
+    run(requests, arrivals, {}, "recompute", pool_pages=8, budget=14)
+
+
+# The second counterexample: an older request needs room that a younger, swapped-out request still pins
+# (swap-out moves only a sequence's private pages; pages it shares with the cache stay on the GPU, held by
+# it). Preempting the younger one freed nothing, it was swapped back in, preempted again, forever.
+_D = b"\x01" * 16
+SWAPPED_PINS_SHARED_PAGES = (
+    [
+        (FakePrompt([1], ()), 1),
+        (FakePrompt([1], ()), 1),
+        (FakePrompt([9, 9, 9] + [1] * 6 + [9, 9, 3, 1, 1, 1], (MediaSpan(0, 3, _D), MediaSpan(9, 2, _D))), 3),
+        (FakePrompt([9, 9, 9] + [1] * 6 + [9, 9, 3] + [1] * 5, (MediaSpan(0, 3, _D), MediaSpan(9, 2, _D))), 2),
+        (FakePrompt([9, 9, 1, 9, 9] + [1] * 6 + [9] * 4 + [1] * 6,
+                    (MediaSpan(0, 2, _D), MediaSpan(3, 2, _D), MediaSpan(11, 4, _D))), 1),
+    ],
+    [0, 0, 0, 3, 2],
+)
+
+
+def spec_a_swapped_request_gives_up_the_shared_pages_an_older_one_needs() -> None:
+    requests, arrivals = SWAPPED_PINS_SHARED_PAGES
+    run(requests, arrivals, {}, "swap", pool_pages=9, budget=12)

@@ -179,3 +179,45 @@ def test_finish_reasons_and_stop(ckpt):
     )
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+
+
+def test_interleaving_bounds_prefill_chunks_while_decoding_and_changes_no_token(ckpt):
+    """interleave_prefill_tokens: while a request decodes, a later prompt is prefilled in chunks of at most
+    the limit (a visual span longer than the limit goes whole, never cut); the tokens are those of the
+    engine without interleaving."""
+    common = dict(page_size=4, num_gpu_pages=160, max_num_batched_tokens=256, check_invariants=True)
+    params = SamplingParams.greedy(max_tokens=12, ignore_eos=True)
+    long_text = "A long text prompt that is prefilled while the first request decodes. " * 3
+    prompts = ["Count to twenty please.", chat(IMAGES[0], IMAGES[1], long_text)]
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[tuple[str, int, int]]]:
+        seen: list[tuple[str, int, int]] = []
+        execute = llm.engine.runner.execute
+
+        def recording(slices, kv):
+            seen.extend((s.request.request_id, s.start, s.end) for s in slices)
+            return execute(slices, kv)
+
+        llm.engine.runner.execute = recording
+        engine = llm.engine
+        engine.add_request("decoder", prompts[0], SamplingParams.greedy(max_tokens=80, ignore_eos=True))
+        for _ in range(3):
+            engine.step()  # the first request is decoding now
+        engine.add_request("late", engine.inputs.prepare_chat(prompts[1]), params)
+        tokens: dict[str, list[int]] = {"decoder": [], "late": []}
+        while engine.has_unfinished_requests():
+            for event in engine.step():
+                tokens[event.request_id].extend(event.new_token_ids)
+        return [tokens["decoder"], tokens["late"]], seen
+
+    plain_tokens, plain_slices = run(LLM(ckpt, **common))
+    limit = 8
+    inter_tokens, inter_slices = run(LLM(ckpt, interleave_prefill_tokens=limit, **common))
+    assert inter_tokens == plain_tokens
+    late = LLM(ckpt, **common).engine.inputs.prepare_chat(prompts[1])
+    spans = {(s, s + n) for m in late.media for s, n in m.spans}
+    prefill = [(a, b) for rid, a, b in inter_slices if rid == "late" and a < len(late.token_ids) - 1]
+    assert len(prefill) > len([1 for rid, a, _ in plain_slices if rid == "late" and a < len(late.token_ids) - 1])
+    for a, b in prefill:
+        assert b - a <= limit or (a, b) in spans, f"chunk [{a}, {b}) exceeds {limit} and is not one whole span"
+    assert any((a, b) in spans and b - a > limit for a, b in prefill), "the test needs a span longer than the limit"

@@ -36,6 +36,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the KV pool's capacity, capped at 32768
     enable_chunked_prefill: bool = True
+    # Interleaving (opt-in): while some requests are decoding, a prefill computes at most this many tokens
+    # per step, so the decoders' inter-token gap stays short; a visual span larger than this still goes
+    # whole (spans are never cut). None: a prefill takes whatever the step's token budget leaves.
+    interleave_prefill_tokens: int | None = None
     enable_prefix_cache: bool = True
     preemption: Preemption = "recompute"
     dtype: str = "auto"  # model weights/activations: auto = bfloat16 on CUDA, float32 on CPU
@@ -55,7 +59,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_gpu_pages", "max_model_len"):
+        for name in ("num_gpu_pages", "max_model_len", "interleave_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")

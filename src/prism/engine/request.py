@@ -34,7 +34,9 @@ class FinishReason(Enum):
 _ALLOWED = {
     RequestState.WAITING: {RequestState.RUNNING, RequestState.FINISHED},
     RequestState.RUNNING: {RequestState.WAITING, RequestState.SWAPPED, RequestState.FINISHED},
-    RequestState.SWAPPED: {RequestState.RUNNING, RequestState.FINISHED},
+    # SWAPPED -> WAITING: a swapped request whose GPU-resident shared pages an older request needs is
+    # dropped to recompute (scheduler._preempt_swapped).
+    RequestState.SWAPPED: {RequestState.RUNNING, RequestState.WAITING, RequestState.FINISHED},
     RequestState.FINISHED: set(),
 }
 

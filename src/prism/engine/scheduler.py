@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv.content import SeqContent
-from ..kv.manager import KVCacheManager
+from ..kv.manager import REUSE_FALLBACKS, KVCacheManager
 from ..kv.pages import OutOfPages
 from ..kv.transfers import PlanConflict
 from .config import EngineConfig
@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
+        self._decoding = False  # some running request has produced a token (set by each schedule)
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -88,6 +89,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         self.running.sort(key=lambda r: r.priority)
+        self._decoding = any(r.output_token_ids for r in self.running)
 
         for request in list(self.running):
             if request.state is not RequestState.RUNNING or budget == 0:
@@ -118,10 +120,10 @@ class Scheduler:
                     out.failed.append((request, self._unschedulable_reason(content, hit.num_tokens)))
                     continue
                 break
-            try:
-                seq = self.kv.admit(request.request_id, content, end - hit.num_tokens)
-            except OutOfPages:
+            seq = self._admit(request, content, budget)
+            if seq is None:
                 break  # wait for running requests to finish or be preempted
+            end = self._chunk_end(request, content, seq.num_computed, budget)
             self.waiting.popleft()
             if request.times.first_scheduled is None:
                 request.cached_tokens = seq.num_cached
@@ -141,7 +143,32 @@ class Scheduler:
         remaining = len(content) - start
         if not self.config.enable_chunked_prefill and start < request.num_prompt_tokens:
             return start + remaining if remaining <= budget else start
-        return snap_chunk_end(content, start, start + min(remaining, budget))
+        end = snap_chunk_end(content, start, start + min(remaining, budget))
+        limit = self.config.interleave_prefill_tokens
+        if limit is not None and self._decoding and start < request.num_prompt_tokens and end - start > limit:
+            span = content.span_containing(start + limit)
+            if span is not None and span.start == start:  # a span longer than the limit goes whole
+                end = min(end, span.end)
+            else:
+                end = snap_chunk_end(content, start, start + limit)
+        return end
+
+    def _admit(self, request: Request, content: SeqContent, budget: int):
+        """Admit with the whole prefix hit; when nothing runs or waits swapped (so waiting cannot free
+        room), fall back to reusing less: a hit pins its pages and a tail page's source, so it can need
+        more room than recomputing (liveness: a prompt that fits the pool cold must be admitted).
+        Returns the admitted sequence, or None to wait."""
+        fallbacks = REUSE_FALLBACKS if not self.running and not self.swapped else REUSE_FALLBACKS[:1]
+        for reuse in fallbacks:
+            start = self.kv.lookup(content, reuse).num_tokens
+            end = self._chunk_end(request, content, start, budget)
+            if end <= start:
+                continue
+            try:
+                return self.kv.admit(request.request_id, content, end - start, reuse=reuse)
+            except OutOfPages:
+                continue
+        return None
 
     def _unschedulable_reason(self, content: SeqContent, start: int) -> str:
         span = content.span_containing(start + 1) or next((s for s in content.media if s.start >= start), None)
@@ -165,9 +192,15 @@ class Scheduler:
                 return True
             except OutOfPages:
                 victim = self._youngest_unscheduled(request, scheduled)
-                if victim is None:
-                    return False
-                self._preempt(victim)
+                if victim is not None:
+                    self._preempt(victim)
+                else:
+                    # A swapped-out request keeps its shared pages on the GPU; if an older request still
+                    # cannot fit, the youngest such request gives them up and recomputes later.
+                    victim = self._youngest_swapped_holding_gpu_pages(request)
+                    if victim is None:
+                        return False
+                    self._drop_swapped(victim)
                 out.preempted.append((victim, request))
 
     def _youngest_unscheduled(self, request: Request, scheduled: set[str]) -> Request | None:
@@ -177,6 +210,22 @@ class Scheduler:
             if r.priority > request.priority and r.request_id not in scheduled
         ]
         return max(candidates, key=lambda r: r.priority) if candidates else None
+
+    def _youngest_swapped_holding_gpu_pages(self, request: Request) -> Request | None:
+        candidates = [
+            r
+            for r in self.swapped
+            if r.priority > request.priority and any(pool == "gpu" for pool, _ in self.kv.seqs[r.request_id].pages)
+        ]
+        return max(candidates, key=lambda r: r.priority) if candidates else None
+
+    def _drop_swapped(self, victim: Request) -> None:
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        self.swapped.remove(victim)
+        self.kv.release(victim.request_id, keep_in_cache=self.config.enable_prefix_cache)
+        victim.transition(RequestState.WAITING)
+        self.requeue(victim)
 
     def _preempt(self, victim: Request) -> None:
         self.num_preemptions += 1

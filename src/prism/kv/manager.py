@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .content import SeqContent
 from .keys import root_key
@@ -27,6 +28,11 @@ from .reclaim import CacheEntries
 from .transfers import Move, PlanConflict, Slot, TransferPlan
 
 SeqId = int | str  # the engine uses request ids
+
+
+Reuse = Literal["all", "whole_pages", "none"]
+# What an admission may reuse, from most to least; each later one pins fewer pages.
+REUSE_FALLBACKS: tuple[Reuse, ...] = ("all", "whole_pages", "none")
 
 
 class SequenceError(ValueError):
@@ -97,19 +103,20 @@ class KVCacheManager:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def admission_cost(self, content: SeqContent, reserve_tokens: int) -> tuple[PrefixHit, int]:
+    def admission_cost(self, content: SeqContent, reserve_tokens: int, reuse: Reuse = "all") -> tuple[PrefixHit, int]:
         """The prefix hit and the number of new GPU pages admitting `content` would allocate."""
-        hit = self.lookup(content)
+        hit = self.lookup(content, reuse)
         total = self._pages_for(min(hit.num_tokens + reserve_tokens, len(content)))
         return hit, total - len(hit.shared_pages)
 
     # -- lookup and admission -------------------------------------------------------------------
-    def lookup(self, content: SeqContent) -> PrefixHit:
-        """The reusable prefix, leaving at least the last prompt token to compute."""
-        if not self.enable_prefix_cache:
+    def lookup(self, content: SeqContent, reuse: Reuse = "all") -> PrefixHit:
+        """The reusable prefix, leaving at least the last prompt token to compute. `reuse` narrows it:
+        "whole_pages" drops a partial tail page, "none" reuses nothing (see `REUSE_FALLBACKS`)."""
+        if not self.enable_prefix_cache or reuse == "none":
             return PrefixHit((), (), None, 0, self.page_size)
         hit = self.index.lookup(content, self.root, len(content) - 1)
-        if self.page_aligned_hits and hit.tail_source is not None:
+        if (self.page_aligned_hits or reuse == "whole_pages") and hit.tail_source is not None:
             tokens = len(hit.shared_pages) * self.page_size
             while (span := content.span_containing(tokens)) is not None:  # never end inside an image
                 tokens = span.start // self.page_size * self.page_size
@@ -117,10 +124,13 @@ class KVCacheManager:
             return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size)
         return hit
 
-    def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int) -> SeqKV:
-        """Attach the cached prefix and reserve pages for up to `reserve_tokens` positions after it.
+    def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int, *, reuse: Reuse = "all") -> SeqKV:
+        """Attach the cached prefix (`lookup(content, reuse)`) and reserve pages for up to `reserve_tokens`
+        positions after it.
 
-        Raises OutOfPages (changing nothing) when even evicting every cache entry would not make room.
+        Raises OutOfPages (changing nothing) when even evicting every cache entry would not make room. A hit
+        can need MORE room than no hit (its pages and a tail page's source are pinned while a private tail
+        copy is allocated), so a caller with nothing else to wait for retries with `REUSE_FALLBACKS`.
         """
         if seq_id in self.seqs:
             raise SequenceError(f"sequence {seq_id} is already admitted")
@@ -128,7 +138,7 @@ class KVCacheManager:
             raise SequenceError("cannot admit an empty sequence")
         if reserve_tokens < 0:
             raise SequenceError(f"reserve_tokens={reserve_tokens} is negative")
-        hit, new_pages = self.admission_cost(content, reserve_tokens)
+        hit, new_pages = self.admission_cost(content, reserve_tokens, reuse)
         if not self.can_allocate(new_pages, hit.pages_read):
             raise OutOfPages(f"admitting sequence {seq_id} needs {new_pages} new pages")
         seq = SeqKV(seq_id, content, num_computed=hit.num_tokens, keys=list(hit.keys), num_cached=hit.num_tokens)
