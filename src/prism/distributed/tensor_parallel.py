@@ -21,6 +21,7 @@ stores only its Hkv/w heads (`TextShard.kv_heads`).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -106,6 +107,13 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+
+def local_init_method() -> str:
+    """A tcp:// rendezvous on a free loopback port, for ranks of one host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def init_tp_group(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.step_channel import StepChannel
-from ..distributed.tensor_parallel import TPGroup, init_tp_group
+from ..distributed.tensor_parallel import TPGroup, init_tp_group, local_init_method
 from .config import EngineConfig
 from .rank import build_rank_runner, rank_device
 
@@ -30,12 +29,6 @@ log = logging.getLogger(__name__)
 
 class TensorParallelFailure(RuntimeError):
     """A tensor-parallel rank failed or left: the ranks can no longer run the same steps."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(config: EngineConfig) -> str:
@@ -117,7 +110,7 @@ def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
         raise TensorParallelFailure("torch.distributed is already initialized in this process (one TP engine at a time)")
     if _backend(config) == "gloo" and sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the host name resolves to
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = local_init_method()
     ctx = multiprocessing.get_context("spawn")
     processes = [
         ctx.Process(target=serve_worker, args=(rank, init_method, str(model_dir), config.to_dict()), daemon=True,
