@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..model.qwen3_vl import Qwen3VLModel
 from .tensor_parallel import TPGroup
@@ -79,8 +78,7 @@ def encode_media_items(
         packed[0, row : row + n] = embeds
         packed[1:, row : row + n] = deepstack
         row += n
-    parts = [torch.empty_like(packed) for _ in range(group.world_size)]
-    dist.all_gather(parts, packed, group=group.group)
+    parts = group.all_gather(packed)
     out: list[Features | None] = [None] * len(grids)
     offsets = [0] * group.world_size
     for i, rank in enumerate(owner):

@@ -88,14 +88,20 @@ class TPGroup:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype on all ranks), in rank order."""
+        if self.world_size == 1:
+            return [t]
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self.group)
+        return parts
+
     def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `t` (same shape on all ranks) along the last dim, in rank order."""
         if self.world_size == 1:
             return t
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.all_gather(t), dim=-1)
 
     def min_int(self, value: int) -> int:
         """The minimum of `value` over all ranks (e.g. KV pages: every rank must allocate the same
