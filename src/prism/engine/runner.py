@@ -5,6 +5,7 @@ Owns the device state (model, KV pools, encoder cache) and the *hit == miss* pro
 the tokens written in that step, so a prefix that was computed earlier (a hit) and one computed now (a
 miss) are read identically. Vision runs only for media items whose tokens are computed this step and
 whose features are not in the encoder cache; a full prefix hit runs no vision at all.
+Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), with one rank or several.
 """
 
 from __future__ import annotations
