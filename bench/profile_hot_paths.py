@@ -146,7 +146,8 @@ def main() -> None:
         trace(f"W3_b{batch}_24tok", lambda ps=ps, params=params: llm.generate(ps, params))
         t_all_prompts = [inputs.prepare_chat(chat(hot, f"decode timing {batch}-{i}")) for i in range(batch)]
         llm.generate(t_all_prompts, one)
-        timed(f"W3 batch {batch} generate 64 tokens", lambda: llm.generate(t_all_prompts, SamplingParams.greedy(max_tokens=64, ignore_eos=True)), reps=2)
+        timed(f"W3 batch {batch} generate 64 tokens",
+              lambda ps=t_all_prompts: llm.generate(ps, SamplingParams.greedy(max_tokens=64, ignore_eos=True)), reps=2)
 
 
 if __name__ == "__main__":

@@ -173,3 +173,34 @@ def test_swapped_request_keeping_shared_pages_is_caught(monkeypatch: pytest.Monk
     monkeypatch.setattr(scheduler_module.Scheduler, "_youngest_swapped_holding_gpu_pages", lambda self, request: None)
     _spec_fails(spec_scheduler_liveness.spec_a_swapped_request_gives_up_the_shared_pages_an_older_one_needs,
                 "no progress")
+
+
+def test_each_rank_using_its_own_page_count_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical: every TP rank sized its KV pool from its own free memory, so page ids rank 0 handed out
+    pointed past a smaller rank's pool (divergent KV), and a rank without room left the others hanging."""
+    from prism.distributed import capacity
+    from specs import spec_tp_capacity
+
+    def own_pages(group, local_pages):
+        if local_pages < 1:
+            raise capacity.KVCapacityError("no KV page fits on this rank")
+        return local_pages
+
+    monkeypatch.setattr(capacity, "agree_num_pages", own_pages)
+    _spec_fails(spec_tp_capacity.spec_every_rank_uses_the_min_or_all_fail_together, "disagree|not the MIN")
+
+
+def test_encoder_dp_losing_the_item_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoder DP that returns the gathered features in rank order instead of the original media order."""
+    from prism.distributed import encoder_dp
+    from specs import spec_tp_capacity
+
+    encode = encoder_dp.encode_media_items
+
+    def rank_ordered(model, grids, pixels, group, *, one_at_a_time=False):
+        out = encode(model, grids, pixels, group, one_at_a_time=one_at_a_time)
+        owner = encoder_dp.assign_media([t * h * w for t, h, w in grids], group.world_size)
+        return [out[i] for i in sorted(range(len(out)), key=lambda i: (owner[i], i))]
+
+    monkeypatch.setattr(encoder_dp, "encode_media_items", rank_ordered)
+    _spec_fails(spec_tp_capacity.spec_encoder_dp_equals_the_replicated_encoder, "order lost")

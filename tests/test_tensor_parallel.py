@@ -11,16 +11,9 @@ attention backend saw, and `min_int`. Indivisible head counts are checked withou
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import sys
-import time
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from prism.distributed.tensor_parallel import (
     TensorParallelError,
@@ -35,6 +28,7 @@ from prism.model.loading import load_model
 from prism.model.mrope import decode_positions, mrope_positions
 from prism.model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel, last_token_indices
 from prism.testing.checkpoints import ensure_checkpoint, ensure_tiny_checkpoint
+from prism.testing.ranks import run_ranks
 
 WORLD = 2
 GREEDY_STEPS = 16
@@ -136,62 +130,23 @@ def _run(model: Qwen3VLModel) -> dict:
     return out
 
 
-def _worker(rank: int, init_method: str, ckpts: dict[str, str], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        group = init_tp_group(rank, WORLD, init_method, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
-        result: dict = {"min_int": [group.min_int(vals[rank]) for vals in MIN_INT_INPUTS]}
-        for name, path in ckpts.items():
-            model = load_model(path, dtype=torch.float32)
-            if rank == 0:
-                result[f"{name}/ref"] = _run(model)
-            shard = shard_text_decoder(model, group)
-            result[f"{name}/shard"] = shard
-            result[f"{name}/tp"] = _run(model)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, init_method: str, ckpts: dict[str, str]) -> dict:
+    group = init_tp_group(rank, WORLD, init_method, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
+    result: dict = {"min_int": [group.min_int(vals[rank]) for vals in MIN_INT_INPUTS]}
+    for name, path in ckpts.items():
+        model = load_model(path, dtype=torch.float32)
+        if rank == 0:
+            result[f"{name}/ref"] = _run(model)
+        shard = shard_text_decoder(model, group)
+        result[f"{name}/shard"] = shard
+        result[f"{name}/tp"] = _run(model)
+    return result
 
 
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
+def tp_results():
     ckpts = {"tiny": str(ensure_tiny_checkpoint()), "tiny-tied": str(ensure_checkpoint("tiny-tied"))}
-    out_dir = tmp_path_factory.mktemp("tp")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    # Gloo resolves the hostname to pick an interface; pin loopback where the host name does not resolve.
-    env_before = os.environ.get("GLOO_SOCKET_IFNAME")
-    if sys.platform.startswith("linux") and env_before is None:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    try:
-        ctx = mp.start_processes(
-            _worker, args=(init_method, ckpts, str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    pytest.fail(f"TP workers still running after {JOIN_TIMEOUT_S} s (hung collective?)")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            errs = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.err")))
-            pytest.fail(f"a TP worker failed:\n{errs or e}")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-    finally:
-        if env_before is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, ckpts, timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-tied"])

@@ -1,3 +1,5 @@
 """Tensor parallelism (issue 8): `tensor_parallel.py` shards the text decoder over a torch.distributed group
-(column/row-parallel linears, vocab-parallel embedding and LM head) and agrees on capacity (MIN over ranks).
-Not yet: the engine running on several ranks, per-rank KV pools, encoder data parallelism."""
+(column/row-parallel linears, vocab-parallel embedding and LM head); `capacity.py` agrees on the KV page count
+(MIN over ranks, invariant 10); `encoder_dp.py` spreads whole media items over the ranks and gathers their
+features; `step_channel.py` carries rank 0's step payloads to the followers. The engine side (rank set-up,
+follower processes) is `engine/rank.py` and `engine/tp_workers.py`."""

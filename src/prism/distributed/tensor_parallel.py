@@ -21,6 +21,7 @@ stores only its Hkv/w heads (`TextShard.kv_heads`).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -87,14 +88,20 @@ class TPGroup:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape and dtype on all ranks), in rank order."""
+        if self.world_size == 1:
+            return [t]
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self.group)
+        return parts
+
     def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `t` (same shape on all ranks) along the last dim, in rank order."""
         if self.world_size == 1:
             return t
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self.all_gather(t), dim=-1)
 
     def min_int(self, value: int) -> int:
         """The minimum of `value` over all ranks (e.g. KV pages: every rank must allocate the same
@@ -106,6 +113,13 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+
+def local_init_method() -> str:
+    """A tcp:// rendezvous on a free loopback port, for ranks of one host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def init_tp_group(

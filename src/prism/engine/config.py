@@ -53,6 +53,10 @@ class EngineConfig:
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
     deterministic: bool = False
     check_invariants: bool = False  # run the KV manager's full accounting check after every step (tests)
+    # Ranks of one host (GPUs, or CPU processes over gloo): the text decoder is split over them (KV heads
+    # too), the vision encoder runs data parallel. Rank 0 is this process; the engine spawns the others.
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0  # bounds every collective: a dead rank fails the others, no hang
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes", "cuda_graph_max_batch"):
@@ -71,6 +75,12 @@ class EngineConfig:
             raise ConfigError(f"preemption must be 'recompute' or 'swap', got {self.preemption!r}")
         if self.preemption == "swap" and self.num_cpu_pages == 0:
             raise ConfigError("preemption='swap' needs num_cpu_pages > 0")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"distributed_timeout_s must be a positive number, got {timeout!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -110,13 +120,15 @@ class EngineConfig:
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    def kv_layout(self, num_layers: int, num_kv_heads: int, head_dim: int) -> KVLayout:
-        pages = self.num_gpu_pages or pages_in_budget(
+    def kv_pages(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """KV pages this rank could hold (num_kv_heads: this rank's heads); 0 when none fits. Ranks agree
+        on the MIN of it before allocating (`prism.distributed.capacity.agree_num_pages`)."""
+        return self.num_gpu_pages or pages_in_budget(
             self.kv_memory_bytes, num_layers, num_kv_heads, head_dim, self.page_size, self.kv_dtype
         )
-        if pages < 1:
-            raise ConfigError(f"kv_memory_bytes={self.kv_memory_bytes} holds no KV page of {self.page_size} tokens")
-        return KVLayout(num_layers, num_kv_heads, head_dim, self.page_size, pages, self.kv_dtype)
+
+    def kv_layout(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int) -> KVLayout:
+        return KVLayout(num_layers, num_kv_heads, head_dim, self.page_size, num_pages, self.kv_dtype)
 
     def resolved_max_model_len(self, pool_tokens: int) -> int:
         if self.max_model_len is None:

@@ -11,22 +11,24 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..decision.questions import readout
+from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
-from ..model.loading import load_model
 from .config import EngineConfig
 from .detokenize import TextStream
 from .inputs import InputProcessor, PreparedPrompt
+from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
-from .runner import ModelRunner
 from .sampler import make_generator, sample
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +48,26 @@ class Engine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         model_id = self.config.model_id or str(self.model_dir.resolve())
-        model = load_model(self.model_dir, dtype=self.config.resolved_dtype(), device=self.config.resolved_device())
-        text = model.config.text
-        layout = self.config.kv_layout(text.num_hidden_layers, text.num_key_value_heads, text.head_dim)
-        self.max_model_len = self.config.resolved_max_model_len(layout.num_slots)
+        self._followers: Followers | None = None
+        if self.config.tensor_parallel_size > 1:
+            self._followers = launch_followers(self.model_dir, self.config)
+            group = self._followers.group
+        else:
+            group = TPGroup.single(self.config.resolved_device())
+        try:
+            self.runner, self.max_model_len = build_rank_runner(self.model_dir, self.config, group)
+        except Exception as error:
+            if self._followers is None:
+                raise
+            failure = self._followers.failure(error)
+            self._followers.close()
+            if isinstance(error, ValueError):  # a configuration problem every rank agreed on (capacity)
+                raise
+            raise failure from error
+        if self._followers is not None:
+            self.runner.publish = self._followers.send
+            weakref.finalize(self, self._followers.close)
+        model, layout = self.runner.model, self.runner.layout
         self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes)
         namespace = f"{model_id}|weights={model.dtype}|kv={layout.kv_dtype}"
         self.kv = KVCacheManager(
@@ -60,15 +78,6 @@ class Engine:
             enable_prefix_cache=self.config.enable_prefix_cache,
             page_aligned_hits=self.config.deterministic,
         )
-        self.runner = ModelRunner(
-            model,
-            layout,
-            self.config.num_cpu_pages,
-            self.config.encoder_cache_bytes,
-            cuda_graph_max_batch=self.config.cuda_graph_max_batch if self.config.cuda_graphs else None,
-            max_model_len=self.max_model_len,
-            deterministic=self.config.deterministic,
-        )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
@@ -76,8 +85,13 @@ class Engine:
         self._events: list[RequestOutput] = []
         self._arrivals = 0
         self.stats = EngineStats()
-        log.info("engine ready: %s, KV %s x %d pages of %d tokens", self.model_dir, layout.kv_dtype,
-                 layout.num_pages, layout.page_size)
+        log.info("engine ready: %s, KV %s x %d pages of %d tokens, tensor parallel %d", self.model_dir,
+                 layout.kv_dtype, layout.num_pages, layout.page_size, group.world_size)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel follower ranks (a no-op with one rank). The engine is unusable after."""
+        if self._followers is not None:
+            self._followers.close()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(
@@ -143,6 +157,10 @@ class Engine:
             try:
                 logits = self.runner.execute(out.slices, self.kv)
             except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
+                if self._followers is not None:  # ... unless the ranks may now disagree: then stop every rank
+                    failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)
+                    self._followers.close()
+                    raise failure from error
                 log.exception("step failed")
                 for s in out.slices:
                     self._finish(s.request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)

@@ -5,33 +5,35 @@ Owns the device state (model, KV pools, encoder cache) and the *hit == miss* pro
 the tokens written in that step, so a prefix that was computed earlier (a hit) and one computed now (a
 miss) are read identically. Vision runs only for media items whose tokens are computed this step and
 whose features are not in the encoder cache; a full prefix hit runs no vision at all.
+Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), with one rank or several.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..distributed.encoder_dp import encode_media_items
+from ..distributed.tensor_parallel import TPGroup
 from ..kv.fp8 import KVLayout, KVPool
 from ..kv.manager import KVCacheManager
-from ..kv.transfers import execute_plan
+from ..kv.transfers import TransferPlan, execute_plan
 from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSlice
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Positions [start, end) of one request in a forward, then `pad` filler rows (deterministic tiles)."""
-
-    request: object
-    start: int
-    end: int
-    pad: int
-    sample: bool
+from .step_payload import (
+    ForwardInput,
+    MediaSlice,
+    MediaWork,
+    PieceInput,
+    StepPayload,
+    media_slices,
+    media_work,
+)
 
 
 @dataclass
@@ -57,6 +59,11 @@ def token_positions(request, start: int, end: int) -> torch.Tensor:
 
 
 class ModelRunner:
+    """One rank's device state. Rank 0 turns (slices, KV page tables) into a `StepPayload`, hands it to
+    `publish` (the TP step channel; nothing with one rank) and runs it; follower ranks run the payloads
+    they receive. `group` is the TP group the model was sharded over (the KV pool holds this rank's KV
+    heads, `layout`)."""
+
     def __init__(
         self,
         model: Qwen3VLModel,
@@ -67,10 +74,15 @@ class ModelRunner:
         cuda_graph_max_batch: int | None = None,
         max_model_len: int = 0,
         deterministic: bool = False,
+        group: TPGroup | None = None,
     ) -> None:
         self.model = model
         self.device = model.device
+        self.layout = layout
+        self.page_size = layout.page_size
         self.deterministic = deterministic
+        self.group = group or TPGroup.single(self.device)
+        self.publish: Callable[[StepPayload], None] | None = None
         use_graphs = cuda_graph_max_batch is not None and self.device.type == "cuda" and not deterministic
         # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
         scratch = -(-cuda_graph_max_batch // layout.page_size) if use_graphs else 0
@@ -92,138 +104,163 @@ class ModelRunner:
         """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices."""
         plan = kv.take_plan()
         try:
-            execute_plan(plan, self.gpu_pool, self.cpu_pool)
-            if not slices:
-                return torch.empty(0)
-            if self.deterministic:
-                return self._execute_deterministic(slices, kv)
-            if self.graphs is not None and self._is_graph_decode(slices):
-                return self._graph_decode(slices, kv)
-            return self._forward([_Piece(s.request, s.start, s.end, 0, s.sample) for s in slices], kv)
+            payload = self.prepare(plan, slices, kv)
+            if self.publish is not None:
+                self.publish(payload)
+            return self.run(payload)
         finally:
             kv.finish_plan(plan)
 
-    def _forward(self, pieces: list[_Piece], kv: KVCacheManager) -> torch.Tensor:
+    # -- rank 0: building the payload ------------------------------------------------------------
+    def prepare(self, plan: TransferPlan, slices: list[ScheduledSlice], kv: KVCacheManager) -> StepPayload:
+        """The step as data: the plan, the forwards (one, or one per deterministic tile) and the media work."""
+        if not slices:
+            return StepPayload(plan, [], [])
+        if self.deterministic:
+            groups = self._deterministic_tiles(slices)
+        else:
+            groups = [[(s, s.start, s.end, 0, s.sample) for s in slices]]
+        forwards, items = [], []
+        for group in groups:
+            pieces = [
+                PieceInput(
+                    s.request.all_token_ids[start:end],
+                    token_positions(s.request, start, end + pad),
+                    start,
+                    end,
+                    pad,
+                    [page for _, page in kv.seqs[s.request.request_id].pages],
+                    sample,
+                )
+                for s, start, end, pad, sample in group
+            ]
+            media, used = media_slices(pieces, [g[0].request for g in group])
+            items.extend(used)
+            forwards.append(ForwardInput(pieces, media, graph=self._is_graph_decode(pieces)))
+        return StepPayload(plan, forwards, media_work(items, self._is_encoder_cached))
+
+    def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:
+        """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
+        the frontier page from its start: every token is always computed in the same tile at the same row
+        with the same shapes, whatever the batch, the chunking or the cache did."""
+        size = self.page_size
+        tiles = []
+        for s in slices:
+            tile_start = (s.start // size) * size
+            while tile_start < s.end:
+                tile_end = min(tile_start + size, s.end)
+                last = tile_end == s.end
+                tiles.append([(s, tile_start, tile_end, tile_start + size - tile_end, s.sample and last)])
+                tile_start += size
+        return tiles
+
+    def _is_encoder_cached(self, digest: bytes) -> bool:
+        return CacheKey(digest, "vision") in self.encoder_cache
+
+    def _is_graph_decode(self, pieces: list[PieceInput]) -> bool:
+        if self.graphs is None or any(p.end - p.start != 1 or p.pad or not p.sample for p in pieces):
+            return False
+        return self.graphs.fits(len(pieces), max(p.end for p in pieces))
+
+    # -- every rank: running the payload ---------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, payload: StepPayload) -> torch.Tensor:
+        """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows."""
+        execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
+        if not payload.forwards:
+            return torch.empty(0)
+        features = self._encode(payload.media) if payload.media else {}
+        out = []
+        for forward in payload.forwards:
+            logits = self._graph_decode(forward) if forward.graph else self._forward(forward, features)
+            if len(payload.forwards) == 1:
+                return logits
+            if any(p.sample for p in forward.pieces):
+                out.append(logits)
+        return torch.cat(out) if out else torch.empty(0)
+
+    def _forward(self, forward: ForwardInput, features: dict[bytes, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One packed forward over the pieces; fp32 logits of the sampling pieces' last real rows."""
-        ids, positions, rows = [], [], []
+        ids, rows = [], []
         offset = 0
-        for p in pieces:
-            ids.extend(p.request.all_token_ids[p.start : p.end])
+        for p in forward.pieces:
+            ids.extend(p.token_ids)
             ids.extend([0] * p.pad)
-            positions.append(token_positions(p.request, p.start, p.end + p.pad))
             if p.sample:
                 rows.append(offset + p.end - p.start - 1)
-            offset += p.end + p.pad - p.start
+            offset += p.num_rows
+        pieces = forward.pieces
         meta = PagedAttentionMetadata.build(
-            [p.end + p.pad - p.start for p in pieces],
-            [p.end + p.pad for p in pieces],
-            [[page for _, page in kv.seqs[p.request.request_id].pages] for p in pieces],
-            kv.page_size,
-            self.device,
+            [p.num_rows for p in pieces], [p.end + p.pad for p in pieces], [p.pages for p in pieces],
+            self.page_size, self.device,
         )
         logits = self.model(
             torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.cat(positions, dim=1).to(self.device),
+            torch.cat([p.positions for p in pieces], dim=1).to(self.device),
             PagedKVBackend(self.gpu_pool, meta, prefill_kernel=not self.deterministic),
-            multimodal=self._media_features(pieces),
+            multimodal=self._place_media(forward.media, features),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
         )
         self.stats.steps += 1
         self.stats.tokens_computed += offset
         return logits.float()
 
-    # -- deterministic mode ----------------------------------------------------------------------
-    def _execute_deterministic(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
-        """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
-        the frontier page from its start: every token is always computed in the same tile at the same row
-        with the same shapes, whatever the batch, the chunking or the cache did."""
-        size = kv.page_size
-        out = []
-        for s in slices:
-            tile_start = (s.start // size) * size
-            while tile_start < s.end:
-                tile_end = min(tile_start + size, s.end)
-                last = tile_end == s.end
-                piece = _Piece(s.request, tile_start, tile_end, tile_start + size - tile_end, s.sample and last)
-                logits = self._forward([piece], kv)
-                if piece.sample:
-                    out.append(logits)
-                tile_start += size
-        return torch.cat(out) if out else torch.empty(0)
-
-    # -- CUDA-graph decode ------------------------------------------------------------------------
-    def _is_graph_decode(self, slices: list[ScheduledSlice]) -> bool:
+    def _graph_decode(self, forward: ForwardInput) -> torch.Tensor:
         assert self.graphs is not None
-        if any(s.end - s.start != 1 or not s.sample for s in slices):
-            return False
-        return self.graphs.fits(len(slices), max(s.end for s in slices))
-
-    def _graph_decode(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
-        assert self.graphs is not None
-        size = kv.page_size
-        tables = [[page for _, page in kv.seqs[s.request.request_id].pages] for s in slices]
+        size = self.page_size
+        pieces = forward.pieces
         logits = self.graphs.run(
-            [s.request.all_token_ids[s.start] for s in slices],
-            torch.cat([token_positions(s.request, s.start, s.end) for s in slices], dim=1),
-            [table[s.start // size] * size + s.start % size for s, table in zip(slices, tables, strict=True)],
-            [s.end for s in slices],
-            tables,
+            [p.token_ids[0] for p in pieces],
+            torch.cat([p.positions for p in pieces], dim=1),
+            [p.pages[p.start // size] * size + p.start % size for p in pieces],
+            [p.end for p in pieces],
+            [p.pages for p in pieces],
         )
         self.stats.steps += 1
-        self.stats.tokens_computed += len(slices)
+        self.stats.tokens_computed += len(pieces)
         return logits
 
     # -- vision ----------------------------------------------------------------------------------
-    def _media_features(self, pieces: list[_Piece]) -> MultimodalEmbeddings | None:
-        """Features of every media token computed this step, placed at their rows of the packed batch."""
-        wanted = []  # (packed row of the first token, media item, offset in the item's features, length)
-        row = 0
-        for p in pieces:
-            for item in p.request.prompt.media:
-                item_offset = 0
-                for span_start, span_len in item.spans:
-                    lo, hi = max(p.start, span_start), min(p.end, span_start + span_len)
-                    if lo < hi:
-                        wanted.append((row + lo - p.start, item, item_offset + lo - span_start, hi - lo))
-                    item_offset += span_len
-            row += p.end + p.pad - p.start
-        if not wanted:
+    def _place_media(self, media: list[MediaSlice], features) -> MultimodalEmbeddings | None:
+        """Features of every media token computed in this forward, placed at their rows of the packed batch."""
+        if not media:
             return None
-        features = self._encode({id(item): item for _, item, _, _ in wanted}.values())
         token_index, embeds, deepstack = [], [], []
-        for first_row, item, item_offset, length in wanted:
-            item_embeds, item_deepstack = features[item.digest]
-            token_index.append(torch.arange(first_row, first_row + length, dtype=torch.int64))
-            embeds.append(item_embeds[item_offset : item_offset + length])
-            deepstack.append(item_deepstack[:, item_offset : item_offset + length])
+        for m in media:
+            item_embeds, item_deepstack = features[m.digest]
+            token_index.append(torch.arange(m.row, m.row + m.length, dtype=torch.int64))
+            embeds.append(item_embeds[m.offset : m.offset + m.length])
+            deepstack.append(item_deepstack[:, m.offset : m.offset + m.length])
         return MultimodalEmbeddings(
             token_index=torch.cat(token_index).to(self.device),
             embeds=torch.cat(embeds),
             deepstack=torch.cat(deepstack, dim=1),
         )
 
-    def _encode(self, items) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
-        """Vision features of each item, from the encoder cache or one batched encoder run."""
+    def _encode(self, work: list[MediaWork]) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
+        """Vision features of each item: from the encoder cache (kept identical on every rank: the same
+        gets and puts in the same order), or encoded data-parallel over the ranks in one pass."""
         features: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         missing = []
-        for item in items:
-            cached = self.encoder_cache.get(CacheKey(item.digest, "vision"))
-            if cached is not None:
-                features[item.digest] = cached
+        for m in work:
+            if m.pixels is None:
+                cached = self.encoder_cache.get(CacheKey(m.digest, "vision"))
+                if cached is None:
+                    raise RuntimeError("a media item expected in the encoder cache is not there (ranks diverged?)")
+                features[m.digest] = cached
                 self.stats.encoder_cache_hits += 1
-            elif item.digest not in {m.digest for m in missing}:
-                missing.append(item)
+            else:
+                missing.append(m)
+        if not missing:
+            return features
         # Deterministic mode encodes one item at a time: an item's features never depend on its companions.
-        groups = [[m] for m in missing] if self.deterministic else ([missing] if missing else [])
-        for group in groups:
-            pixels = torch.cat([m.pixel_values for m in group]).to(self.device, self.model.dtype)
-            out = self.model.encode_media(pixels, [list(m.grid_thw) for m in group])
-            start = 0
-            for item, count in zip(group, out.tokens_per_item, strict=True):
-                value = (out.embeds[start : start + count], out.deepstack[:, start : start + count])
-                start += count
-                features[item.digest] = value
-                nbytes = value[0].numel() * value[0].element_size() + value[1].numel() * value[1].element_size()
-                self.encoder_cache.put(CacheKey(item.digest, "vision"), value, nbytes)
-            self.stats.vision_items_encoded += len(group)
+        encoded = encode_media_items(
+            self.model, [m.grid for m in missing], [m.pixels for m in missing], self.group,
+            one_at_a_time=self.deterministic,
+        )
+        for m, value in zip(missing, encoded, strict=True):
+            features[m.digest] = value
+            nbytes = value[0].numel() * value[0].element_size() + value[1].numel() * value[1].element_size()
+            self.encoder_cache.put(CacheKey(m.digest, "vision"), value, nbytes)
+        self.stats.vision_items_encoded += len(missing)
         return features

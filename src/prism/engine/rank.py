@@ -1,0 +1,51 @@
+"""One rank's device side: load, shard, agree on KV capacity, build the runner.
+
+Owns the order of a rank's start-up, the same on every rank (rank 0 in the engine, followers in
+`engine/tp_workers.py`): the text decoder is sharded before the KV pool is sized (a rank holds
+num_kv_heads / tp heads), and the page count is the MIN over ranks, agreed before any pool is
+allocated (invariant 10, `distributed/capacity.py`). With one rank the group is trivial and this is
+the single-GPU engine's set-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..distributed.capacity import agree_num_pages
+from ..distributed.tensor_parallel import TPGroup, shard_text_decoder
+from ..model.loading import load_model
+from .config import EngineConfig
+from .runner import ModelRunner
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """This rank's device: cuda:rank when tensor-parallel on GPUs, else the configured device."""
+    device = config.resolved_device()
+    if device.type == "cuda" and config.tensor_parallel_size > 1:
+        return torch.device("cuda", rank)
+    return device
+
+
+def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup) -> tuple[ModelRunner, int]:
+    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room."""
+    model = load_model(Path(model_dir), dtype=config.resolved_dtype(), device=rank_device(config, group.rank))
+    text = model.config.text
+    kv_heads = text.num_key_value_heads
+    if group.world_size > 1:
+        kv_heads = shard_text_decoder(model, group).num_kv_heads
+    local = config.kv_pages(text.num_hidden_layers, kv_heads, text.head_dim)
+    layout = config.kv_layout(text.num_hidden_layers, kv_heads, text.head_dim, agree_num_pages(group, local))
+    max_model_len = config.resolved_max_model_len(layout.num_slots)
+    runner = ModelRunner(
+        model,
+        layout,
+        config.num_cpu_pages,
+        config.encoder_cache_bytes,
+        cuda_graph_max_batch=config.cuda_graph_max_batch if config.cuda_graphs else None,
+        max_model_len=max_model_len,
+        deterministic=config.deterministic,
+        group=group,
+    )
+    return runner, max_model_len

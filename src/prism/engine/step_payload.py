@@ -1,0 +1,98 @@
+"""What one step asks of every rank's device: a plain, picklable description built on rank 0.
+
+Owns *every rank runs the same step* (invariant 5 across ranks, and invariant 10's consequence): the
+transfer plan (executed on every rank in the same order), each forward's rows (token ids, M-RoPE
+positions, page table, context length, which row is sampled) and the media work. Built once from the
+scheduler's slices and the KV manager's page tables, it is all a follower rank needs; the single-GPU
+path runs through it too. Media items carry their pixels only when they must be encoded (not in the
+encoder cache, which is kept identical on every rank): a full prefix hit has no media work, so no
+pixels travel. Tensors are referenced, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.transfers import TransferPlan
+
+
+@dataclass(frozen=True)
+class PieceInput:
+    """Positions [start, end) of one sequence, then `pad` filler rows (deterministic tiles)."""
+
+    token_ids: list[int]  # end - start real ids (the filler rows get id 0)
+    positions: torch.Tensor  # [3, end + pad - start] int64, on the CPU
+    start: int
+    end: int
+    pad: int
+    pages: list[int]  # the sequence's physical pages in logical order
+    sample: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.end + self.pad - self.start
+
+
+@dataclass(frozen=True)
+class MediaSlice:
+    """Rows [row, row + length) of a forward take features [offset, offset + length) of item `digest`."""
+
+    row: int
+    digest: bytes
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    pieces: list[PieceInput]
+    media: list[MediaSlice]
+    graph: bool = False  # a pure decode batch that replays a captured CUDA graph
+
+
+@dataclass(frozen=True)
+class MediaWork:
+    """A media item a forward of this step reads. pixels: None when its features are in the encoder cache."""
+
+    digest: bytes
+    grid: tuple[int, int, int]
+    pixels: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StepPayload:
+    plan: TransferPlan
+    forwards: list[ForwardInput]
+    media: list[MediaWork]
+
+
+def media_slices(pieces: Sequence[PieceInput], requests: Sequence) -> tuple[list[MediaSlice], list]:
+    """The media rows of a packed forward, and the media items they read (first use order, by digest)."""
+    slices, items = [], {}
+    row = 0
+    for p, request in zip(pieces, requests, strict=True):
+        for item in request.prompt.media:
+            item_offset = 0
+            for span_start, span_len in item.spans:
+                lo, hi = max(p.start, span_start), min(p.end, span_start + span_len)
+                if lo < hi:
+                    slices.append(MediaSlice(row + lo - p.start, item.digest, item_offset + lo - span_start, hi - lo))
+                    items.setdefault(item.digest, item)
+                item_offset += span_len
+        row += p.num_rows
+    return slices, list(items.values())
+
+
+def media_work(items: Sequence, is_cached: Callable[[bytes], bool]) -> list[MediaWork]:
+    """One MediaWork per distinct item; pixels only for items not in the encoder cache."""
+    out, seen = [], set()
+    for item in items:
+        if item.digest in seen:
+            continue
+        seen.add(item.digest)
+        pixels = None if is_cached(item.digest) else item.pixel_values
+        out.append(MediaWork(item.digest, tuple(int(v) for v in item.grid_thw), pixels))
+    return out

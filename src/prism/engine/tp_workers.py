@@ -1,0 +1,128 @@
+"""Tensor-parallel follower ranks: spawning them, their serving loop, and failing together.
+
+Owns *rank 0 schedules, followers follow, and a failed rank fails every rank*. The engine (rank 0) spawns
+ranks 1..tp-1 (`launch_followers`, vLLM-style: the user only sets tensor_parallel_size); each follower
+sets itself up exactly as rank 0 does (`rank.build_rank_runner`) and then runs every step payload rank 0
+broadcasts, in order, until a None payload (`serve_worker`). Every collective is bounded by
+`distributed_timeout_s`, and a rank-0 error names the followers that died, so nothing hangs silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.step_channel import StepChannel
+from ..distributed.tensor_parallel import TPGroup, init_tp_group, local_init_method
+from .config import EngineConfig
+from .rank import build_rank_runner, rank_device
+
+log = logging.getLogger(__name__)
+
+
+class TensorParallelFailure(RuntimeError):
+    """A tensor-parallel rank failed or left: the ranks can no longer run the same steps."""
+
+
+def _backend(config: EngineConfig) -> str:
+    return "nccl" if config.resolved_device().type == "cuda" else "gloo"
+
+
+def join_group(rank: int, config: EngineConfig, init_method: str) -> tuple[TPGroup, StepChannel]:
+    """Join the TP group (every rank, the same way) and open the step channel."""
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = init_tp_group(
+        rank, config.tensor_parallel_size, init_method, backend=_backend(config), timeout_s=config.distributed_timeout_s
+    )
+    return group, StepChannel(group)
+
+
+def serve_worker(rank: int, init_method: str, model_dir: str, config: dict) -> None:
+    """A follower rank's whole life: join, set up like rank 0, run rank 0's steps until told to stop."""
+    cfg = EngineConfig.from_dict(config)
+    if cfg.resolved_device().type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
+    group, channel = join_group(rank, cfg, init_method)
+    try:
+        runner, _ = build_rank_runner(model_dir, cfg, group)
+        while (payload := channel.recv()) is not None:
+            runner.run(payload)
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class Followers:
+    """Rank 0's handle on the follower processes."""
+
+    processes: list[multiprocessing.process.BaseProcess]
+    group: TPGroup
+    channel: StepChannel
+    closed: bool = field(default=False)
+
+    def send(self, payload: object) -> None:
+        try:
+            self.channel.send(payload)
+        except Exception as error:
+            raise self.failure(error) from error
+
+    def failure(self, error: BaseException) -> TensorParallelFailure:
+        """A clear error for a collective that failed on rank 0, naming followers that exited."""
+        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes, 1)
+                if p.exitcode is not None]
+        why = "; ".join(dead) if dead else "all followers still running"
+        return TensorParallelFailure(f"tensor-parallel step failed on rank 0 ({why}): {type(error).__name__}: {error}")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Tell the followers to stop, wait for them, leave the group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.exitcode is None for p in self.processes):
+                self.channel.send(None)
+        except Exception:  # a follower is already gone: nothing left to tell
+            log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
+        for p in self.processes:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
+    """Spawn ranks 1..tp-1 and join the group as rank 0."""
+    tp = config.tensor_parallel_size
+    if config.resolved_device().type == "cuda" and torch.cuda.device_count() < tp:
+        raise TensorParallelFailure(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+    if dist.is_initialized():
+        raise TensorParallelFailure("torch.distributed is already initialized in this process (one TP engine at a time)")
+    if _backend(config) == "gloo" and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the host name resolves to
+    init_method = local_init_method()
+    ctx = multiprocessing.get_context("spawn")
+    processes = [
+        ctx.Process(target=serve_worker, args=(rank, init_method, str(model_dir), config.to_dict()), daemon=True,
+                    name=f"prism-tp-rank{rank}")
+        for rank in range(1, tp)
+    ]
+    for p in processes:
+        p.start()
+    try:
+        group, channel = join_group(0, config, init_method)
+    except Exception as error:
+        for p in processes:
+            p.terminate()
+        raise TensorParallelFailure(f"could not form the tensor-parallel group of {tp}: {error}") from error
+    return Followers(processes, group, channel)

@@ -1,0 +1,128 @@
+"""The TP2 engine (issue 8) on the CPU: two ranks over gloo (the engine spawns rank 1) against the TP1 engine.
+
+Greedy tokens equal TP1 (and logprobs agree to fp32 noise) on a text prompt, a 3-image prompt batched with
+it, a cached request (the same images, another question: a prefix hit that sends no pixels to rank 1), a
+decision (fork + copy-on-write of the material's tail page on both ranks) and a pool too small for its
+requests with swap preemption (swap-out/in on both ranks). A follower that dies makes rank 0 fail with a
+clear error instead of hanging. Capacity and encoder-DP units: tests/test_tp_ranks.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism.decision.questions import Question
+from prism.engine.llm import LLM
+from prism.engine.sampling import SamplingParams
+from prism.engine.step_payload import StepPayload
+from prism.engine.tp_workers import TensorParallelFailure
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.hf_reference import random_images
+
+IMAGES = random_images([(64, 96), (96, 64), (64, 64)], seed=3)
+GREEDY = SamplingParams.greedy(max_tokens=6, ignore_eos=True, logprobs=2)
+COMMON = dict(kv_dtype="fp8", page_size=4, max_num_batched_tokens=160, check_invariants=True, distributed_timeout_s=60)
+LOGPROB_ATOL = 1e-4
+
+
+def chat(*parts) -> list[dict]:
+    content = [{"type": "image", "image": p} if not isinstance(p, str) else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def _scenario(tp: int) -> dict:
+    """Everything the TP1/TP2 comparison looks at, from one engine of each size."""
+    torch.set_num_threads(1)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, num_gpu_pages=96, **COMMON)
+    payloads: list[StepPayload] = []
+    if llm.engine.runner.publish is not None:
+        send = llm.engine.runner.publish
+
+        def record(payload):
+            payloads.append(payload)
+            send(payload)
+
+        llm.engine.runner.publish = record
+    try:
+        out: dict = {"pages": llm.engine.runner.layout.num_pages, "kv_heads": llm.engine.runner.layout.num_kv_heads}
+        first = llm.generate(["Tell me a story about paged attention.",
+                              chat(IMAGES[0], IMAGES[1], IMAGES[2], "Compare these pictures.")], GREEDY)
+        encoded = llm.engine.runner.stats.vision_items_encoded
+        sent_before = len(payloads)
+        (cached,) = llm.generate([chat(IMAGES[0], IMAGES[1], IMAGES[2], "Which one is the brightest?")], GREEDY)
+        out["cached_payloads"] = payloads[sent_before:]
+        out["encoded"] = (encoded, llm.engine.runner.stats.vision_items_encoded)
+        out["completions"] = first + [cached]
+        out["answers"] = llm.decide(chat(IMAGES[0], "Look at the picture."),
+                                    [Question("yes_no", "Is it bright?"), Question("yes_no", "Is it a cat?")])
+        return out
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {tp: _scenario(tp) for tp in (1, 2)}
+
+
+def _assert_same(tp1, tp2):
+    for a, b in zip(tp1, tp2, strict=True):
+        assert a.token_ids == b.token_ids, f"{a.request_id}: TP2 {b.token_ids} != TP1 {a.token_ids}"
+        assert a.cached_tokens == b.cached_tokens
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.token_id == lb.token_id and abs(la.logprob - lb.logprob) <= LOGPROB_ATOL
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+
+
+def test_tp2_greedy_equals_tp1_text_images_and_cached(runs):
+    _assert_same(runs[1]["completions"], runs[2]["completions"])
+    cached = runs[2]["completions"][-1]
+    assert cached.cached_tokens > 0, "the second question over the same images must be a prefix hit"
+
+
+def test_tp2_splits_kv_heads_and_keeps_the_page_count(runs):
+    assert runs[2]["kv_heads"] * 2 == runs[1]["kv_heads"]
+    assert runs[2]["pages"] == runs[1]["pages"] == 96
+
+
+def test_full_prefix_hit_sends_no_pixels_and_runs_no_vision(runs):
+    before, after = runs[2]["encoded"]
+    assert before == 3 and after == before
+    payloads = runs[2]["cached_payloads"]
+    assert payloads, "rank 0 must have broadcast the cached request's steps"
+    assert all(m.pixels is None for p in payloads for m in p.media), "a full hit must send no pixels to workers"
+
+
+def test_tp2_decision_fork_equals_tp1(runs):
+    for a, b in zip(runs[1]["answers"], runs[2]["answers"], strict=True):
+        assert a.answer == b.answer
+        assert a.probabilities == pytest.approx(b.probabilities, abs=1e-5)
+
+
+def test_tp2_swap_preemption_equals_tp1():
+    """A pool too small for four growing requests: swap-out and swap-in run on both ranks."""
+    torch.set_num_threads(1)
+    prompts = [f"Request {i}: please count slowly from one to twenty." for i in range(4)]
+    params = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, num_gpu_pages=16, num_cpu_pages=64,
+                  preemption="swap", max_num_seqs=4, **COMMON)
+        try:
+            results[tp] = ([c.token_ids for c in llm.generate(prompts, params)], llm.engine.stats.preemptions)
+        finally:
+            llm.engine.shutdown()
+    assert results[1][1] > 0, "the scenario must preempt"
+    assert results[2] == results[1]
+
+
+def test_a_dead_follower_fails_rank_0_clearly():
+    torch.set_num_threads(1)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, **COMMON)
+    follower = llm.engine._followers.processes[0]
+    follower.kill()
+    follower.join(10)
+    with pytest.raises(TensorParallelFailure, match="rank 1 exited"):
+        llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2))
+    llm.engine.shutdown()
