@@ -65,6 +65,12 @@ def bench(session: nox.Session) -> None:
         session.error("no benchmarks in bench/ yet")
     for script in benches:
         session.run(sys.executable, str(script), *session.posargs, env=env)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        session.warn("matplotlib is not installed: no plots (install it, or carry its wheels, and run bench/plots.py)")
+    else:
+        session.run(sys.executable, str(ROOT / "bench" / "plots.py"), env=env)
 
 
 @nox.session(python="3.11")

@@ -3,17 +3,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from prism.testing.checkpoints import build_checkpoint
 
+# Shared with the benchmarks (bench/*.py build the same checkpoint here): built once per machine.
+SHARED_8B = Path("/tmp/prism-bench/qwen3vl-8b-random")
+
 
 @pytest.fixture(scope="session")
-def ckpt_8b(tmp_path_factory):
+def ckpt_8b():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    return build_checkpoint("8b", tmp_path_factory.mktemp("qwen3vl8b") / "ckpt", device="cuda", progress=True)
+    if (SHARED_8B / "config.json").exists():
+        return SHARED_8B
+    return build_checkpoint("8b", SHARED_8B, device="cuda", progress=True)
 
 
 @pytest.fixture(scope="session")
