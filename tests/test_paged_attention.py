@@ -322,25 +322,28 @@ def test_prefill_kernel_matches_reference(kv_dtype, group, scenario):
     lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=120, kv_dtype=kv_dtype)
     batch = Batch(lay, specs, group, 7 + group, device=DEV)
     kw.write_kv(batch.pool, batch.layer, batch.meta.slot_mapping, batch.k_new, batch.v_new)
-    for q_dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
+    for q_dtype, tol, split_counts in ((torch.float32, 1e-5, (1, 3)), (torch.float16, 1e-2, (None,))):
         q = batch.q.to(q_dtype)
         ref = pa.paged_attention_reference(q, batch.pool, batch.layer, batch.meta)
-        out = pp.paged_prefill_attention(q, batch.pool, batch.layer, batch.meta, use_triton=True)
-        assert out.dtype == q_dtype and out.shape == q.shape
-        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+        for splits in split_counts:
+            out = pp.paged_prefill_attention(q, batch.pool, batch.layer, batch.meta, use_triton=True,
+                                             num_splits=splits)
+            assert out.dtype == q_dtype and out.shape == q.shape
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
 
 
 @needs_triton
 def test_prefill_kernel_rows_do_not_depend_on_the_batch():
-    """A sequence alone gives bitwise the same rows as inside a batch (each row reads only its context)."""
+    """With the split count fixed, a sequence alone gives bitwise the same rows as inside a batch."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=60, kv_dtype="fp8")
     batch = Batch(lay, SCENARIOS["prefill_chunks_after_prefix"], 4, 23, device=DEV)
     kw.write_kv(batch.pool, 0, batch.meta.slot_mapping, batch.k_new, batch.v_new)
-    together = pp.paged_prefill_attention(batch.q, batch.pool, 0, batch.meta, use_triton=True)
+    together = pp.paged_prefill_attention(batch.q, batch.pool, 0, batch.meta, use_triton=True, num_splits=2)
     start = 0
     for i, n in enumerate(batch.query_lens):
         alone = PagedAttentionMetadata.build([n], [batch.contexts[i]], [batch.tables[i]], lay.page_size, DEV)
-        out = pp.paged_prefill_attention(batch.q[start:start + n], batch.pool, 0, alone, use_triton=True)
+        out = pp.paged_prefill_attention(batch.q[start:start + n], batch.pool, 0, alone, use_triton=True,
+                                         num_splits=2)
         assert torch.equal(out, together[start:start + n])
         start += n
 
@@ -519,6 +522,7 @@ def test_cuda_kernels_match_references_8b_shape(kv_dtype):
         q = torch.randn(pre_meta.num_tokens, 32, 128, device="cuda", generator=g).to(q_dtype)
         for layer in range(2):
             want = pa.paged_attention_reference(q.float(), kernel, layer, pre_meta)
-            got = pp.paged_prefill_attention(q, kernel, layer, pre_meta)
-            torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
+            for splits in (None, 1, 5):
+                got = pp.paged_prefill_attention(q, kernel, layer, pre_meta, num_splits=splits)
+                torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
     torch.cuda.synchronize()

@@ -11,9 +11,11 @@ sees positions <= that. GQA is native (no K/V head copies).
 whether earlier pages were computed in an earlier step or in this one, and whatever else is in the batch.
 
 `paged_decode_attention` is the Triton kernel for q_len == 1: one program per (sequence, KV head, context
-split) serving the GQA group's query heads, fp32 online softmax, scales applied in the kernel, 64-bit
-offsets (`kv_write.slot_offset` under `_OFFSET_DTYPE`); with several splits a second kernel merges the
-partial softmaxes. No `tl.dot` (the interpreter's is wrong for bf16; q_len == 1 gains nothing from it).
+split) serving the GQA group's query heads as the rows of `tl.dot` tiles (operands in q's dtype: the FP8
+payload decodes exactly into fp16/bf16, the per-token scales multiply the score and probability columns),
+fp32 online softmax, 64-bit offsets (`kv_write.slot_offset` under `_OFFSET_DTYPE`); with several splits a
+second kernel merges the partial softmaxes. (The Triton interpreter's `tl.dot` is wrong for bf16
+operands, so CPU tests run it in fp32/fp16.)
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ if HAVE_TRITON:
 
 _INDEX = torch.int64
 _LOG2E = 1.4426950408889634
-# Decode launch knobs: elements of one program's [group, tokens, head_dim] product tile, the most splits of
-# one context, the fewest tokens worth a split, and the programs a launch aims for (tests shrink them).
-_TILE_ELEMS = 8192
+# Decode launch knobs: keys per tile, the most splits of one context, the fewest tokens worth a split, and
+# the programs a launch aims for.
+_BLOCK_N = 64
 _MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 64
 _TARGET_PROGRAMS = 4096
@@ -250,27 +252,27 @@ if HAVE_TRITON:
 
     @triton.jit
     def _load_kv_tile(pay_ptr, sc_ptr, row, slot, hk, d, pmask, dmask, stride_row, stride_slot, sc_stride_row,
-                      H, HEAD_DIM, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
-        """[BLOCK_N, BLOCK_D] payload of KV head hk at `slot` as fp32 (fp8: unscaled * 256), and the per-token
-        factor that finishes the dequantization (fp8: scale / 256, else 1)."""
+                      H, HEAD_DIM, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """[BLOCK_N, BLOCK_D] payload of KV head hk at `slot` in OUT_DTYPE (fp8: the unscaled value * 2^-8,
+        exact in fp16, bf16 and fp32), and the per-token factor that finishes the dequantization (fp8:
+        scale * 256, else 1). Decoded straight to the dot dtype: no fp32 copy of the tile in registers."""
         off = slot_offset(row, slot[:, None], hk * HEAD_DIM + d[None, :], stride_row, stride_slot,
                                    OFFSET_DTYPE)
         m2 = pmask[:, None] & dmask[None, :]
         if KIND == 0:
             b = tl.load(pay_ptr + off, mask=m2, other=0).to(tl.int32)
             # E4M3FN bits placed in an fp16 (sign, then exponent+mantissa shifted up 7) read as value * 2^-8,
-            # subnormals included; fp16 -> fp32 is exact and the scale takes the 2^8 back, exactly.
+            # subnormals included; the scale takes the 2^8 back, exactly.
             h16 = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-            x = h16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x = h16.to(tl.int16).to(tl.float16, bitcast=True).to(OUT_DTYPE)
             sc = tl.load(sc_ptr + slot_offset(row, slot, hk, sc_stride_row, H, OFFSET_DTYPE),
                          mask=pmask, other=0.0)
             factor = sc * 256.0
         elif KIND == 1:
-            x = tl.load(pay_ptr + off, mask=m2, other=0).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            x = x.to(tl.float32)
+            x = tl.load(pay_ptr + off, mask=m2, other=0).to(tl.int16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
             factor = tl.full(pmask.shape, 1.0, tl.float32)
         else:
-            x = tl.load(pay_ptr + off, mask=m2, other=0.0).to(tl.float32)
+            x = tl.load(pay_ptr + off, mask=m2, other=0.0).to(OUT_DTYPE)
             factor = tl.full(pmask.shape, 1.0, tl.float32)
         return x, factor
 
@@ -280,8 +282,10 @@ if HAVE_TRITON:
                        row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
                        H, HQ, GROUP, HEAD_DIM,
                        KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                       PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
         # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
+        # The GQA group's query heads are the rows of two tl.dot per key tile (padded to BLOCK_G >= 16).
         # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
         # captured for the longest context still gives a short context all its programs.
         b = tl.program_id(0)
@@ -298,7 +302,8 @@ if HAVE_TRITON:
         qh = hk * GROUP + g
         qmask = gmask[:, None] & dmask[None, :]
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + qh[:, None].to(tl.int64) * stride_qh + d[None, :],
-                    mask=qmask, other=0.0).to(tl.float32) * qk_scale
+                    mask=qmask, other=0.0)
+        q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -309,8 +314,8 @@ if HAVE_TRITON:
             page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
             slot = page * page_size + pos % page_size  # int64: page ids are int64
             k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * k_f[None, :]
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
             s = tl.where(pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0, no NaN
@@ -318,9 +323,9 @@ if HAVE_TRITON:
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE)
-            pv = p * v_f[None, :]
-            acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+            pv = (p * v_f[None, :]).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             m_i = m_new
         if NUM_SPLITS == 1:
             o = acc / l_i[:, None]
@@ -332,6 +337,11 @@ if HAVE_TRITON:
             tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
             tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
             tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
+
+    def dot_dtype(q_dtype: torch.dtype):
+        """The tl.dot operand dtype and precision for q's dtype (fp32: exact products, for the tests)."""
+        return {torch.float32: (tl.float32, "ieee"), torch.float16: (tl.float16, "tf32"),
+                torch.bfloat16: (tl.bfloat16, "tf32")}[q_dtype]
 
     @triton.jit
     def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HQ, HEAD_DIM,
@@ -383,12 +393,13 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
         num_splits = decode_num_splits(bsz, lay.num_kv_heads, max_ctx)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    block_g = triton.next_power_of_2(group)
+    block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
     block_d = triton.next_power_of_2(dim)
-    block_n = max(1, min(64, _TILE_ELEMS // (block_g * block_d)))
+    block_n = _BLOCK_N
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dev = pool.device
+    dot, precision = dot_dtype(q.dtype)
     if num_splits > 1:
         part_acc = torch.empty((bsz, hq, num_splits, dim), dtype=torch.float32, device=dev)
         part_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=dev)
@@ -402,7 +413,8 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
             lay.num_slots * lay.num_kv_heads, lay.page_size, sm_scale * _LOG2E,
             lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
-            BLOCK_D=block_d, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
+            BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
+            num_warps=4,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(bsz, hq)](

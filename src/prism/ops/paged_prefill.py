@@ -6,10 +6,12 @@ same causal alignment, same GQA) but without gathering and dequantizing the cont
 tensor per sequence per layer (the engine we come from could not avoid that copy). FP8 payloads are
 decoded in registers and the per-token scales are applied to the score and probability columns.
 
-Layout: the new tokens of each sequence are cut into blocks of `_TOKENS` tokens; one program serves
-one block and one KV head, its rows being (token, query head of the GQA group) pairs, so each key tile
-is loaded once for the whole group. Each row's result depends only on its own query and its own
-context, iterated in fixed tiles from position 0: nothing else in the batch changes it.
+Layout: the new tokens of each sequence are cut into blocks; one program serves one block and one KV
+head, its rows being (token, query head of the GQA group) pairs, so each key tile is loaded once for the
+whole group. A step with few blocks (a short question after a long cached prefix) also splits each
+block's keys over programs and merges the partial softmaxes. For a given split count, each row's result
+depends only on its own query and its own context, iterated in fixed tiles: nothing else in the batch
+changes it.
 """
 
 from __future__ import annotations
@@ -27,11 +29,27 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .paged_attention import _load_kv_tile
+    from .paged_attention import _decode_reduce_kernel, _load_kv_tile, dot_dtype
 
 _LOG2E = 1.4426950408889634
 _BLOCK_ROWS = 64  # rows (token, head) of one program
 _BLOCK_N = 64  # keys per tile
+_TARGET_PROGRAMS = 512  # below this many (block, KV head) programs, split the keys too
+_MAX_SPLITS = 16
+_MAX_PARTIAL_BYTES = 16 * 2**20
+
+
+def prefill_num_splits(num_tokens: int, num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                       max_context_len: int) -> int:
+    """Key splits of a prefill launch: 1 when the blocks alone fill the device; more for a short question
+    over a long cached context (the W2 shape), bounded by the partial buffers' size."""
+    programs = num_blocks * num_kv_heads
+    if programs >= _TARGET_PROGRAMS:
+        return 1
+    by_programs = -(-_TARGET_PROGRAMS // max(1, programs))
+    by_keys = -(-max_context_len // (2 * _BLOCK_N))
+    by_memory = _MAX_PARTIAL_BYTES // max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
+    return max(1, min(by_programs, by_keys, by_memory, _MAX_SPLITS))
 
 
 def prefill_blocks(query_lens, context_lens, tokens_per_block: int) -> torch.Tensor:
@@ -52,13 +70,16 @@ if HAVE_TRITON:
     def _prefill_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, blocks_ptr,
                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                         row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
-                        H, GROUP, HEAD_DIM,
+                        part_acc_ptr, part_ml_ptr, H, HQ, GROUP, HEAD_DIM,
                         KIND: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                        OFFSET_DTYPE: tl.constexpr):
-        # grid = (blocks, KV heads). Row r of the tile is token r // GROUP of the block, query head r % GROUP.
+                        NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+        # grid = (blocks, KV heads, splits). Row r of the tile is token r // GROUP of the block, query head
+        # r % GROUP. With several splits, each takes a share of the block's keys (whole tiles) and writes a
+        # partial softmax that `_decode_reduce_kernel` merges per (token, head).
         blk = tl.program_id(0)
         hk = tl.program_id(1)
+        split = tl.program_id(2)
         seq = tl.load(blocks_ptr + blk * 4)
         first_row = tl.load(blocks_ptr + blk * 4 + 1)
         first_pos = tl.load(blocks_ptr + blk * 4 + 2)
@@ -80,15 +101,18 @@ if HAVE_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = bt_ptr + seq * stride_bt
-        hi = tl.minimum(first_pos + count, ctx)  # keys past the block's last token are masked for every row
-        for n0 in range(0, hi, BLOCK_N):
+        end = tl.minimum(first_pos + count, ctx)  # keys past the block's last token are masked for every row
+        split_len = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, end)
+        for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pmask = pos < hi
             page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
             slot = page * page_size + pos % page_size
             k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE)
-            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * k_f[None, :]
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
             visible = (pos[None, :] <= qpos[:, None]) & pmask[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -97,13 +121,19 @@ if HAVE_TRITON:
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE)
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
             pv = (p * v_f[None, :]).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(DOT_DTYPE), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             m_i = m_new
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        optr = out_ptr + q_rows[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
-        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            optr = out_ptr + q_rows[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
+            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:  # partials [tokens, HQ, NUM_SPLITS, (D | 2)], the decode kernel's layout with tokens as sequences
+            base = (q_rows * HQ + head.to(tl.int64)) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
+            tl.store(part_ml_ptr + base * 2, m_i, mask=rmask)
+            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=rmask)
 
 
 class PrefillLaunch:
@@ -118,9 +148,11 @@ class PrefillLaunch:
 
 def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
                             scale: float | None = None, *, launch: PrefillLaunch | None = None,
-                            use_triton: bool | None = None) -> torch.Tensor:
+                            use_triton: bool | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q [N, H_q, D] of any step -> [N, H_q, D]; the reference's result up to fp32 / dot rounding. Triton on
-    CUDA (one launch), `paged_attention_reference` elsewhere unless forced."""
+    CUDA (one launch, two with key splits), `paged_attention_reference` elsewhere unless forced.
+    `num_splits` (default `prefill_num_splits`, which looks at the whole step) splits each block's keys; with
+    it fixed, a row's result does not depend on the rest of the batch."""
     if not _want_triton(pool.device, use_triton):
         return paged_attention_reference(q, pool, layer, meta, scale)
     group, pay, sc = kernel_operands(q, pool, layer, meta)
@@ -132,18 +164,33 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
     block_d = triton.next_power_of_2(dim)
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dot_dtype, precision = {torch.float32: (tl.float32, "ieee"), torch.float16: (tl.float16, "tf32"),
-                            torch.bfloat16: (tl.bfloat16, "tf32")}[q.dtype]
+    dot, precision = dot_dtype(q.dtype)
     num_blocks = launch.blocks.shape[0]
+    n, hq = q.shape[0], q.shape[1]
+    if num_splits is None:
+        num_splits = prefill_num_splits(n, num_blocks, hq, lay.num_kv_heads, dim, meta.max_context_len)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if num_splits > 1:
+        part_acc = torch.empty((n, hq, num_splits, dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((n, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused placeholders
     with device_context(pool.device):
-        _prefill_kernel[(num_blocks, lay.num_kv_heads)](
+        _prefill_kernel[(num_blocks, lay.num_kv_heads, num_splits)](
             q, out, pay, sc, meta.block_table, meta.context_lens, launch.blocks,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
             layer, lay.num_layers + layer, lay.num_slots * lay.num_kv_heads * dim, lay.num_kv_heads * dim,
             lay.num_slots * lay.num_kv_heads, lay.page_size, sm_scale * _LOG2E,
-            lay.num_kv_heads, group, dim,
+            part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-            BLOCK_D=block_d, DOT_DTYPE=dot_dtype, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
+            BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
+            OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
             num_warps=4, num_stages=2,
         )
+        if num_splits > 1:
+            _decode_reduce_kernel[(n, hq)](
+                part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
+                NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            )
     return out
