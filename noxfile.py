@@ -21,9 +21,14 @@ nox.options.reuse_existing_virtualenvs = True
 CPU_TORCH = "torch==2.13.0"
 
 
+def _src_on_path() -> dict[str, str]:
+    """PYTHONPATH with src/ first, keeping what the caller had (e.g. a --target dir of carried wheels)."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)}
+
+
 def _install(session: nox.Session, *extras: str) -> dict[str, str]:
     """Install the project (CPU) or, without a venv, only point PYTHONPATH at src/."""
-    env = {"PYTHONPATH": str(ROOT / "src")}
+    env = _src_on_path()
     if session.venv_backend == "none":
         return env
     session.install(CPU_TORCH)
@@ -52,14 +57,14 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=False)
 def gpu_tests(session: nox.Session) -> None:
     """GPU (run with --no-venv on the H200): tests marked `gpu`."""
-    env = {"PYTHONPATH": str(ROOT / "src")}
+    env = _src_on_path()
     session.run(sys.executable, "-m", "pytest", "-m", "gpu", *session.posargs, env=env)
 
 
 @nox.session(python=False)
 def bench(session: nox.Session) -> None:
     """GPU benchmarks (run with --no-venv on the H200)."""
-    env = {"PYTHONPATH": str(ROOT / "src")}
+    env = _src_on_path()
     benches = sorted((ROOT / "bench").glob("bench_*.py"))
     if not benches:
         session.error("no benchmarks in bench/ yet")
