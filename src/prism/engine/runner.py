@@ -23,6 +23,7 @@ from ..kv.transfers import TransferPlan, execute_plan
 from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from ..ops.paged_prefill import compile_attention_variants
 from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledSlice
 from .step_payload import (
@@ -95,9 +96,16 @@ class ModelRunner:
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
         self.stats = RunnerStats()
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not deterministic:
+            text = model.config.text
+            compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
         if use_graphs:
             self.graphs = DecodeGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len)
             self.graphs.capture()
+
+    def group_q_heads(self, text) -> int:
+        """Query heads on this rank (the KV pool holds this rank's share of the KV heads)."""
+        return text.num_attention_heads * self.layout.num_kv_heads // text.num_key_value_heads
 
     @torch.inference_mode()
     def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:

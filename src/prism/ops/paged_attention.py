@@ -276,7 +276,7 @@ if HAVE_TRITON:
             factor = tl.full(pmask.shape, 1.0, tl.float32)
         return x, factor
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes every step
     def _decode_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                        row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
@@ -338,10 +338,13 @@ if HAVE_TRITON:
             tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
             tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
 
-    def dot_dtype(q_dtype: torch.dtype):
-        """The tl.dot operand dtype and precision for q's dtype (fp32: exact products, for the tests)."""
-        return {torch.float32: (tl.float32, "ieee"), torch.float16: (tl.float16, "tf32"),
-                torch.bfloat16: (tl.bfloat16, "tf32")}[q_dtype]
+    def dot_dtype(q_dtype: torch.dtype, kv_dtype: str):
+        """The tl.dot operand dtype and precision. fp32 q: fp32 with exact products (the CPU tests). Else fp16,
+        which holds bf16 q and every FP8 value exactly and rounds the probabilities 8x finer than bf16; a
+        bf16 pool (values beyond fp16's range) uses tf32, as precise as fp16 with bf16's range."""
+        if q_dtype == torch.float32:
+            return tl.float32, "ieee"
+        return (tl.float32, "tf32") if kv_dtype == "bf16" else (tl.float16, "tf32")
 
     @triton.jit
     def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HQ, HEAD_DIM,
@@ -371,7 +374,13 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) ->
     `_MIN_SPLIT_TOKENS` for the longest context, at most `_MAX_SPLITS`. Each sequence divides its own
     context by this count inside the kernel."""
     want = _cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, _cdiv(max_context_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS))
+    return power_of_two_at_most(max(1, min(want, _cdiv(max_context_len, _MIN_SPLIT_TOKENS), _MAX_SPLITS)))
+
+
+def power_of_two_at_most(n: int) -> int:
+    """Split counts are kernel constants: keeping them to powers of two bounds the JIT variants (a new
+    variant compiles for a second or more, in the middle of serving)."""
+    return 1 << (n.bit_length() - 1)
 
 
 def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
@@ -399,7 +408,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dev = pool.device
-    dot, precision = dot_dtype(q.dtype)
+    dot, precision = dot_dtype(q.dtype, lay.kv_dtype)
     if num_splits > 1:
         part_acc = torch.empty((bsz, hq, num_splits, dim), dtype=torch.float32, device=dev)
         part_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=dev)

@@ -23,7 +23,16 @@ import torch
 from ..kv.fp8 import KVPool
 from . import kv_write
 from .kv_write import HAVE_TRITON, _want_triton, device_context
-from .paged_attention import PagedAttentionMetadata, kernel_operands, paged_attention_reference
+from .paged_attention import (
+    _MAX_SPLITS as _MAX_DECODE_SPLITS,
+)
+from .paged_attention import (
+    PagedAttentionMetadata,
+    kernel_operands,
+    paged_attention_reference,
+    paged_decode_attention,
+    power_of_two_at_most,
+)
 
 if HAVE_TRITON:
     import triton
@@ -49,7 +58,7 @@ def prefill_num_splits(num_tokens: int, num_blocks: int, num_q_heads: int, num_k
     by_programs = -(-_TARGET_PROGRAMS // max(1, programs))
     by_keys = -(-max_context_len // (2 * _BLOCK_N))
     by_memory = _MAX_PARTIAL_BYTES // max(1, num_tokens * num_q_heads * (head_dim + 2) * 4)
-    return max(1, min(by_programs, by_keys, by_memory, _MAX_SPLITS))
+    return power_of_two_at_most(max(1, min(by_programs, by_keys, by_memory, _MAX_SPLITS)))
 
 
 def prefill_blocks(query_lens, context_lens, tokens_per_block: int) -> torch.Tensor:
@@ -66,7 +75,7 @@ def prefill_blocks(query_lens, context_lens, tokens_per_block: int) -> torch.Ten
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes every step
     def _prefill_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, blocks_ptr,
                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                         row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
@@ -164,7 +173,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
     block_d = triton.next_power_of_2(dim)
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dot, precision = dot_dtype(q.dtype)
+    dot, precision = dot_dtype(q.dtype, lay.kv_dtype)
     num_blocks = launch.blocks.shape[0]
     n, hq = q.shape[0], q.shape[1]
     if num_splits is None:
@@ -194,3 +203,22 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
                 NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             )
     return out
+
+
+def compile_attention_variants(pool: KVPool, num_q_heads: int, dtype: torch.dtype) -> int:
+    """JIT-compile every split-count variant of the decode and prefill kernels for this pool and q dtype now
+    (engine start), not in the middle of serving. Reads page 0, writes nothing. Returns the launches made."""
+    lay = pool.layout
+    meta = PagedAttentionMetadata.build([2], [lay.page_size], [[0]], lay.page_size, pool.device)
+    q = torch.zeros(2, num_q_heads, lay.head_dim, dtype=dtype, device=pool.device)
+    launches = 0
+    splits = 1
+    while splits <= _MAX_SPLITS:
+        paged_prefill_attention(q, pool, 0, meta, num_splits=splits, use_triton=True)
+        splits, launches = splits * 2, launches + 1
+    decode = PagedAttentionMetadata.build([1], [lay.page_size], [[0]], lay.page_size, pool.device)
+    splits = 1
+    while splits <= _MAX_DECODE_SPLITS:
+        paged_decode_attention(q[:1], pool, 0, decode, num_splits=splits, use_triton=True)
+        splits, launches = splits * 2, launches + 1
+    return launches
