@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prism.testing.checkpoints import build_checkpoint
+from prism.testing.gpu import release_gpu_memory
 
 # Shared with the benchmarks (bench/*.py build the same checkpoint here): built once per machine.
 SHARED_8B = Path("/tmp/prism-bench/qwen3vl-8b-random")
@@ -32,3 +33,11 @@ def hf_8b(ckpt_8b):
     hf = hf.to("cuda").eval()
     hf.generation_config.eos_token_id = None  # compare every step
     return hf
+
+
+@pytest.fixture(autouse=True)
+def _free_engines_after_each_test():
+    """Engines hold ~25 GB each (weights, KV pool, graph pools) and reference cycles (patched methods),
+    so they outlive `del` until the garbage collector runs: run it, or the next test runs out of memory."""
+    yield
+    release_gpu_memory()

@@ -9,6 +9,7 @@ import torch
 
 from prism.engine.llm import LLM
 from prism.engine.sampling import SamplingParams
+from prism.testing.gpu import release_gpu_memory
 from prism.testing.hf_reference import random_images
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,7 +47,7 @@ def target_logits(ckpt, *, deterministic: bool, companions: int, warm: bool) -> 
         engine.step()
     out = torch.stack(captured).cpu()
     del llm, engine
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 
 from prism.engine.llm import LLM
 from prism.engine.sampling import SamplingParams
+from prism.testing.gpu import release_gpu_memory
 from prism.testing.hf_reference import random_images
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -41,7 +42,7 @@ def llm(request, ckpt_8b):
     instance = engine(ckpt_8b, request.param)
     yield instance
     del instance
-    torch.cuda.empty_cache()
+    release_gpu_memory()
 
 
 def test_bf16_kv_greedy_matches_hf(ckpt_8b, hf_8b):
@@ -71,7 +72,7 @@ def test_bf16_kv_greedy_matches_hf(ckpt_8b, hf_8b):
                 assert margin <= NEAR_TIE * span, f"step {step}: ours {mine}, HF {theirs}, margin {margin:.4f}"
                 break
     del llm
-    torch.cuda.empty_cache()
+    release_gpu_memory()
 
 
 def test_prefix_reuse_changes_no_token_on_8b(ckpt_8b, llm):
@@ -81,7 +82,7 @@ def test_prefix_reuse_changes_no_token_on_8b(ckpt_8b, llm):
     off = engine(ckpt_8b, kv_dtype, enable_prefix_cache=False)
     expected = off.generate([q1, q2], GREEDY)
     del off
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     stats = llm.engine.runner.stats
     cold = llm.generate([q1], GREEDY)[0]
     encoded = stats.vision_items_encoded
@@ -112,7 +113,7 @@ def test_cuda_graph_decode_matches_eager(ckpt_8b):
     reference = eager.generate(prompts, GREEDY)
     assert eager.engine.runner.graphs is None
     del eager
-    torch.cuda.empty_cache()
+    release_gpu_memory()
     graphs = engine(ckpt_8b, "fp8")  # CUDA graphs are on by default
     out = graphs.generate(prompts, GREEDY)
     assert graphs.engine.runner.graphs.replays > 0, "decode steps must replay captured graphs"
