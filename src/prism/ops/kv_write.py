@@ -167,7 +167,7 @@ if HAVE_TRITON:
         else:
             tl.store(dst, x, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row_k", "row_v"])  # one variant for every layer
     def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, pay_ptr, sc_ptr,
                          k_st, k_sh, k_sd, v_st, v_sh, v_sd,
                          row_k, row_v, num_slots, H, D, stride_row, stride_slot, sc_stride_row,

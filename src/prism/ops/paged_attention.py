@@ -276,7 +276,9 @@ if HAVE_TRITON:
             factor = tl.full(pmask.shape, 1.0, tl.float32)
         return x, factor
 
-    @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes every step
+    # Not specialized: the block table's width (changes every step) and the layer's rows (one variant per
+    # layer kind would compile, or load from Triton's disk cache, for 0.1-2 s in the middle of serving).
+    @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])
     def _decode_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                        row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,

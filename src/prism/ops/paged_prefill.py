@@ -75,7 +75,7 @@ def prefill_blocks(query_lens, context_lens, tokens_per_block: int) -> torch.Ten
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes every step
+    @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])  # as the decode kernel: bounded variants
     def _prefill_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, blocks_ptr,
                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                         row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
