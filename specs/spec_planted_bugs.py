@@ -31,9 +31,19 @@ def _machine_fails(match: str) -> None:
 
 
 def _spec_fails(spec, match: str) -> None:
-    """Run a @given spec with its own settings; it must find a counterexample."""
-    with pytest.raises(AssertionError, match=match):
-        spec()
+    """Run a spec (a @given one with its own example budget, but no shrinking and one reported failure); it
+    must find a counterexample."""
+    own = getattr(spec, "_hypothesis_internal_use_settings", None)
+    if own is not None:
+        spec._hypothesis_internal_use_settings = settings(
+            own, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, database=None
+        )
+    try:
+        with pytest.raises(AssertionError, match=match):
+            spec()
+    finally:
+        if own is not None:
+            spec._hypothesis_internal_use_settings = own
 
 
 def test_publish_at_allocation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,3 +214,54 @@ def test_encoder_dp_losing_the_item_order_is_caught(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(encoder_dp, "encode_media_items", rank_ordered)
     _spec_fails(spec_tp_capacity.spec_encoder_dp_equals_the_replicated_encoder, "order lost")
+
+
+def test_tail_copy_dropping_a_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11 on the real engine: a tail copy one row short leaves the hit reading a row nobody wrote."""
+    from prism.engine import runner
+    from specs import spec_hit_equals_miss
+
+    execute = runner.execute_plan
+
+    def execute_one_row_short(plan, gpu, cpu):
+        short = [(s, d, rows - 1) for s, d, rows in plan.copy_prefix]
+        execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
+
+    monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        _spec_fails(spec_hit_equals_miss.spec_a_prefix_hit_gives_the_logits_of_a_miss, "a prefix hit changed")
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()
+
+
+def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11, deterministic mode: a hit ending inside a page, computed from the hit onwards instead of
+    from the page start, gives the frontier page's rows other tile positions than a miss does."""
+    from prism.engine import runner
+    from specs import spec_hit_equals_miss
+
+    init = KVCacheManager.__init__
+
+    def tail_hits_allowed(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "page_aligned_hits": False})
+
+    def tiles_from_the_hit(self, slices):
+        size = self.page_size
+        tiles = []
+        for s in slices:
+            start = s.start
+            while start < s.end:
+                page_end = (start // size + 1) * size
+                end = min(page_end, s.end)
+                tiles.append([(s, start, end, page_end - end, s.sample and end == s.end)])
+                start = end
+        return tiles
+
+    monkeypatch.setattr(KVCacheManager, "__init__", tail_hits_allowed)
+    monkeypatch.setattr(runner.ModelRunner, "_deterministic_tiles", tiles_from_the_hit)
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        _spec_fails(spec_hit_equals_miss.spec_deterministic_mode_hit_equals_miss_bitwise, "changed the logits")
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()
