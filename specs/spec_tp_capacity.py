@@ -90,6 +90,7 @@ def spec_encoder_dp_equals_the_replicated_encoder(grids, world_size, one_at_a_ti
         assert kind == "ok", f"rank {rank}: {value!r}"
         assert len(value) == len(reference), f"rank {rank}: {len(value)} items, not {len(reference)}"
         for i, ((e, d), (re, rd)) in enumerate(zip(value, reference, strict=True)):
-            assert torch.allclose(e, re, atol=1e-6) and torch.allclose(d, rd, atol=1e-6), (
+            same = e.shape == re.shape and d.shape == rd.shape
+            assert same and torch.allclose(e, re, atol=1e-6) and torch.allclose(d, rd, atol=1e-6), (
                 f"rank {rank}, item {i} of {grids}: features differ from the replicated encoder (order lost?)"
             )
