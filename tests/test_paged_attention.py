@@ -526,3 +526,15 @@ def test_cuda_kernels_match_references_8b_shape(kv_dtype):
                 got = pp.paged_prefill_attention(q, kernel, layer, pre_meta, num_splits=splits)
                 torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
     torch.cuda.synchronize()
+
+
+@needs_triton
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_compile_attention_variants_runs_every_split_count(page_size):
+    """The engine-start warm-up launches every split count of both kernels without writing the pool."""
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=page_size, num_pages=4, kv_dtype="fp8")
+    pool = KVPool.allocate(lay, DEV)
+    before = pool.payload.clone()
+    launches = pp.compile_attention_variants(pool, 2, torch.float32)
+    assert launches == 5 + 7  # prefill splits 1..16, decode splits 1..64, powers of two
+    assert torch.equal(pool.payload, before)

@@ -209,16 +209,15 @@ def compile_attention_variants(pool: KVPool, num_q_heads: int, dtype: torch.dtyp
     """JIT-compile every split-count variant of the decode and prefill kernels for this pool and q dtype now
     (engine start), not in the middle of serving. Reads page 0, writes nothing. Returns the launches made."""
     lay = pool.layout
-    meta = PagedAttentionMetadata.build([2], [lay.page_size], [[0]], lay.page_size, pool.device)
-    q = torch.zeros(2, num_q_heads, lay.head_dim, dtype=dtype, device=pool.device)
+    meta = PagedAttentionMetadata.build([1], [1], [[0]], lay.page_size, pool.device)  # valid for any page size
+    q = torch.zeros(1, num_q_heads, lay.head_dim, dtype=dtype, device=pool.device)
     launches = 0
     splits = 1
     while splits <= _MAX_SPLITS:
         paged_prefill_attention(q, pool, 0, meta, num_splits=splits, use_triton=True)
         splits, launches = splits * 2, launches + 1
-    decode = PagedAttentionMetadata.build([1], [lay.page_size], [[0]], lay.page_size, pool.device)
     splits = 1
     while splits <= _MAX_DECODE_SPLITS:
-        paged_decode_attention(q[:1], pool, 0, decode, num_splits=splits, use_triton=True)
+        paged_decode_attention(q, pool, 0, meta, num_splits=splits, use_triton=True)
         splits, launches = splits * 2, launches + 1
     return launches
