@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from prism.serving.data_url_cache import DecodedDataURLs
 from prism.serving.media_urls import (
     ForbiddenMedia,
     InvalidMediaData,
@@ -195,6 +196,49 @@ def test_request_total_media_budget():
     MediaResolver(s).resolve_messages(user(image_part(url)))
     with pytest.raises(MediaTooLarge, match="max_request_bytes"):
         MediaResolver(s).resolve_messages(user(image_part(url), image_part(url)))
+
+
+def test_repeated_data_url_skips_the_decode_but_not_the_budget():
+    """The second time a data URL arrives its payload comes from the decoded-URL cache (same bytes); the
+    request's media budget still counts it."""
+    s = ServerSettings(max_media_bytes=600, max_request_bytes=1000)
+    resolver = MediaResolver(s)
+    url = data_url(b"y" * 600)
+    first = resolver.resolve_messages(user(image_part(url)))
+    again = resolver.resolve_messages(user(image_part(url)))
+    assert again == first and resolver._decoded.hits == 1
+    with pytest.raises(MediaTooLarge, match="max_request_bytes"):
+        resolver.resolve_messages(user(image_part(url), image_part(url)))
+
+
+def test_decoded_url_cache_never_trusts_its_sampled_key():
+    """Two URLs of one length that agree on every sampled window are two entries' worth of content: the
+    second is a miss (decoded afresh), never the first one's payload."""
+    cache = DecodedDataURLs(10 * MIB)
+    pad = "A" * 200
+    a = f"data:image/png;base64,{pad}QUFB{pad}{pad}"
+    b = f"data:image/png;base64,{pad}QkJC{pad}{pad}"
+    assert len(a) == len(b) and a != b
+    cache.put(a, b"AAA")
+    assert cache.get(a) == b"AAA"
+    assert cache.get(b) is None
+    cache.put(b, b"BBB")
+    assert cache.get(b) == b"BBB" and cache.get(a) is None  # one slot per sampled key; a was replaced
+
+
+def test_decoded_url_cache_is_bounded_lru():
+    cache = DecodedDataURLs(3 * (10 + 10))
+    urls = [f"data:{i:05d}" for i in range(4)]  # 10 characters each
+    for u in urls[:3]:
+        cache.put(u, b"p" * 10)
+    assert cache.get(urls[0]) == b"p" * 10  # now the most recent
+    cache.put(urls[3], b"p" * 10)
+    assert cache.get(urls[1]) is None and cache.get(urls[0]) is not None and cache.nbytes <= cache.max_bytes
+    cache.put("data:" + "x" * 100, b"too big for the whole cache")
+    assert cache.nbytes <= cache.max_bytes
+    assert DecodedDataURLs(0).get("data:") is None
+    with pytest.raises(ValueError):
+        DecodedDataURLs(-1)
 
 
 # ------------------------------------------------------------------------------------------ local files

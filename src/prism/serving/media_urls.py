@@ -37,6 +37,7 @@ from PIL import Image
 
 from ..media.errors import DecompressionBombError, MediaError
 from ..media.image import DEFAULT_LIMITS, DecodeLimits, decode_image
+from .data_url_cache import DecodedDataURLs
 from .protocol import (
     ChatMessage,
     ImageURLPart,
@@ -150,6 +151,7 @@ class MediaResolver:
     def __init__(self, settings: ServerSettings, *, transport: httpx.BaseTransport | None = None) -> None:
         self.settings = settings
         self._transport = transport
+        self._decoded = DecodedDataURLs(settings.data_url_cache_bytes)
 
     # ---------------------------------------------------------------------------------- messages
     def resolve_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -256,6 +258,10 @@ class MediaResolver:
         )
 
     def _data_url(self, url: str, param: str | None, budget: _Budget) -> bytes:
+        cached = self._decoded.get(url)  # the same URL passed every check below before
+        if cached is not None:
+            budget.take_bytes(len(cached), param)
+            return cached
         comma = url.find(",")
         if comma < 0:
             raise InvalidMediaURL("data URL has no ',' before its payload", param=param)
@@ -274,9 +280,11 @@ class MediaResolver:
             raise InvalidMediaURL("data URL payload is empty", param=param)
         budget.take_bytes(size, param)
         try:
-            return binascii.a2b_base64(payload.encode("ascii"), strict_mode=True)
+            data = binascii.a2b_base64(payload.encode("ascii"), strict_mode=True)
         except (binascii.Error, UnicodeEncodeError) as exc:
             raise InvalidMediaURL(f"data URL payload is not valid base64: {exc}", param=param) from None
+        self._decoded.put(url, data)
+        return data
 
     def _local(self, url: str, param: str | None, budget: _Budget) -> bytes:
         root = self.settings.media_root

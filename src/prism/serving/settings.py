@@ -21,6 +21,7 @@ names the environment variable, never later inside a request.
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
 | max_waiting_requests       | PRISM_MAX_WAITING                | 256 (more -> 429)                      |
 | preprocess_workers         | PRISM_PREPROCESS_WORKERS         | 4                                      |
+| data_url_cache_bytes       | PRISM_DATA_URL_CACHE_BYTES       | 256 MiB of recent data URLs (0: none)  |
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ServerSettings:
     max_request_bytes: int = 64 * MIB
     max_waiting_requests: int = 256
     preprocess_workers: int = 4
+    data_url_cache_bytes: int = 256 * MIB  # decoded payloads of repeated data URLs (serving/data_url_cache.py)
 
     def __post_init__(self) -> None:
         if self.model_dir is not None:
@@ -87,6 +89,8 @@ class ServerSettings:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
             raise ValueError(f"remote_media_timeout_s must be a finite number > 0, got {t!r}")
         object.__setattr__(self, "remote_media_timeout_s", float(t))
+        if not _is_int(self.data_url_cache_bytes) or self.data_url_cache_bytes < 0:
+            raise ValueError(f"data_url_cache_bytes must be an integer >= 0, got {self.data_url_cache_bytes!r}")
         if not _is_int(self.remote_media_max_redirects) or self.remote_media_max_redirects < 0:
             raise ValueError(
                 f"remote_media_max_redirects must be an integer >= 0, got {self.remote_media_max_redirects!r}"
@@ -143,6 +147,7 @@ class ServerSettings:
             ("PRISM_MAX_REQUEST_BYTES", "max_request_bytes", 1),
             ("PRISM_MAX_WAITING", "max_waiting_requests", 1),
             ("PRISM_PREPROCESS_WORKERS", "preprocess_workers", 1),
+            ("PRISM_DATA_URL_CACHE_BYTES", "data_url_cache_bytes", 0),
         ):
             if (raw := get(var)) is not None:
                 kwargs[field_name] = _parse_int(var, raw, minimum)
