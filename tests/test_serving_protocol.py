@@ -20,16 +20,18 @@ from prism.engine.request import FinishReason, RequestOutput, TokenLogprobs
 from prism.engine.sampling import SamplingParams
 from prism.serving.media_urls import ForbiddenMedia, MediaTooLarge
 from prism.serving.protocol import (
-    SSE_DONE,
     ChatCompletionRequest,
+    ProtocolError,
+    describe_validation_errors,
+    parse_chat_request,
+)
+from prism.serving.responses import (
+    SSE_DONE,
     ModelCard,
     ModelList,
-    ProtocolError,
     RequestFailedError,
-    describe_validation_errors,
     error_body,
     error_from_exception,
-    parse_chat_request,
     sse,
 )
 from prism.serving.stream import (

@@ -33,13 +33,15 @@ from .media_urls import MediaResolver
 from .metrics import ServingMetrics
 from .protocol import (
     ChatCompletionRequest,
+    describe_validation_errors,
+    parse_chat_request,
+)
+from .responses import (
     ModelCard,
     ModelList,
     RequestFailedError,
-    describe_validation_errors,
     error_body,
     error_from_exception,
-    parse_chat_request,
 )
 from .settings import ServerSettings
 from .stream import ChatCompletionStream, build_response, byte_level_token_bytes, new_completion_id

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible chat-completions wire format: request validation, response / chunk / error shapes.
+"""The OpenAI-compatible chat-completions request: validation into a typed `ChatCompletionRequest`.
 
 Owns the rule "hostile input -> 4xx" at the schema level: a request either validates into a typed
 `ChatCompletionRequest` whose every field is within what `SamplingParams` accepts, or fails with a
@@ -12,16 +12,13 @@ Accepted and ignored (the official client sends them or they change nothing here
 Extensions (vLLM names): `top_k`, `ignore_eos`, `stop_token_ids`, and the content part
 `{"type": "video", "video": {"frames": [image URL, ...], "fps": float}}`.
 
-Output models serialize to OpenAI's JSON exactly: compact, with `null` where OpenAI sends null
-(`finish_reason`, `logprobs`, error `param` / `code`) and omitted where OpenAI omits (empty delta fields, chunk
-`usage` when absent). `prism.serving.stream` fills them from engine events.
+The response, chunk and error shapes are in `prism.serving.responses`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,7 +28,6 @@ from pydantic import (
     Tag,
     ValidationError,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -44,8 +40,6 @@ from ..engine.sampling import (
     SamplingParams,
 )
 
-SSE_DONE = b"data: [DONE]\n\n"
-
 
 class ProtocolError(ValueError):
     """A request does not follow the schema; `param` names the field (e.g. "messages[0].content")."""
@@ -56,15 +50,6 @@ class ProtocolError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
-
-
-class RequestFailedError(RuntimeError):
-    """The engine ended a request with ERROR (or ABORT, which must not reach a client): map to an error."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -369,159 +354,3 @@ def parse_chat_request(body: bytes | str | Mapping[str, Any]) -> ChatCompletionR
     except ValidationError as exc:
         message, param = describe_validation_errors(exc.errors())
         raise ProtocolError(message, param) from None
-
-
-# ------------------------------------------------------------------------------------------ responses
-class _Out(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    OMIT_IF_NONE: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler: Any) -> Any:
-        data = handler(self)
-        for key in self.OMIT_IF_NONE:
-            if data.get(key, 0) is None:
-                del data[key]
-        return data
-
-
-class TopLogprob(_Out):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(_Out):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(_Out):
-    content: list[TokenLogprob] | None
-
-
-class ResponseMessage(_Out):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-
-
-class Choice(_Out):
-    index: int
-    message: ResponseMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
-
-
-class PromptTokensDetails(_Out):
-    cached_tokens: int = 0
-
-
-class Usage(_Out):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-    OMIT_IF_NONE = frozenset({"prompt_tokens_details"})
-
-
-class ChatCompletionResponse(_Out):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-
-
-class DeltaMessage(_Out):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    OMIT_IF_NONE = frozenset({"role", "content"})
-
-
-class ChunkChoice(_Out):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionChunk(_Out):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    OMIT_IF_NONE = frozenset({"usage"})
-
-
-class ModelCard(_Out):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "prism"
-    max_model_len: int | None = None  # extension (vLLM's name), omitted when unknown
-    OMIT_IF_NONE = frozenset({"max_model_len"})
-
-
-class ModelList(_Out):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(_Out):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Out):
-    error: ErrorDetail
-
-
-_ERROR_KINDS: dict[int, tuple[str, str | None]] = {
-    400: ("invalid_request_error", None),
-    403: ("permission_error", "forbidden"),
-    404: ("not_found_error", "model_not_found"),
-    413: ("invalid_request_error", "request_too_large"),
-    422: ("invalid_request_error", "unprocessable_entity"),
-    429: ("rate_limit_error", "rate_limit_exceeded"),
-    500: ("server_error", "internal_error"),
-    503: ("server_error", "service_unavailable"),
-}
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for an HTTP status."""
-    kind, default_code = _ERROR_KINDS.get(
-        status, ("server_error" if status >= 500 else "invalid_request_error", None)
-    )
-    detail = ErrorDetail(message=message, type=kind, param=param, code=code or default_code)
-    return ErrorResponse(error=detail).model_dump()
-
-
-def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """(status, error body) for an exception: `status` / `param` attributes when it has them (ProtocolError,
-    MediaURLError, RequestFailedError), 400 for any other ValueError, else 500 without internals."""
-    status = getattr(exc, "status", None)
-    if not isinstance(status, int):
-        status = 400 if isinstance(exc, ValueError) else 500
-    if status >= 500 and not isinstance(exc, RequestFailedError):
-        return status, error_body(status, "internal server error")
-    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    return status, error_body(status, message, getattr(exc, "param", None))
-
-
-def sse(obj: BaseModel | Mapping[str, Any]) -> bytes:
-    """One server-sent event `data: {compact json}\\n\\n`."""
-    if isinstance(obj, BaseModel):
-        payload = obj.model_dump_json()
-    else:
-        payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return b"data: " + payload.encode("utf-8") + b"\n\n"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from ..engine.request import FinishReason, RequestOutput, TokenLogprobs
-from .protocol import (
+from .responses import (
     SSE_DONE,
     ChatCompletionChunk,
     ChatCompletionResponse,

@@ -1,0 +1,180 @@
+"""The OpenAI-compatible response shapes: completion, chunk, model list, error JSON, server-sent events.
+
+Output models serialize to OpenAI's JSON exactly: compact, with `null` where OpenAI sends null
+(`finish_reason`, `logprobs`, error `param` / `code`) and omitted where OpenAI omits (empty delta fields, chunk
+`usage` when absent). `prism.serving.stream` fills them from engine events.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, model_serializer
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class RequestFailedError(RuntimeError):
+    """The engine ended a request with ERROR (or ABORT, which must not reach a client): map to an error."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    OMIT_IF_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        data = handler(self)
+        for key in self.OMIT_IF_NONE:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprob] | None
+
+
+class ResponseMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class Choice(_Out):
+    index: int
+    message: ResponseMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    OMIT_IF_NONE = frozenset({"prompt_tokens_details"})
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class DeltaMessage(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    OMIT_IF_NONE = frozenset({"role", "content"})
+
+
+class ChunkChoice(_Out):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    OMIT_IF_NONE = frozenset({"usage"})
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prism"
+    max_model_len: int | None = None  # extension (vLLM's name), omitted when unknown
+    OMIT_IF_NONE = frozenset({"max_model_len"})
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+_ERROR_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    403: ("permission_error", "forbidden"),
+    404: ("not_found_error", "model_not_found"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "unprocessable_entity"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}` for an HTTP status."""
+    kind, default_code = _ERROR_KINDS.get(
+        status, ("server_error" if status >= 500 else "invalid_request_error", None)
+    )
+    detail = ErrorDetail(message=message, type=kind, param=param, code=code or default_code)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """(status, error body) for an exception: `status` / `param` attributes when it has them (ProtocolError,
+    MediaURLError, RequestFailedError), 400 for any other ValueError, else 500 without internals."""
+    status = getattr(exc, "status", None)
+    if not isinstance(status, int):
+        status = 400 if isinstance(exc, ValueError) else 500
+    if status >= 500 and not isinstance(exc, RequestFailedError):
+        return status, error_body(status, "internal server error")
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return status, error_body(status, message, getattr(exc, "param", None))
+
+
+def sse(obj: BaseModel | Mapping[str, Any]) -> bytes:
+    """One server-sent event `data: {compact json}\\n\\n`."""
+    if isinstance(obj, BaseModel):
+        payload = obj.model_dump_json()
+    else:
+        payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return b"data: " + payload.encode("utf-8") + b"\n\n"
