@@ -91,7 +91,7 @@ def test_full_prefix_hit_sends_no_pixels_and_runs_no_vision(runs):
     assert before == 3 and after == before
     payloads = runs[2]["cached_payloads"]
     assert payloads, "rank 0 must have broadcast the cached request's steps"
-    assert all(m.pixels is None for p in payloads for m in p.media), "a full hit must send no pixels to workers"
+    assert all(not m.encode and m.pixels is None for p in payloads for m in p.media), "a full hit must send no pixels"
 
 
 def test_tp2_decision_fork_equals_tp1(runs):
@@ -126,3 +126,25 @@ def test_a_dead_follower_fails_rank_0_clearly():
     with pytest.raises(TensorParallelFailure, match="rank 1 exited"):
         llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2))
     llm.engine.shutdown()
+
+
+def test_each_rank_gets_only_the_pixels_it_encodes():
+    """A cold step's payload, as each rank of two receives it: every item to encode has its pixels on exactly
+    one rank (the encoder-DP owner), cached items have none anywhere, and nothing else changes."""
+    import torch as _torch
+
+    from prism.engine.step_payload import MediaWork, StepPayload
+    from prism.kv.transfers import TransferPlan
+
+    px = {g: _torch.zeros(g[0] * g[1] * g[2], 4) for g in ((1, 8, 8), (1, 4, 4), (1, 6, 6))}
+    media = [MediaWork(bytes([i]), g, True, t) for i, (g, t) in enumerate(px.items())]
+    media.append(MediaWork(b"cached", (1, 4, 4), False, None))
+    payload = StepPayload(TransferPlan(), [], media)
+    views = [payload.for_rank(r, 2) for r in range(2)]
+    for i, m in enumerate(media[:3]):
+        holders = [r for r, v in enumerate(views) if v.media[i].pixels is not None]
+        assert len(holders) == 1, f"item {i} must travel to exactly one rank, went to {holders}"
+        assert all(v.media[i].encode and v.media[i].grid == m.grid for v in views)
+    assert all(v.media[3].pixels is None and not v.media[3].encode for v in views)
+    assert {r for r, v in enumerate(views) for m in v.media if m.pixels is not None} == {0, 1}
+    assert payload.for_rank(0, 1) is payload

@@ -1,11 +1,14 @@
 """Rank 0 -> every rank: the control channel that carries each step's payload.
 
-Owns *followers run exactly rank 0's steps, in rank 0's order*: one broadcast per step, from rank 0,
-of a picklable object (the step payload, or None to shut down). It runs over gloo on the host even when
-the data collectives use NCCL (a gloo side group), so control data never round-trips through a GPU.
+Owns *followers run exactly rank 0's steps, in rank 0's order*: per step, rank 0 sends each follower its
+picklable object (the step payload as that rank needs it, or None to shut down), point to point, in rank
+order. It runs over gloo on the host even when the data collectives use NCCL (a gloo side group), so control
+data never round-trips through a GPU.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -17,16 +20,21 @@ class StepChannel:
 
     def __init__(self, group: TPGroup) -> None:
         self.rank = group.rank
+        self.world_size = group.world_size
         backend = str(dist.get_backend(group.group)).lower()
         self._group = group.group if backend == "gloo" else dist.new_group(backend="gloo")
 
-    def send(self, payload: object) -> None:
-        """Rank 0: broadcast `payload` (None means: stop serving)."""
+    def send(self, payload_for: Callable[[int], object]) -> None:
+        """Rank 0: send follower r `payload_for(r)` (None means: stop serving)."""
         assert self.rank == 0, "only rank 0 sends steps"
-        dist.broadcast_object_list([payload], src=0, group=self._group)
+        for rank in range(1, self.world_size):
+            dist.send_object_list([payload_for(rank)], dst=self._global_rank(rank), group=self._group)
 
     def recv(self) -> object:
         """Follower ranks: the next payload rank 0 sent."""
         box: list[object] = [None]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.recv_object_list(box, src=self._global_rank(0), group=self._group)
         return box[0]
+
+    def _global_rank(self, rank: int) -> int:
+        return dist.get_global_rank(self._group, rank) if self._group is not None else rank

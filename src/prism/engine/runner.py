@@ -251,7 +251,7 @@ class ModelRunner:
         features: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         missing = []
         for m in work:
-            if m.pixels is None:
+            if not m.encode:
                 cached = self.encoder_cache.get(CacheKey(m.digest, "vision"))
                 if cached is None:
                     raise RuntimeError("a media item expected in the encoder cache is not there (ranks diverged?)")

@@ -6,16 +6,18 @@ positions, page table, context length, which row is sampled) and the media work.
 scheduler's slices and the KV manager's page tables, it is all a follower rank needs; the single-GPU
 path runs through it too. Media items carry their pixels only when they must be encoded (not in the
 encoder cache, which is kept identical on every rank): a full prefix hit has no media work, so no
-pixels travel. Tensors are referenced, never copied.
+pixels travel; and each rank receives only the pixels of the items it encodes (`for_rank`, the
+encoder-DP assignment). Tensors are referenced, never copied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..distributed.encoder_dp import assign_media
 from ..kv.transfers import TransferPlan
 
 
@@ -55,10 +57,12 @@ class ForwardInput:
 
 @dataclass(frozen=True)
 class MediaWork:
-    """A media item a forward of this step reads. pixels: None when its features are in the encoder cache."""
+    """A media item a forward of this step reads. encode: its features are not in the encoder cache, so
+    the ranks encode it this step; pixels: present only on the rank that encodes it."""
 
     digest: bytes
     grid: tuple[int, int, int]
+    encode: bool
     pixels: torch.Tensor | None
 
 
@@ -67,6 +71,17 @@ class StepPayload:
     plan: TransferPlan
     forwards: list[ForwardInput]
     media: list[MediaWork]
+
+    def for_rank(self, rank: int, world_size: int) -> StepPayload:
+        """This payload as rank `rank` needs it: the pixels of the items other ranks encode left out."""
+        to_encode = [m for m in self.media if m.encode]
+        if world_size == 1 or not to_encode:
+            return self
+        owner = dict(zip((m.digest for m in to_encode),
+                         assign_media([g[0] * g[1] * g[2] for g in (m.grid for m in to_encode)], world_size),
+                         strict=True))
+        media = [m if not m.encode or owner[m.digest] == rank else replace(m, pixels=None) for m in self.media]
+        return replace(self, media=media)
 
 
 def media_slices(pieces: Sequence[PieceInput], requests: Sequence) -> tuple[list[MediaSlice], list]:
@@ -93,6 +108,7 @@ def media_work(items: Sequence, is_cached: Callable[[bytes], bool]) -> list[Medi
         if item.digest in seen:
             continue
         seen.add(item.digest)
-        pixels = None if is_cached(item.digest) else item.pixel_values
-        out.append(MediaWork(item.digest, tuple(int(v) for v in item.grid_thw), pixels))
+        encode = not is_cached(item.digest)
+        out.append(MediaWork(item.digest, tuple(int(v) for v in item.grid_thw), encode,
+                             item.pixel_values if encode else None))
     return out

@@ -23,6 +23,7 @@ from ..distributed.step_channel import StepChannel
 from ..distributed.tensor_parallel import TPGroup, init_tp_group, local_init_method
 from .config import EngineConfig
 from .rank import build_rank_runner, rank_device
+from .step_payload import StepPayload
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,11 @@ class Followers:
     channel: StepChannel
     closed: bool = field(default=False)
 
-    def send(self, payload: object) -> None:
+    def send(self, payload: StepPayload) -> None:
+        """Each follower gets the step as it needs it (only the pixels of the items it encodes)."""
+        world = self.group.world_size
         try:
-            self.channel.send(payload)
+            self.channel.send(lambda rank: payload.for_rank(rank, world))
         except Exception as error:
             raise self.failure(error) from error
 
@@ -89,7 +92,7 @@ class Followers:
         self.closed = True
         try:
             if all(p.exitcode is None for p in self.processes):
-                self.channel.send(None)
+                self.channel.send(lambda rank: None)
         except Exception:  # a follower is already gone: nothing left to tell
             log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
         for p in self.processes:
