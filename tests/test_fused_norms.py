@@ -44,7 +44,7 @@ def test_rms_norm_kernel_matches_reference(dtype, shape):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 1), (6, 3)])  # (6, 3): masked head rows
 def test_qk_norm_rope_kernel_matches_reference(dtype, heads):
     q, k, qw, kw, cos, sin = _qkv(6, *heads, 32, dtype, seed=heads[0])
     got_q, got_k = fn.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, use_triton=True)

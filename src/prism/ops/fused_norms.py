@@ -82,36 +82,45 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                             stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HKV, eps,
-                             HALF: tl.constexpr, DTYPE: tl.constexpr):
-        # grid = (tokens, HQ + HKV): one head of one token per program.
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+    def _norm_rope_heads(src, stride_h, w_ptr, cos_ptr, sin_ptr, dst, num_heads, eps,
+                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr):
+        """Every head of one token: [BLOCK_H, HALF] halves, per-head RMSNorm, then rope, stored contiguous."""
+        h = tl.arange(0, BLOCK_H)
         j = tl.arange(0, HALF)
-        is_q = h < HQ
-        if is_q:
-            src = q_ptr + t * stride_qt + h * stride_qh
-            w_ptr = qw_ptr
-            dst = qo_ptr + (t * HQ + h) * (2 * HALF)
-        else:
-            src = k_ptr + t * stride_kt + (h - HQ) * stride_kh
-            w_ptr = kw_ptr
-            dst = ko_ptr + (t * HKV + h - HQ) * (2 * HALF)
-        x1 = tl.load(src + j).to(tl.float32)
-        x2 = tl.load(src + HALF + j).to(tl.float32)
-        var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
-        inv = 1.0 / tl.sqrt_rn(var + eps)
-        n1 = _round(_round(x1 * inv, DTYPE) * tl.load(w_ptr + j).to(tl.float32), DTYPE)
-        n2 = _round(_round(x2 * inv, DTYPE) * tl.load(w_ptr + HALF + j).to(tl.float32), DTYPE)
-        c1 = tl.load(cos_ptr + t * stride_cs + j).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * stride_cs + HALF + j).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * stride_cs + j).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * stride_cs + HALF + j).to(tl.float32)
+        hmask = (h < num_heads)[:, None]
+        rows = src + h[:, None].to(tl.int64) * stride_h
+        x1 = tl.load(rows + j[None, :], mask=hmask, other=0.0).to(tl.float32)
+        x2 = tl.load(rows + HALF + j[None, :], mask=hmask, other=0.0).to(tl.float32)
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        inv = (1.0 / tl.sqrt_rn(var + eps))[:, None]
+        w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
+        n1 = _round(_round(x1 * inv, DTYPE) * w1, DTYPE)
+        n2 = _round(_round(x2 * inv, DTYPE) * w2, DTYPE)
+        c1 = tl.load(cos_ptr + j).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + HALF + j).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + j).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + HALF + j).to(tl.float32)[None, :]
         o1 = _round(n1 * c1, DTYPE) + _round(-n2 * s1, DTYPE)
         o2 = _round(n2 * c2, DTYPE) + _round(n1 * s2, DTYPE)
-        tl.store(dst + j, o1.to(DTYPE))
-        tl.store(dst + HALF + j, o2.to(DTYPE))
+        out = dst + h[:, None].to(tl.int64) * (2 * HALF)
+        tl.store(out + j[None, :], o1.to(DTYPE), mask=hmask)
+        tl.store(out + HALF + j[None, :], o2.to(DTYPE), mask=hmask)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
+                             stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, HQ, HKV, eps,
+                             HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                             DTYPE: tl.constexpr):
+        # grid = (tokens, 2): all query heads of a token (axis 1 = 0) or all its KV heads (1).
+        t = tl.program_id(0).to(tl.int64)
+        cos_row, sin_row = cos_ptr + t * stride_cs, sin_ptr + t * stride_cs
+        if tl.program_id(1) == 0:
+            _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, cos_row, sin_row, qo_ptr + t * HQ * 2 * HALF,
+                             HQ, eps, HALF, BLOCK_HQ, DTYPE)
+        else:
+            _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, cos_row, sin_row, ko_ptr + t * HKV * 2 * HALF,
+                             HKV, eps, HALF, BLOCK_HKV, DTYPE)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER, BLOCK: tl.constexpr,
@@ -165,9 +174,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((n, hkv, d), dtype=k.dtype, device=k.device)
     with device_context(q.device):
-        _qk_norm_rope_kernel[(n, hq + hkv)](q, k, q_weight, k_weight, cos, sin, q_out, k_out,
-                                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-                                            hq, hkv, eps, HALF=d // 2, DTYPE=_TL_DTYPE[q.dtype], num_warps=1)
+        _qk_norm_rope_kernel[(n, 2)](q, k, q_weight, k_weight, cos, sin, q_out, k_out,
+                                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+                                     hq, hkv, eps, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
+                                     BLOCK_HKV=triton.next_power_of_2(hkv), DTYPE=_TL_DTYPE[q.dtype], num_warps=4)
     return q_out, k_out
 
 
