@@ -22,6 +22,7 @@ from ..kv.manager import KVCacheManager
 from ..kv.transfers import TransferPlan, execute_plan
 from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
+from ..ops.dispatch import kernels_override
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
 from .cuda_graphs import DecodeGraphs
@@ -96,7 +97,7 @@ class ModelRunner:
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
         self.stats = RunnerStats()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not deterministic:
+        if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
             text = model.config.text
             compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
         if use_graphs:
