@@ -276,6 +276,55 @@ if HAVE_TRITON:
             factor = tl.full(pmask.shape, 1.0, tl.float32)
         return x, factor
 
+    @triton.jit
+    def _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+        """Online softmax of the query rows `q` (pre-scaled, log2 units) over keys [lo, hi) of one sequence's
+        pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc)."""
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pmask = pos < hi
+            page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
+            slot = page * page_size + pos % page_size  # int64: page ids are int64
+            k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
+            s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible stays at p = 0
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+            pv = (p * v_f[None, :]).to(DOT_DTYPE)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _store_attention(m_i, l_i, acc, tokens, heads, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
+                         part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS: tl.constexpr):
+        """Row (token, head): the normalized output, or with several splits the partial softmax in the layout
+        [tokens, HQ, NUM_SPLITS, (D | 2)] that `_decode_reduce_kernel` merges."""
+        tokens = tokens.to(tl.int64)
+        heads = heads.to(tl.int64)
+        mask = rmask[:, None] & dmask[None, :]
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            optr = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            base = (tokens * HQ + heads) * NUM_SPLITS + split
+            tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+            tl.store(part_ml_ptr + base * 2, m_i, mask=rmask)
+            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=rmask)
+
     # Not specialized: the block table's width (changes every step) and the layer's rows (one variant per
     # layer kind would compile, or load from Triton's disk cache, for 0.1-2 s in the middle of serving).
     @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])
@@ -306,39 +355,13 @@ if HAVE_TRITON:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + qh[:, None].to(tl.int64) * stride_qh + d[None, :],
                     mask=qmask, other=0.0)
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-        for n0 in range(lo, hi, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pmask = pos < hi
-            page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
-            slot = page * page_size + pos % page_size  # int64: page ids are int64
-            k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
-            s = tl.where(pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0, no NaN
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
-            pv = (p * v_f[None, :]).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-            m_i = m_new
-        if NUM_SPLITS == 1:
-            o = acc / l_i[:, None]
-            optr = out_ptr + b.to(tl.int64) * stride_ot + qh[:, None].to(tl.int64) * stride_oh + d[None, :]
-            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
-        else:
-            # partials [B, HQ, NUM_SPLITS, (D | 2)]: unnormalized acc, then (max, sum) per head
-            base = (b.to(tl.int64) * HQ + qh.to(tl.int64)) * NUM_SPLITS + split
-            tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
-            tl.store(part_ml_ptr + base * 2, m_i, mask=gmask)
-            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=gmask)
+        qpos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)  # the new token: it sees its whole context
+        m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+                                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+                                     BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE)
+        _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
+                         stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
     def dot_dtype(q_dtype: torch.dtype, kv_dtype: str):
         """The tl.dot operand dtype and precision. fp32 q: fp32 with exact products (the CPU tests). Else fp16,

@@ -38,7 +38,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .paged_attention import _decode_reduce_kernel, _load_kv_tile, dot_dtype
+    from .paged_attention import _attend_keys, _decode_reduce_kernel, _store_attention, dot_dtype
 
 _LOG2E = 1.4426950408889634
 _BLOCK_ROWS = 64  # rows (token, head) of one program
@@ -106,44 +106,16 @@ if HAVE_TRITON:
                     mask=qmask, other=0.0)
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         qpos = first_pos + tok  # absolute position of each row's token
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = bt_ptr + seq * stride_bt
         end = tl.minimum(first_pos + count, ctx)  # keys past the block's last token are masked for every row
         split_len = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, end)
-        for n0 in range(lo, hi, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pmask = pos < hi
-            page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
-            slot = page * page_size + pos % page_size
-            k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
-            visible = (pos[None, :] <= qpos[:, None]) & pmask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
-            pv = (p * v_f[None, :]).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-            m_i = m_new
-        if NUM_SPLITS == 1:
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            optr = out_ptr + q_rows[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
-            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
-        else:  # partials [tokens, HQ, NUM_SPLITS, (D | 2)], the decode kernel's layout with tokens as sequences
-            base = (q_rows * HQ + head.to(tl.int64)) * NUM_SPLITS + split
-            tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
-            tl.store(part_ml_ptr + base * 2, m_i, mask=rmask)
-            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=rmask)
-
+        m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+                                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE)
+        _store_attention(m_i, l_i, acc, q_rows, head, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
+                         part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
 class PrefillLaunch:
     """The per-step part of a prefill launch (the block table of the query blocks on the device), built
