@@ -120,10 +120,10 @@ class Scheduler:
                     out.failed.append((request, self._unschedulable_reason(content, hit.num_tokens)))
                     continue
                 break
-            seq = self._admit(request, content, budget)
-            if seq is None:
+            admitted = self._admit(request, content, budget, hit.num_tokens)
+            if admitted is None:
                 break  # wait for running requests to finish or be preempted
-            end = self._chunk_end(request, content, seq.num_computed, budget)
+            seq, end = admitted
             self.waiting.popleft()
             if request.times.first_scheduled is None:
                 request.cached_tokens = seq.num_cached
@@ -153,19 +153,20 @@ class Scheduler:
                 end = snap_chunk_end(content, start, start + limit)
         return end
 
-    def _admit(self, request: Request, content: SeqContent, budget: int):
+    def _admit(self, request: Request, content: SeqContent, budget: int, hit_tokens: int):
         """Admit with the whole prefix hit; when nothing runs or waits swapped (so waiting cannot free
         room), fall back to reusing less: a hit pins its pages and a tail page's source, so it can need
         more room than recomputing (liveness: a prompt that fits the pool cold must be admitted).
-        Returns the admitted sequence, or None to wait."""
+        `hit_tokens`: the whole hit, already looked up. Returns (the admitted sequence, its chunk's end), or
+        None to wait."""
         fallbacks = REUSE_FALLBACKS if not self.running and not self.swapped else REUSE_FALLBACKS[:1]
         for reuse in fallbacks:
-            start = self.kv.lookup(content, reuse).num_tokens
+            start = hit_tokens if reuse == "all" else self.kv.lookup(content, reuse).num_tokens
             end = self._chunk_end(request, content, start, budget)
             if end <= start:
                 continue
             try:
-                return self.kv.admit(request.request_id, content, end - start, reuse=reuse)
+                return self.kv.admit(request.request_id, content, end - start, reuse=reuse), end
             except OutOfPages:
                 continue
         return None
