@@ -98,7 +98,13 @@ class KVCacheManager:
         return free + len(reclaimable)
 
     def can_allocate(self, n: int, pinned: tuple[int, ...] | list[int] = ()) -> bool:
-        return n <= self.num_allocatable(pinned)
+        """`n <= num_allocatable(pinned)`, without counting reclaimable pages when free ones suffice: every
+        decode step of every running sequence asks, and that count walks every cached page."""
+        if n <= 0:
+            return True
+        pinned_set = set(pinned)
+        free = self.gpu.num_free - self._num_free_among(pinned_set)
+        return n <= free or n <= free + len(self.entries.reclaimable_pages() - pinned_set)
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
