@@ -89,7 +89,7 @@ def main() -> None:
     ranged(runner_mod.ModelRunner, "prepare", "runner.prepare")
     ranged(runner_mod.ModelRunner, "_encode", "runner.encode")
     ranged(runner_mod.PagedAttentionMetadata, "build", "attention.metadata_build")
-    ranged(runner_mod.DecodeGraphs, "run", "graphs.run")
+    ranged(runner_mod.RowGraphs, "run", "graphs.run")
     ranged(runner_mod.Qwen3VLModel, "encode_media", "model.encode_media")
     ranged(runner_mod.Qwen3VLModel, "forward", "model.forward")
 

@@ -109,14 +109,21 @@ def test_cuda_graph_decode_matches_eager(ckpt_8b):
     import time
 
     prompts = [chat(IMAGES[i % 3], f"Question number {i}?") for i in range(3)] + [chat("A plain text question.")]
+    # After a full hit on the image, the new question's few tokens are a short prefill: graph rows too.
+    after_hit = chat(IMAGES[0], "Another question about it?")
     eager = engine(ckpt_8b, "fp8", cuda_graphs=False)
-    reference = eager.generate(prompts, GREEDY)
+    reference = eager.generate(prompts, GREEDY) + eager.generate([after_hit], GREEDY)
     assert eager.engine.runner.graphs is None
     del eager
     release_gpu_memory()
     graphs = engine(ckpt_8b, "fp8")  # CUDA graphs are on by default
     out = graphs.generate(prompts, GREEDY)
     assert graphs.engine.runner.graphs.replays > 0, "decode steps must replay captured graphs"
+    stats = graphs.engine.runner.stats
+    before = stats.graph_steps
+    out += graphs.generate([after_hit], GREEDY)
+    assert out[-1].cached_tokens > 0, "the question must hit the image prefix"
+    assert stats.graph_steps - before == STEPS, "the prefill after the hit and every decode must replay graphs"
     for ours, ref in zip(out, reference, strict=True):
         assert_same_or_near_tie(ours, ref)
     # Not a benchmark (that is `nox -s bench`): a rough batch-1 decode step time for the record.

@@ -1,15 +1,23 @@
-"""CUDA-graph decode: one captured decode step per batch-size bucket.
+"""CUDA-graph steps: one captured forward of one-token rows per batch-size bucket.
 
-Owns replaying the eager decode computation without per-kernel launch overhead. Every input of the
-step (token ids, M-RoPE positions, slot mapping, context lengths, block table) lives in a static
-buffer refilled in place before replay; the attention metadata's host facts are fixed per bucket (all
-query lengths 1, the longest possible context, so the split-K shape never changes). A bucket larger
-than the batch is padded with rows that write to scratch KV slots no sequence owns and read only
-those; their logits are dropped.
+Owns replaying the eager step computation without per-kernel launch overhead. A captured step is a set of
+*rows* (`GraphRows`), each one new token with its own context: a decode row, or one token of a short
+prefill without media (the question after a prefix hit), whose row sees its context up to itself. All rows'
+K/V are written before any row attends, so a prefill's later tokens see the earlier ones written in the same
+step, exactly as the packed prefill kernel does. Every input (token ids, M-RoPE positions, slot mapping,
+context lengths, block table) lives in a static buffer refilled in place before replay, in two host-to-device
+copies; the attention metadata's host facts are fixed per bucket (all query lengths 1, the longest possible
+context, so the split-K shape never changes). A bucket larger than the step is padded with rows that write to
+scratch KV slots no sequence owns and read only those; their logits are dropped. On a CPU pool nothing is
+captured and the same rows run eagerly on the same buffers (how the CPU tests check the row construction).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from ..kv.fp8 import KVPool
@@ -17,9 +25,63 @@ from ..model.qwen3_vl import Qwen3VLModel
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Rows of the packed per-row host inputs: token id, 3 M-RoPE positions, slot, context length.
+_ID, _POS, _SLOT, _CTX = 0, slice(1, 4), 4, 5
 
 
-class DecodeGraphs:
+@dataclass(frozen=True)
+class GraphRows:
+    """A step as one-token rows. Row r is token `token_ids[r]` at slot `slots[r]`, attending over the first
+    `context_lens[r]` positions of piece `row_piece[r]` (its own position included); `sample_rows` are the
+    rows whose logits the step returns, in order."""
+
+    token_ids: np.ndarray  # [n] int64
+    positions: torch.Tensor  # [3, n] int64, host
+    slots: np.ndarray  # [n] int64
+    context_lens: np.ndarray  # [n] int64
+    tables: list[Sequence[int]]  # each piece's physical pages in logical order
+    row_piece: np.ndarray  # [n] int64
+    sample_rows: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.context_lens.max()) if self.num_rows else 0
+
+    @classmethod
+    def from_pieces(cls, pieces, page_size: int) -> GraphRows:
+        """Rows of `pieces` (`step_payload.PieceInput` without padding): positions [start, end) of each."""
+        ids, slots, ctx, owner, sample, positions = [], [], [], [], [], []
+        offset = 0
+        for i, p in enumerate(pieces):
+            if p.pad:
+                raise ValueError("padded (deterministic) pieces do not run as graph rows")
+            pos = np.arange(p.start, p.end, dtype=np.int64)
+            pages = np.asarray(p.pages, dtype=np.int64)
+            ids.append(np.asarray(p.token_ids, dtype=np.int64))
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            ctx.append(pos + 1)
+            owner.append(np.full(len(pos), i, dtype=np.int64))
+            positions.append(p.positions)
+            offset += len(pos)
+            if p.sample:
+                sample.append(offset - 1)
+        cat = np.concatenate
+        return cls(cat(ids), torch.cat(positions, dim=1), cat(slots), cat(ctx), [p.pages for p in pieces],
+                   cat(owner), sample)
+
+    def block_table(self, width: int) -> np.ndarray:
+        """[n, width] int64: each row's piece's pages (columns past a context are never read)."""
+        tables = np.zeros((len(self.tables), width), dtype=np.int64)
+        for i, pages in enumerate(self.tables):
+            tables[i, : len(pages)] = pages
+        return tables[self.row_piece]
+
+
+class RowGraphs:
     def __init__(
         self,
         model: Qwen3VLModel,
@@ -28,8 +90,6 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
     ) -> None:
-        if pool.device.type != "cuda":
-            raise ValueError("CUDA graphs need the KV pool on a CUDA device")
         self.model = model
         self.pool = pool
         page_size = pool.layout.page_size
@@ -40,41 +100,46 @@ class DecodeGraphs:
         self.max_context = self.max_pages * page_size
         dev = pool.device
         i64 = torch.int64
-        # Padding row i of a bucket writes scratch slot i and reads it back (context length 1).
-        self.scratch_slots = torch.arange(max_batch, dtype=i64, device=dev) + first_scratch_page * page_size
-        scratch_pages = self.scratch_slots // page_size
-        self.input_ids = torch.zeros(max_batch, dtype=i64, device=dev)
-        self.positions = torch.zeros(3, max_batch, dtype=i64, device=dev)
-        self.slot_mapping = self.scratch_slots.clone()
-        self.context_lens = torch.ones(max_batch, dtype=i64, device=dev)
-        self.block_table = scratch_pages[:, None].repeat(1, self.max_pages).contiguous()
+        # Padding row i of a bucket writes scratch slot i and reads one scratch slot (context length 1).
+        self.scratch_slots = np.arange(max_batch, dtype=np.int64) + first_scratch_page * page_size
+        # The host image of the buffers when every row is padding; a step overwrites its first rows.
+        self._idle_rows = np.zeros((6, max_batch), dtype=np.int64)
+        self._idle_rows[_SLOT] = self.scratch_slots
+        self._idle_rows[_CTX] = 1
+        self._idle_table = np.repeat((self.scratch_slots // page_size)[:, None], self.max_pages, axis=1)
+        self.row_inputs = torch.from_numpy(self._idle_rows).to(dev)
+        self.input_ids = self.row_inputs[_ID]
+        self.positions = self.row_inputs[_POS]
+        self.slot_mapping = self.row_inputs[_SLOT]
+        self.context_lens = self.row_inputs[_CTX]
+        self.block_table = torch.from_numpy(self._idle_table).to(dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=i64, device=dev)
         self.logits_index = torch.arange(max_batch, dtype=i64, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
 
-    def _backend(self, b: int) -> PagedKVBackend:
+    def _forward(self, b: int, context_lens_host: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The step over the first b rows of the buffers. Captured: the host facts say every row may reach
+        the longest context (the kernels read the real lengths from `context_lens`); eager: the rows' own."""
         meta = PagedAttentionMetadata(
             self.query_start_loc[: b + 1],
             self.context_lens[:b],
             self.block_table[:b],
             self.slot_mapping[:b],
             (1,) * b,
-            (self.max_context,) * b,
+            context_lens_host or (self.max_context,) * b,
             self.page_size,
             self.pool.layout.num_pages - 1,
         )
-        return PagedKVBackend(self.pool, meta)
-
-    def _forward(self, b: int) -> torch.Tensor:
-        return self.model(
-            self.input_ids[:b], self.positions[:, :b], self._backend(b), logits_indices=self.logits_index[:b]
-        )
+        backend = PagedKVBackend(self.pool, meta)
+        return self.model(self.input_ids[:b], self.positions[:, :b], backend, logits_indices=self.logits_index[:b])
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket (largest first, sharing one memory pool)."""
+        """Capture every bucket (largest first, sharing one memory pool); nothing to capture on a CPU pool."""
+        if self.pool.device.type != "cuda":
+            return
         memory = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             side = torch.cuda.Stream()
@@ -89,32 +154,36 @@ class DecodeGraphs:
             self._graphs[b] = graph
         torch.cuda.synchronize()
 
-    def fits(self, num_seqs: int, max_context: int) -> bool:
-        return 0 < num_seqs <= self.max_batch and max_context <= self.max_context
+    def fits(self, num_rows: int, max_context: int) -> bool:
+        return 0 < num_rows <= self.max_batch and max_context <= self.max_context
 
     @torch.inference_mode()
-    def run(
-        self, token_ids: list[int], positions: torch.Tensor, slots: list[int], context_lens: list[int],
-        page_tables: list[list[int]],
-    ) -> torch.Tensor:
-        """One decode step for n sequences (one new token each); logits [n, vocab] in fp32."""
-        n = len(token_ids)
+    def run(self, rows: GraphRows) -> torch.Tensor:
+        """One step over `rows`; logits [len(rows.sample_rows), vocab] in fp32."""
+        n = rows.num_rows
+        if not self.fits(n, rows.max_context):
+            raise ValueError(f"{n} rows up to context {rows.max_context} do not fit the captured graphs")
         b = next(size for size in self.buckets if size >= n)
-        i64 = torch.int64
-        table = torch.zeros((n, self.max_pages), dtype=i64)  # columns past a context are never read
-        for i, pages in enumerate(page_tables):
-            table[i, : len(pages)] = torch.tensor(pages, dtype=i64)
-        self.input_ids[:n].copy_(torch.tensor(token_ids, dtype=i64), non_blocking=True)
-        self.positions[:, :n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=i64), non_blocking=True)
-        self.context_lens[:n].copy_(torch.tensor(context_lens, dtype=i64), non_blocking=True)
-        self.block_table[:n].copy_(table, non_blocking=True)
-        # Rows n..b-1 are padding: restore their scratch state (an earlier, larger batch may have used them).
-        self.input_ids[n:b].zero_()
-        self.positions[:, n:b].zero_()
-        self.slot_mapping[n:b].copy_(self.scratch_slots[n:b])
-        self.context_lens[n:b].fill_(1)
-        self.block_table[n:b].copy_((self.scratch_slots[n:b] // self.page_size)[:, None].expand(-1, self.max_pages))
-        self._graphs[b].replay()
-        self.replays += 1
-        return self._outputs[b][:n].float()
+        # Rows n..b-1 are padding: their scratch state is restored (an earlier, larger step may have used them).
+        host = self._idle_rows[:, :b].copy()
+        host[_ID, :n] = rows.token_ids
+        host[_POS, :n] = rows.positions.numpy()
+        host[_SLOT, :n] = rows.slots
+        host[_CTX, :n] = rows.context_lens
+        table = self._idle_table[:b].copy()
+        table[:n] = rows.block_table(self.max_pages)
+        self.row_inputs[:, :b].copy_(torch.from_numpy(host), non_blocking=True)
+        self.block_table[:b].copy_(torch.from_numpy(table), non_blocking=True)
+        if b in self._graphs:
+            self._graphs[b].replay()
+            self.replays += 1
+            logits = self._outputs[b]
+        else:
+            logits = self._forward(b, tuple(host[_CTX].tolist()))
+        sample = rows.sample_rows
+        if not sample:
+            return logits[:0].float()
+        if sample[-1] - sample[0] == len(sample) - 1:  # increasing rows without gaps: a slice, no index copy
+            return logits[sample[0] : sample[-1] + 1].float()
+        index = torch.tensor(sample, dtype=torch.int64).to(logits.device, non_blocking=True)
+        return logits.index_select(0, index).float()

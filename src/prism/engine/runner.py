@@ -25,7 +25,7 @@ from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
 from ..ops.dispatch import kernels_override
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import GraphRows, RowGraphs
 from .scheduler import ScheduledSlice
 from .step_payload import (
     ForwardInput,
@@ -41,6 +41,7 @@ from .step_payload import (
 @dataclass
 class RunnerStats:
     steps: int = 0
+    graph_steps: int = 0  # steps that replayed a captured CUDA graph
     tokens_computed: int = 0
     vision_items_encoded: int = 0  # media items that went through the vision encoder
     encoder_cache_hits: int = 0  # media items whose features came from the encoder cache
@@ -96,12 +97,12 @@ class ModelRunner:
         )
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
         self.stats = RunnerStats()
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: RowGraphs | None = None
         if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
             text = model.config.text
             compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
         if use_graphs:
-            self.graphs = DecodeGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len)
+            self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len)
             self.graphs.capture()
 
     def group_q_heads(self, text) -> int:
@@ -145,7 +146,7 @@ class ModelRunner:
             ]
             media, used = media_slices(pieces, [g[0].request for g in group])
             items.extend(used)
-            forwards.append(ForwardInput(pieces, media, graph=self._is_graph_decode(pieces)))
+            forwards.append(ForwardInput(pieces, media, graph=self._fits_graph(pieces, media)))
         return StepPayload(plan, forwards, media_work(items, self._is_encoder_cached))
 
     def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:
@@ -166,10 +167,11 @@ class ModelRunner:
     def _is_encoder_cached(self, digest: bytes) -> bool:
         return CacheKey(digest, "vision") in self.encoder_cache
 
-    def _is_graph_decode(self, pieces: list[PieceInput]) -> bool:
-        if self.graphs is None or any(p.end - p.start != 1 or p.pad or not p.sample for p in pieces):
+    def _fits_graph(self, pieces: list[PieceInput], media: list[MediaSlice]) -> bool:
+        """Decodes and short prefills without media tokens replay a captured graph as one-token rows."""
+        if self.graphs is None or media or any(p.pad for p in pieces):
             return False
-        return self.graphs.fits(len(pieces), max(p.end for p in pieces))
+        return self.graphs.fits(sum(p.end - p.start for p in pieces), max(p.end for p in pieces))
 
     # -- every rank: running the payload ---------------------------------------------------------
     @torch.inference_mode()
@@ -181,7 +183,7 @@ class ModelRunner:
         features = self._encode(payload.media) if payload.media else {}
         out = []
         for forward in payload.forwards:
-            logits = self._graph_decode(forward) if forward.graph else self._forward(forward, features)
+            logits = self._graph_step(forward) if forward.graph else self._forward(forward, features)
             if len(payload.forwards) == 1:
                 return logits
             if any(p.sample for p in forward.pieces):
@@ -214,19 +216,13 @@ class ModelRunner:
         self.stats.tokens_computed += offset
         return logits.float()
 
-    def _graph_decode(self, forward: ForwardInput) -> torch.Tensor:
+    def _graph_step(self, forward: ForwardInput) -> torch.Tensor:
         assert self.graphs is not None
-        size = self.page_size
-        pieces = forward.pieces
-        logits = self.graphs.run(
-            [p.token_ids[0] for p in pieces],
-            torch.cat([p.positions for p in pieces], dim=1),
-            [p.pages[p.start // size] * size + p.start % size for p in pieces],
-            [p.end for p in pieces],
-            [p.pages for p in pieces],
-        )
+        rows = GraphRows.from_pieces(forward.pieces, self.page_size)
+        logits = self.graphs.run(rows)
         self.stats.steps += 1
-        self.stats.tokens_computed += len(pieces)
+        self.stats.graph_steps += 1
+        self.stats.tokens_computed += rows.num_rows
         return logits
 
     # -- vision ----------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class MediaSlice:
 class ForwardInput:
     pieces: list[PieceInput]
     media: list[MediaSlice]
-    graph: bool = False  # a pure decode batch that replays a captured CUDA graph
+    graph: bool = False  # one-token rows (decodes, short prefills without media) replaying a captured CUDA graph
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""Steps as one-token rows (`engine/cuda_graphs.py`): what the CUDA graphs replay for decodes and for short
+prefills after a prefix hit. On the CPU the same rows run eagerly on the same static buffers, so these tests
+check the row construction (slots, per-row context lengths, positions, padding, which logits come back)
+against the packed forward through the paged pool, on the tiny checkpoint in fp32 with scaled-FP8 KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism.engine.cuda_graphs import GraphRows, RowGraphs
+from prism.engine.step_payload import PieceInput
+from prism.kv.fp8 import KVLayout, KVPool
+from prism.model.loading import load_model
+from prism.ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+PAGE = 4
+PAGES = 40
+SCRATCH = 32  # pages 32.. are the graphs' scratch; sequences use pages below
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(ensure_tiny_checkpoint(), dtype=torch.float32)
+
+
+def piece(token_ids, start, pages, sample=True) -> PieceInput:
+    end = start + len(token_ids)
+    positions = torch.arange(start, end, dtype=torch.int64).expand(3, -1).clone()
+    return PieceInput(list(token_ids), positions, start, end, 0, list(pages), sample)
+
+
+def packed_forward(model, pool, pieces):
+    """The eager packed step (`ModelRunner._forward`'s computation): logits of the sampling pieces' last rows."""
+    meta = PagedAttentionMetadata.build([p.end - p.start for p in pieces], [p.end for p in pieces],
+                                        [p.pages for p in pieces], PAGE)
+    rows, offset = [], 0
+    for p in pieces:
+        offset += p.end - p.start
+        if p.sample:
+            rows.append(offset - 1)
+    ids = torch.tensor([t for p in pieces for t in p.token_ids])
+    positions = torch.cat([p.positions for p in pieces], dim=1)
+    with torch.inference_mode():
+        return model(ids, positions, PagedKVBackend(pool, meta), logits_indices=torch.tensor(rows)).float()
+
+
+def snapshot(pool: KVPool):
+    return [t.clone() for t in (pool.payload, pool.scales)]
+
+
+def restore(pool: KVPool, saved) -> None:
+    pool.payload.copy_(saved[0])
+    pool.scales.copy_(saved[1])
+
+
+def setup(model):
+    text = model.config.text
+    layout = KVLayout(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, PAGE, PAGES, "fp8")
+    pool = KVPool.allocate(layout)
+    pool.payload.zero_()
+    pool.scales.zero_()
+    graphs = RowGraphs(model, pool, SCRATCH, max_batch=16, max_model_len=SCRATCH * PAGE)
+    graphs.capture()  # nothing on the CPU
+    gen = torch.Generator().manual_seed(0)
+    vocab = text.vocab_size
+
+    def tokens(n):
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    # Three sequences with cached prefixes on scattered pages: A (10 tokens), B (7), C (3).
+    a_pages, b_pages, c_pages = [3, 7, 11, 20], [1, 5], [9]
+    prefix = [piece(tokens(10), 0, a_pages), piece(tokens(7), 0, b_pages), piece(tokens(3), 0, c_pages)]
+    packed_forward(model, pool, prefix)
+    return pool, graphs, tokens, (a_pages, b_pages, c_pages)
+
+
+def test_a_question_after_a_prefix_as_rows_equals_the_packed_prefill(model):
+    pool, graphs, tokens, (a_pages, _, _) = setup(model)
+    question = [piece(tokens(5), 10, a_pages)]  # positions 10..14: crosses into page 20
+    saved = snapshot(pool)
+    expected = packed_forward(model, pool, question)
+    restore(pool, saved)
+    rows = GraphRows.from_pieces(question, PAGE)
+    assert rows.context_lens.tolist() == [11, 12, 13, 14, 15] and rows.sample_rows == [4]
+    assert rows.slots.tolist() == [11 * PAGE + 2, 11 * PAGE + 3, 20 * PAGE, 20 * PAGE + 1, 20 * PAGE + 2]
+    got = graphs.run(rows)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_decodes_and_a_prefill_in_one_padded_step(model):
+    pool, graphs, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    # B decodes one token, A adds 5 tokens without sampling (a chunk), C decodes: sampled rows 0 and 6,
+    # 7 rows in the bucket of 8 (one padding row).
+    step = [piece(tokens(1), 7, b_pages), piece(tokens(5), 10, a_pages, sample=False),
+            piece(tokens(1), 3, c_pages)]
+    saved = snapshot(pool)
+    expected = packed_forward(model, pool, step)
+    restore(pool, saved)
+    rows = GraphRows.from_pieces(step, PAGE)
+    assert rows.sample_rows == [0, 6] and rows.row_piece.tolist() == [0, 1, 1, 1, 1, 1, 2]
+    got = graphs.run(rows)
+    assert got.shape == expected.shape == (2, model.config.text.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # Outside the scratch pages, the KV the rows wrote is the KV the packed step wrote.
+    after_rows = snapshot(pool)
+    restore(pool, saved)
+    packed_forward(model, pool, step)
+    assert pool.scales.shape[2] == PAGES
+    torch.testing.assert_close(after_rows[1][:, :, :SCRATCH], pool.scales[:, :, :SCRATCH], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after_rows[0][:, :, :SCRATCH].view(torch.uint8).int(),
+                               pool.payload[:, :, :SCRATCH].view(torch.uint8).int(), rtol=0, atol=1)
+
+
+def test_rows_that_do_not_fit_are_refused(model):
+    pool, graphs, tokens, (a_pages, *_) = setup(model)
+    with pytest.raises(ValueError, match="do not fit"):
+        graphs.run(GraphRows.from_pieces([piece(tokens(17), 10, a_pages + [21, 22, 23])], PAGE))
+    padded = PieceInput([1], torch.zeros(3, 4, dtype=torch.int64), 0, 1, 3, [0], True)
+    with pytest.raises(ValueError, match="padded"):
+        GraphRows.from_pieces([padded], PAGE)
