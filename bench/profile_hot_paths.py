@@ -74,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
     parser.add_argument("--out", default="bench/results/profile")
+    parser.add_argument("--traces", action="store_true", help="also write Chrome traces (large)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,6 +118,20 @@ def main() -> None:
             f.write(line + "\n")
 
     counter = iter(range(10**6))
+    # Host side of a hot request, by Python function (the H200's host differs from the CPU machine's).
+    import cProfile
+    import io
+    import pstats
+
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    for _ in range(10):
+        inputs.prepare_chat(chat(hot, f"q {next(counter)}"))
+    prof_host.disable()
+    text = io.StringIO()
+    pstats.Stats(prof_host, stream=text).sort_stats("cumulative").print_stats(30)
+    (out / "prepare_chat_cprofile.txt").write_text(text.getvalue())
+    print(text.getvalue())
     timed("W2 prepare_chat (8 hot PIL images)", lambda: inputs.prepare_chat(chat(hot, f"q {next(counter)}")))
     prompts = [inputs.prepare_chat(chat(hot, f"new question {i}?")) for i in range(5)]
     it = iter(prompts)
@@ -132,7 +147,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
             fn()
             torch.cuda.synchronize()
-        prof.export_chrome_trace(str(out / f"{label}.json"))
+        if args.traces:
+            prof.export_chrome_trace(str(out / f"{label}.json"))
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=45)
         table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
         (out / f"{label}.txt").write_text(table + "\n\n" + table_gpu)

@@ -9,7 +9,7 @@ Owns: position ids equal to HF transformers 5.17 `Qwen3VLModel.get_rope_index` f
   p += max(h, w) // m (not counting t, exactly as HF);
 - rope_delta = max(all ids) + 1 - num_tokens; a token at sequence index i >= num_tokens (decode or
   continuation) gets id i + rope_delta on all three rows.
-Everything is vectorized over tokens (repeat_interleave / cumsum); the only Python-level work is per call.
+Everything is vectorized over tokens (repeat / cumsum); the only Python-level work is per call.
 """
 
 from __future__ import annotations
@@ -101,26 +101,29 @@ def mrope_positions_from_spans(
             )
 
     # Text token i sits at i + (sum over earlier runs of advance - length); a run starts at that shift too.
-    step = torch.maximum(h, w) // m - lengths
-    shift_at = torch.zeros(num_tokens + 1, dtype=torch.int64)
-    shift_at.index_add_(0, ends, step)
-    shift = torch.cumsum(shift_at, 0)[:num_tokens]
-    base = torch.arange(num_tokens, dtype=torch.int64) + shift
-    positions = base.unsqueeze(0).repeat(3, 1)
+    # NumPy from here: per-call tensors of a few thousand ints cost more in torch's CPU dispatch than in the math.
+    starts_np, lengths_np = starts.numpy(), lengths.numpy()
+    lw_np, lhw_np = lw.numpy(), (lh * lw).numpy()
+    step = (torch.maximum(h, w) // m - lengths).numpy()
+    shift_at = np.zeros(num_tokens + 1, dtype=np.int64)
+    np.add.at(shift_at, ends.numpy(), step)
+    shift = np.cumsum(shift_at)[:num_tokens]
+    base = np.arange(num_tokens, dtype=np.int64) + shift
+    positions_np = np.repeat(base[None, :], 3, axis=0)
 
-    if starts.numel():
-        run_pos = starts + shift[starts]  # position p where each run starts
-        run_of = torch.repeat_interleave(torch.arange(starts.numel()), lengths)
-        local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-            torch.cumsum(lengths, 0) - lengths, lengths
-        )
-        lw_tok, lhw_tok = lw[run_of], (lh * lw)[run_of]
-        idx = starts[run_of] + local
+    if starts_np.size:
+        run_pos = starts_np + shift[starts_np]  # position p where each run starts
+        run_of = np.repeat(np.arange(starts_np.size), lengths_np)
+        local = np.arange(int(lengths_np.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths_np) - lengths_np,
+                                                                            lengths_np)
+        lw_tok, lhw_tok = lw_np[run_of], lhw_np[run_of]
+        idx = starts_np[run_of] + local
         p0 = run_pos[run_of]
-        positions[0, idx] = p0 + local // lhw_tok
-        positions[1, idx] = p0 + (local % lhw_tok) // lw_tok
-        positions[2, idx] = p0 + local % lw_tok
-    rope_delta = int(positions.max()) + 1 - num_tokens
+        positions_np[0, idx] = p0 + local // lhw_tok
+        positions_np[1, idx] = p0 + (local % lhw_tok) // lw_tok
+        positions_np[2, idx] = p0 + local % lw_tok
+    positions = torch.from_numpy(positions_np)
+    rope_delta = int(positions_np.max()) + 1 - num_tokens
     return positions, rope_delta
 
 
