@@ -41,12 +41,15 @@ if HAVE_TRITON:
 
 _INDEX = torch.int64
 _LOG2E = 1.4426950408889634
-# Decode launch knobs: keys per tile, the most splits of one context, the fewest tokens worth a split, and
-# the programs a launch aims for.
+# Decode launch knobs (`bench/tune_decode_attention.py` sweeps them on the GPU): keys per tile, the most
+# splits of one context, the fewest tokens worth a split, the programs a launch aims for, warps per program
+# and the pipeline depth of the key loop.
 _BLOCK_N = 64
 _MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 64
 _TARGET_PROGRAMS = 4096
+_NUM_WARPS = 4
+_NUM_STAGES = 3  # Triton's default for CUDA launches
 
 
 # -------------------------------------------------------------------------------------------- metadata
@@ -278,13 +281,14 @@ if HAVE_TRITON:
     def _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+                     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
         """Online softmax of the query rows `q` (pre-scaled, log2 units) over keys [lo, hi) of one sequence's
         pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc)."""
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):  # the next tiles' loads overlap this one
             pos = n0 + tl.arange(0, BLOCK_N)
             pmask = pos < hi
             page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
@@ -332,7 +336,7 @@ if HAVE_TRITON:
                        H, HQ, GROUP, HEAD_DIM,
                        KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+                       PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
         # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
         # The GQA group's query heads are the rows of two tl.dot per key tile (padded to BLOCK_G >= 16).
         # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
@@ -357,7 +361,8 @@ if HAVE_TRITON:
         qpos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)  # the new token: it sees its whole context
         m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
-                                     BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE)
+                                     BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
+                                     NUM_STAGES)
         _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
                          stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -446,7 +451,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
             lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-            num_warps=4,
+            NUM_STAGES=_NUM_STAGES, num_warps=_NUM_WARPS,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(bsz, hq)](

@@ -82,7 +82,7 @@ if HAVE_TRITON:
                         part_acc_ptr, part_ml_ptr, H, HQ, GROUP, HEAD_DIM,
                         KIND: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
         # grid = (blocks, KV heads, splits). Row r of the tile is token r // GROUP of the block, query head
         # r % GROUP. With several splits, each takes a share of the block's keys (whole tiles) and writes a
         # partial softmax that `_decode_reduce_kernel` merges per (token, head).
@@ -113,7 +113,8 @@ if HAVE_TRITON:
         hi = tl.minimum(lo + split_len, end)
         m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE)
+                                     BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
+                                     NUM_STAGES)
         _store_attention(m_i, l_i, acc, q_rows, head, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
                          part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -166,7 +167,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
-            OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
+            OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=2,
             num_warps=4, num_stages=2,
         )
         if num_splits > 1:

@@ -1,0 +1,109 @@
+"""Sweep the decode-attention kernel's launch knobs on the GPU (not part of `nox -s bench`).
+
+8B shapes (32 query heads, 8 KV heads of 128), scaled-FP8 pages of 256 tokens, contexts of 1,700 tokens:
+- b1: one sequence (W3 batch 1);
+- rows16: 16 rows of ONE sequence at consecutive positions (a 16-token question after a prefix hit, run
+  as graph rows: W2);
+- b32: 32 sequences (W3 batch 32).
+For each case and each (keys per tile, pipeline stages, warps, splits) the kernel is captured 20 times in
+a CUDA graph and the replay timed, so launch overhead does not hide the kernel. Prints the best
+configurations per case and the current defaults' time; writes the table to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
+from prism.ops import paged_attention as pa  # noqa: E402
+from prism.ops.paged_attention import PagedAttentionMetadata, paged_decode_attention  # noqa: E402
+
+HQ, HKV, D, PAGE, CTX = 32, 8, 128, 256, 1700
+
+
+def case(name: str, pool: KVPool):
+    pages_per_seq = -(-CTX // PAGE)
+    if name == "b1":
+        tables, ctx = [list(range(pages_per_seq))], [CTX]
+    elif name == "rows16":
+        tables, ctx = [list(range(pages_per_seq))] * 16, [CTX - 15 + i for i in range(16)]
+    else:
+        tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(32)]
+        ctx = [CTX] * 32
+    n = len(ctx)
+    meta = PagedAttentionMetadata(
+        torch.arange(n + 1, device="cuda"), torch.tensor(ctx, device="cuda"),
+        torch.tensor(tables, device="cuda"), torch.arange(n, device="cuda"),
+        (1,) * n, (32768,) * n, PAGE, pool.layout.num_pages - 1)
+    q = torch.randn(n, HQ, D, dtype=torch.bfloat16, device="cuda")
+    return q, meta
+
+
+def time_config(q, pool, meta, splits: int) -> float:
+    def call():
+        paged_decode_attention(q, pool, 3, meta, num_splits=splits, use_triton=True)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / 100  # us per call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results/tune_decode_attention.txt")
+    args = parser.parse_args()
+    layout = KVLayout(36, HKV, D, PAGE, 32 * 7 + 8, "fp8")
+    pool = KVPool.allocate(layout, "cuda")
+    sign = torch.randint(0, 2, pool.payload.shape, device="cuda", dtype=torch.uint8) << 7
+    pool.payload.view(torch.uint8).copy_(torch.randint(0, 0x70, pool.payload.shape, device="cuda",
+                                                       dtype=torch.uint8) | sign)
+    pool.scales.uniform_(0.001, 0.01)
+    lines = []
+    defaults = (pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS)
+    for name in ("b1", "rows16", "b32"):
+        q, meta = case(name, pool)
+        default_splits = pa.decode_num_splits(len(meta.query_lens), HKV, 32768)
+        results = []
+        for block_n, stages, warps in itertools.product((32, 64, 128), (1, 3), (4, 8)):
+            pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS = block_n, stages, warps
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                try:
+                    us = time_config(q, pool, meta, splits)
+                except Exception as error:  # a configuration the compiler refuses (shared memory...)
+                    print(f"{name} {block_n} {stages} {warps} {splits}: {type(error).__name__}")
+                    continue
+                results.append((us, block_n, stages, warps, splits))
+        pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS = defaults
+        current = next(r for r in results if r[1:] == (*defaults, default_splits))
+        results.sort()
+        lines.append(f"== {name}: current defaults (BLOCK_N {defaults[0]}, stages {defaults[1]}, warps "
+                     f"{defaults[2]}, splits {default_splits}): {current[0]:.1f} us")
+        lines += [f"  {us:7.1f} us  BLOCK_N {bn:3d} stages {st} warps {w} splits {sp:2d}"
+                  for us, bn, st, w, sp in results[:12]]
+        print("\n".join(lines[-13:]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
