@@ -39,6 +39,8 @@ def case(name: str, pool: KVPool):
         tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(32)]
         ctx = [CTX] * 32
     n = len(ctx)
+    width = 32768 // PAGE  # the graphs' host facts: every row may reach the longest context
+    tables = [t + [0] * (width - len(t)) for t in tables]
     meta = PagedAttentionMetadata(
         torch.arange(n + 1, device="cuda"), torch.tensor(ctx, device="cuda"),
         torch.tensor(tables, device="cuda"), torch.arange(n, device="cuda"),
