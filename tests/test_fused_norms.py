@@ -81,3 +81,17 @@ def test_cpu_default_is_the_reference_exactly():
     got = fn.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
     want = fn.qk_norm_rope_reference(q, k, qw, kw, 1e-6, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_kernel_matches_reference(dtype):
+    g = torch.Generator().manual_seed(5)
+    x, r = ((torch.randn(6, 96, generator=g) * 3).to(DEV, dtype) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(DEV, dtype)
+    got_norm, got_sum = fn.add_rms_norm(x, r, w, 1e-6, use_triton=True)
+    want_norm, want_sum = fn.add_rms_norm_reference(x, r, w, 1e-6)
+    assert torch.equal(got_sum, want_sum), "the residual sum is one rounding of x + r, exactly"
+    torch.testing.assert_close(got_norm.float(), want_norm.float(), atol=TOL[dtype] * 8, rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="differ"):
+        fn.add_rms_norm(x, r[:3], w, 1e-6)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.fused_norms import add_rms_norm, qk_norm_rope, rms_norm, rotate_half, silu_and_mul
 from ..ops.fused_norms import apply_rope_reference as apply_rope
-from ..ops.fused_norms import qk_norm_rope, rms_norm, rotate_half, silu_and_mul
 from .attention import AttentionBackend
 from .config import TextConfig
 
@@ -115,9 +115,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = TextMLP(cfg)
 
-    def forward(self, x, cos, sin, backend: AttentionBackend, layer_idx: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual: torch.Tensor, pending: torch.Tensor | None, cos, sin, backend: AttentionBackend,
+                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the residual stream. `pending` is the previous layer's MLP output not yet added to
+        `residual` (None when there is none): every residual add runs fused into the norm that reads its sum,
+        with the same roundings as HF's separate add. Returns (residual, this layer's MLP output, pending)."""
+        attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
+        if pending is None:
+            normed = attn_norm(residual)
+        else:
+            normed, residual = add_rms_norm(pending, residual, attn_norm.weight, attn_norm.eps)
+        attn = self.self_attn(normed, cos, sin, backend, layer_idx)
+        normed, residual = add_rms_norm(attn, residual, mlp_norm.weight, mlp_norm.eps)
+        return residual, self.mlp(normed)
 
 
 @dataclass(frozen=True)
@@ -160,10 +170,13 @@ class TextDecoder(nn.Module):
             if deepstack.features.shape[1] != deepstack.token_index.shape[0]:
                 raise ValueError("DeepStack features and token_index disagree on the number of visual tokens")
         cos, sin = self.rope.cos_sin(positions, inputs_embeds.dtype)
-        h = inputs_embeds
+        residual, pending = inputs_embeds, None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, backend, i)
-            if i < num_ds:
+            residual, pending = layer(residual, pending, cos, sin, backend, i)
+            if i < num_ds:  # DeepStack adds to the layer's full output: materialize it
                 assert deepstack is not None
-                h = h.index_add(0, deepstack.token_index, deepstack.features[i].to(h.dtype))
-        return self.norm(h)
+                h = residual + pending
+                residual, pending = h.index_add(0, deepstack.token_index, deepstack.features[i].to(h.dtype)), None
+        if pending is None:
+            return self.norm(residual)
+        return add_rms_norm(pending, residual, self.norm.weight, self.norm.eps)[0]

@@ -1,4 +1,5 @@
-"""Fused element-wise ops of the text decoder: RMSNorm, per-head Q/K RMSNorm + M-RoPE, SiLU-and-mul.
+"""Fused element-wise ops of the text decoder: RMSNorm, residual add + RMSNorm, per-head Q/K RMSNorm +
+M-RoPE, SiLU-and-mul.
 
 Owns: doing each op in ONE launch on CUDA with the same arithmetic, rounding step by rounding step, as
 the torch reference beside it (which is HF's op order: RMSNorm in fp32, cast, then times the weight in the
@@ -30,6 +31,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's `residual + x` (rounded to the activation dtype), then RMSNorm of that sum: (normed, sum)."""
+    summed = residual + x
+    return rms_norm_reference(summed, weight, eps), summed
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +75,11 @@ if HAVE_TRITON:
     @triton.jit
     def _normed_row(x_ptr, w_ptr, cols, mask, D, eps, DTYPE: tl.constexpr):
         x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        return _normed(x, w_ptr, cols, mask, D, eps, DTYPE)
+
+    @triton.jit
+    def _normed(x, w_ptr, cols, mask, D, eps, DTYPE: tl.constexpr):
+        """RMSNorm of one row already in registers (fp32 holding activation-dtype values)."""
         var = tl.sum(x * x, axis=0) / D
         h = _round(x / tl.sqrt_rn(var + eps), DTYPE)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -79,6 +92,19 @@ if HAVE_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         y = _normed_row(x_ptr + row * stride_x, w_ptr, cols, mask, D, eps, DTYPE)
+        tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, D,
+                             eps, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = _round(x + r, DTYPE)  # the norm sees the rounded sum, as the reference does
+        tl.store(sum_ptr + row * stride_s + cols, summed.to(DTYPE), mask=mask)
+        y = _normed(summed, w_ptr, cols, mask, D, eps, DTYPE)
         tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
 
     @triton.jit
@@ -157,6 +183,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: b
                                            DTYPE=_TL_DTYPE[x.dtype], BLOCK=block,
                                            num_warps=max(1, min(16, block // 256)))
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x) over the last dim; one launch on CUDA instead of an add kernel
+    and a norm kernel (two per decoder layer, each a node of the decode graph)."""
+    if x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    if not _want_triton(x.device, use_triton) or x.numel() == 0:
+        return add_rms_norm_reference(x, residual, weight, eps)
+    xs, rs = _rows(x), _rows(residual)
+    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    d = xs.shape[1]
+    block = triton.next_power_of_2(d)
+    with device_context(x.device):
+        _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, summed, xs.stride(0), rs.stride(0),
+                                             out.stride(0), summed.stride(0), d, eps,
+                                             DTYPE=_TL_DTYPE[x.dtype], BLOCK=block,
+                                             num_warps=max(1, min(16, block // 256)))
+    return out.view(x.shape), summed.view(x.shape)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,

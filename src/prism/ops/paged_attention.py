@@ -44,12 +44,15 @@ _LOG2E = 1.4426950408889634
 # Decode launch knobs (`bench/tune_decode_attention.py` sweeps them on the GPU): keys per tile, the most
 # splits of one context, the fewest tokens worth a split, the programs a launch aims for, warps per program
 # and the pipeline depth of the key loop.
-_BLOCK_N = 64
+# H200 sweep (2026-11-29, contexts of 1,700 tokens, bench/RESULTS.md): the kernel is latency-bound per tile
+# (a page lookup, then dependent K and V loads), so few programs walking many large tiles beat many short
+# splits: batch 1 11.0 -> 7.0 us, 16 rows of one sequence 78 -> 28 us, batch 32 121 -> 67 us per layer.
+_BLOCK_N = 128
 _MAX_SPLITS = 64
-_MIN_SPLIT_TOKENS = 64
-_TARGET_PROGRAMS = 4096
+_MIN_SPLIT_TOKENS = 128
+_TARGET_PROGRAMS = 192
 _NUM_WARPS = 4
-_NUM_STAGES = 3  # Triton's default for CUDA launches
+_NUM_STAGES = 1  # software pipelining did not help: each tile's addresses wait on its page lookup
 
 
 # -------------------------------------------------------------------------------------------- metadata
