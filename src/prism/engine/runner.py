@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..distributed.encoder_dp import encode_media_items
@@ -52,6 +53,9 @@ def token_positions(request, start: int, end: int) -> torch.Tensor:
     continued with the rope delta for generated tokens."""
     prompt = request.prompt
     n_prompt = len(prompt.token_ids)
+    if start >= n_prompt:  # every decode step of every sequence: NumPy, no torch dispatch per call
+        row = np.arange(start + prompt.rope_delta, end + prompt.rope_delta, dtype=np.int64)
+        return torch.from_numpy(np.repeat(row[None, :], 3, axis=0))
     out = torch.empty(3, end - start, dtype=torch.int64)
     split = min(max(start, n_prompt), end)
     if split > start:
