@@ -92,9 +92,17 @@ def main() -> None:
     inputs = llm.engine.inputs
     one_token = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
 
-    def ttft(messages) -> float:
-        prompt = inputs.prepare_chat(messages)  # preprocessing is part of TTFT in-process
-        return cuda_time(lambda: llm.generate([prompt], one_token))
+    def ttft(messages) -> tuple[float, float]:
+        """(TTFT from the raw messages, including input preparation as a caller of the engine pays it; the
+        engine's part alone, from the prepared prompt to the first token)."""
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        prompt = inputs.prepare_chat(messages)
+        prepared = time.perf_counter()
+        llm.generate([prompt], one_token)
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        return end - start, end - prepared
 
     # warm up kernels and allocations
     ttft(chat(random_images([(448, 448)] * 8, seed=999), "warm up"))
@@ -102,15 +110,10 @@ def main() -> None:
     hot_images = random_images([(448, 448)] * 8, seed=7)
     ttft(chat(hot_images, "First question about these pictures."))
     hot = [ttft(chat(hot_images, f"New question number {i}: which picture is brightest?")) for i in range(reps)]
-    w["W1_prism_fp8"] = summary(cold)
-    w["W2_prism_fp8"] = summary(hot)
-    # Where W2's time goes: the host-side preparation (hashing 8 PIL images to find them) vs the engine.
-    prep = []
-    for i in range(reps):
-        t = time.perf_counter()
-        inputs.prepare_chat(chat(hot_images, f"Preparation only {i}?"))
-        prep.append(time.perf_counter() - t)
-    w["W2_prism_fp8_prepare_chat"] = summary(prep)
+    w["W1_prism_fp8"] = summary([total for total, _ in cold])
+    w["W1_prism_fp8_engine_only"] = summary([engine for _, engine in cold])
+    w["W2_prism_fp8"] = summary([total for total, _ in hot])
+    w["W2_prism_fp8_engine_only"] = summary([engine for _, engine in hot])
 
     def tpot(llm_, batch: int, tokens: int = 128) -> float:
         prompts = [inputs.prepare_chat(chat(hot_images, f"Decode test {batch}-{i}")) for i in range(batch)]
@@ -146,7 +149,13 @@ def main() -> None:
             return hf.generate(**hf_inputs(prompt), generation_config=gc)
 
     def hf_ttft(messages) -> float:
-        return cuda_time(lambda: hf_generate(inputs.prepare_chat(messages), 1))
+        """HF's TTFT from the raw messages (the same input preparation, then one generated token)."""
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        prompt = inputs.prepare_chat(messages)
+        hf_generate(prompt, 1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
 
     hf_ttft(chat(random_images([(448, 448)] * 8, seed=999), "warm up"))
     hf_cold = [hf_ttft(chat(random_images([(448, 448)] * 8, seed=100 + i), "Describe every picture.")) for i in range(reps)]
@@ -173,8 +182,8 @@ def markdown(r: dict) -> str:
         "",
         "| workload | Prism (FP8 KV) | HF transformers | target |",
         "|---|---:|---:|---:|",
-        f"| W1 cold 8 images TTFT, median ms | {w['W1_prism_fp8']['median_ms']:.1f} | {w['W1_hf']['median_ms']:.1f} | <= 60 |",
-        f"| W2 same images + new question TTFT, median ms | {w['W2_prism_fp8']['median_ms']:.1f} (of which preparing the 8 PIL images {w['W2_prism_fp8_prepare_chat']['median_ms']:.1f}) | {w['W2_hf']['median_ms']:.1f} | <= 10 |",
+        f"| W1 cold 8 images TTFT incl. input preparation, median ms | {w['W1_prism_fp8']['median_ms']:.1f} (engine alone {w['W1_prism_fp8_engine_only']['median_ms']:.1f}) | {w['W1_hf']['median_ms']:.1f} | <= 60 |",
+        f"| W2 same images + new question TTFT incl. input preparation, median ms | {w['W2_prism_fp8']['median_ms']:.1f} (engine alone {w['W2_prism_fp8_engine_only']['median_ms']:.1f}) | {w['W2_hf']['median_ms']:.1f} | <= 10 |",
         f"| W3 batch-1 decode step, ms | {w['W3_prism_fp8_batch1_step_ms']:.2f} (BF16 KV {w['W3_prism_bf16_batch1_step_ms']:.2f}) | {w['W3_hf_batch1_step_ms']:.2f} | <= 4.0 |",
         f"| W3 batch-8 decode step, ms | {w['W3_prism_fp8_batch8_step_ms']:.2f} | | |",
         f"| W3 batch-32 decode step, ms | {w['W3_prism_fp8_batch32_step_ms']:.2f} | | <= 1.3x batch 1 |",

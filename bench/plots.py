@@ -35,7 +35,7 @@ def plot_engine(stem: str, r: dict) -> list[Path]:
     ax.bar([i + 0.2 for i in x], hf, 0.4, label="HF transformers")
     ax.scatter(list(x), [60, 10], marker="_", s=600, color="black", label="target", zorder=3)
     ax.set_xticks(list(x), names)
-    ax.set_ylabel("TTFT, median ms")
+    ax.set_ylabel("TTFT, median ms" if "ttft_scope" not in r else "TTFT without input preparation, median ms")
     ax.set_title(f"8 images 448x448, {r['gpu']}")
     ax.legend()
     fig.tight_layout()
