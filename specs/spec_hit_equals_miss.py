@@ -44,8 +44,8 @@ def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tens
     execute = llm.engine.runner.execute
     rows: list[torch.Tensor] = []
 
-    def capture(slices, kv):
-        logits = execute(slices, kv)
+    def capture(slices, kv, *rest):
+        logits = execute(slices, kv, *rest)
         rows.extend(logits[i].clone() for i, _ in enumerate([s for s in slices if s.sample]))
         return logits
 

@@ -185,6 +185,21 @@ def test_swapped_request_keeping_shared_pages_is_caught(monkeypatch: pytest.Monk
                 "no progress")
 
 
+def test_encoding_ahead_without_its_once_flag_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoding ahead must hold a request back once: without the flag, an encoder cache that evicted the
+    features before admission holds it back again at every step while others decode (TTFT unbounded)."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    def ahead_every_time(self, request, hit_tokens):
+        if not self.config.encode_media_ahead or not self._decoding or self.is_media_encoded is None:
+            return []
+        return [m for m in request.prompt.media if not self.is_media_encoded(m.digest)]
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_media_to_encode_ahead", ahead_every_time)
+    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool, "held back twice")
+
+
 def test_each_rank_using_its_own_page_count_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Historical: every TP rank sized its KV pool from its own free memory, so page ids rank 0 handed out
     pointed past a smaller rank's pool (divergent KV), and a rank without room left the others hanging."""

@@ -5,7 +5,9 @@ preemption, and random cancels. The step loop stands in for the engine's commit 
 be (a computed slice is published; a slice that reaches the end samples a token). Checked:
 - every accepted request reaches exactly one terminal state, within a step bound once arrivals stop;
 - no chunk ever cuts a visual span, and a running request is only ever preempted by an older one;
-- the KV manager's accounting is exact after every step, and nothing leaks at the end.
+- the KV manager's accounting is exact after every step, and nothing leaks at the end;
+- with encoding ahead (`encode_media_ahead`, over a stand-in encoder cache that may forget everything after
+  every step), a request is held back to have its media encoded at most once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ class FakePrompt:
     def kv_content(self) -> SeqContent:
         return SeqContent(list(self.token_ids), self.spans)
 
+    @property
+    def media(self) -> list[FakeMedia]:
+        """One media item per span (what encoding ahead reads: digest and token spans)."""
+        return [FakeMedia(span.digest, ((span.start, span.length),)) for span in self.spans]
+
+
+@dataclass(frozen=True)
+class FakeMedia:
+    digest: bytes
+    spans: tuple[tuple[int, int], ...]
+
 
 @st.composite
 def prompts(draw) -> FakePrompt:
@@ -48,12 +61,15 @@ def prompts(draw) -> FakePrompt:
 
 
 def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int,
-        interleave: int | None = None) -> dict:
+        interleave: int | None = None, encode_ahead: bool = False, forgetful_encoder: bool = False) -> dict:
     config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
                           preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget,
-                          interleave_prefill_tokens=interleave)
+                          interleave_prefill_tokens=interleave, encode_media_ahead=encode_ahead)
     kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages)
     scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
+    encoded: set[bytes] = set()  # the stand-in encoder cache
+    scheduler.is_media_encoded = encoded.__contains__
+    held_back: dict[str, int] = {}
     live: dict[str, Request] = {}
     terminal: dict[str, int] = {}
     pending = list(zip(arrivals, requests, strict=True))
@@ -84,6 +100,13 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
             assert victim.priority > preemptor.priority, "a request was preempted by a younger one"
         for request, _reason in out.failed:
             finish(request, FinishReason.ERROR)
+        if out.media_ahead:  # the head of the queue was held back while its media are encoded
+            head = scheduler.waiting[0]
+            assert {m.digest for m in out.media_ahead} <= {m.digest for m in head.prompt.media}
+            held_back[head.request_id] = held_back.get(head.request_id, 0) + 1
+            assert held_back[head.request_id] == 1, "a request was held back twice to encode its media ahead"
+        encoded.update(m.digest for m in out.media_ahead)
+        encoded.update(m.digest for s in out.slices for m in s.request.prompt.media)
         plan = kv.take_plan()
         for s in out.slices:
             content = scheduler.content_of(s.request)
@@ -101,6 +124,8 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
             else:
                 kv.append_tokens(request.request_id, [1])
         kv.check_invariants()
+        if forgetful_encoder:
+            encoded.clear()
         step += 1
     assert all(count == 1 for count in terminal.values()), "a request reached two terminal states"
     assert not kv.seqs
@@ -118,12 +143,14 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     pool_pages=st.integers(8, 16),
     budget=st.integers(12, 24),
     interleave=st.one_of(st.none(), st.integers(1, 12)),
+    encode_ahead=st.booleans(),
+    forgetful_encoder=st.booleans(),
 )
 def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, pool_pages, budget,
-                                                   interleave) -> None:
+                                                   interleave, encode_ahead, forgetful_encoder) -> None:
     arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
     cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
-    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave)
+    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, encode_ahead, forgetful_encoder)
 
 
 # The counterexample this spec found: a 15-token prompt leaves its pages cached; a 29-token prompt on an

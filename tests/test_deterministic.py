@@ -32,8 +32,8 @@ def run_with(companions: int, *, deterministic: bool, warm: bool = False, seed: 
     captured: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def capture(slices, kv):
-        logits = execute(slices, kv)
+    def capture(slices, kv, *rest):
+        logits = execute(slices, kv, *rest)
         rows = [s for s in slices if s.sample]
         for row, s in enumerate(rows):
             if s.request.request_id == "target":

@@ -194,9 +194,9 @@ def test_interleaving_bounds_prefill_chunks_while_decoding_and_changes_no_token(
         seen: list[tuple[str, int, int]] = []
         execute = llm.engine.runner.execute
 
-        def recording(slices, kv):
+        def recording(slices, kv, *rest):
             seen.extend((s.request.request_id, s.start, s.end) for s in slices)
-            return execute(slices, kv)
+            return execute(slices, kv, *rest)
 
         llm.engine.runner.execute = recording
         engine = llm.engine

@@ -30,8 +30,8 @@ def target_logits(ckpt, *, deterministic: bool, companions: int, warm: bool) -> 
     captured = []
     execute = engine.runner.execute
 
-    def capture(slices, kv):
-        logits = execute(slices, kv)
+    def capture(slices, kv, *rest):
+        logits = execute(slices, kv, *rest)
         for row, s in enumerate([s for s in slices if s.sample]):
             if s.request.request_id == "target":
                 captured.append(logits[row].clone())

@@ -40,6 +40,10 @@ class EngineConfig:
     # per step, so the decoders' inter-token gap stays short; a visual span larger than this still goes
     # whole (spans are never cut). None: a prefill takes whatever the step's token budget leaves.
     interleave_prefill_tokens: int | None = None
+    # While some requests are decoding, a new request's uncached media are encoded in the step before its
+    # prefill (riding along the decodes) instead of in the prefill's step: the decoders' longest gap is then
+    # the longer of the two, not their sum. Costs the new request about one decode step of TTFT.
+    encode_media_ahead: bool = True
     enable_prefix_cache: bool = True
     preemption: Preemption = "recompute"
     dtype: str = "auto"  # model weights/activations: auto = bfloat16 on CUDA, float32 on CPU

@@ -79,6 +79,7 @@ class Engine:
             page_aligned_hits=self.config.deterministic,
         )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
+        self.scheduler.is_media_encoded = self.runner.is_encoder_cached
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -155,7 +156,7 @@ class Engine:
                 if s.request.times.first_scheduled is None:
                     s.request.times.first_scheduled = now
             try:
-                logits = self.runner.execute(out.slices, self.kv)
+                logits = self.runner.execute(out.slices, self.kv, out.media_ahead)
             except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
                 if self._followers is not None:  # ... unless the ranks may now disagree: then stop every rank
                     failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)

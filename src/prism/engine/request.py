@@ -107,6 +107,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.media_encoded_ahead = False  # its media were sent to the encoder one step before admission
         self.num_preemptions = 0
         self.times = RequestTimes()
         # A readout request ends at its last prompt position with probabilities over these token ids.

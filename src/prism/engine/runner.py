@@ -10,7 +10,7 @@ Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,11 +114,12 @@ class ModelRunner:
         return text.num_attention_heads * self.layout.num_kv_heads // text.num_key_value_heads
 
     @torch.inference_mode()
-    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager) -> torch.Tensor:
-        """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices."""
+    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence = ()) -> torch.Tensor:
+        """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices.
+        `media_ahead`: media items to encode into the encoder cache this step for a prefill of the next one."""
         plan = kv.take_plan()
         try:
-            payload = self.prepare(plan, slices, kv)
+            payload = self.prepare(plan, slices, kv, media_ahead)
             if self.publish is not None:
                 self.publish(payload)
             return self.run(payload)
@@ -126,8 +127,10 @@ class ModelRunner:
             kv.finish_plan(plan)
 
     # -- rank 0: building the payload ------------------------------------------------------------
-    def prepare(self, plan: TransferPlan, slices: list[ScheduledSlice], kv: KVCacheManager) -> StepPayload:
-        """The step as data: the plan, the forwards (one, or one per deterministic tile) and the media work."""
+    def prepare(self, plan: TransferPlan, slices: list[ScheduledSlice], kv: KVCacheManager,
+                media_ahead: Sequence = ()) -> StepPayload:
+        """The step as data: the plan, the forwards (one, or one per deterministic tile) and the media work
+        (what the forwards read, then the items encoded ahead)."""
         if not slices:
             return StepPayload(plan, [], [])
         if self.deterministic:
@@ -151,7 +154,8 @@ class ModelRunner:
             media, used = media_slices(pieces, [g[0].request for g in group])
             items.extend(used)
             forwards.append(ForwardInput(pieces, media, graph=self._fits_graph(pieces, media)))
-        return StepPayload(plan, forwards, media_work(items, self._is_encoder_cached))
+        items.extend(media_ahead)  # media_work keeps one entry per digest, the forwards' first
+        return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached))
 
     def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:
         """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
@@ -168,7 +172,7 @@ class ModelRunner:
                 tile_start += size
         return tiles
 
-    def _is_encoder_cached(self, digest: bytes) -> bool:
+    def is_encoder_cached(self, digest: bytes) -> bool:
         return CacheKey(digest, "vision") in self.encoder_cache
 
     def _fits_graph(self, pieces: list[PieceInput], media: list[MediaSlice]) -> bool:

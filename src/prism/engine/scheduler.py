@@ -9,12 +9,16 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
 - Waiting requests are admitted through the KV manager's exact capacity check (prefix hit included),
   up to `max_num_seqs` and the step's token budget. A chunk never cuts a visual span: its end snaps
   down to the span start; a span larger than the whole budget is rejected with a reason.
+- Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
+  yet has them encoded in this step (`media_ahead`) and is admitted in the next one, once: the decoders wait
+  for the vision encoder and the prefill in two steps, never in one.
 Nothing here touches tensors: the result is a list of slices plus the KV manager's transfer plan.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..kv.content import SeqContent
@@ -43,6 +47,7 @@ class SchedulerOutput:
     slices: list[ScheduledSlice] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)  # can never be scheduled, and why
     preempted: list[tuple[Request, Request]] = field(default_factory=list)  # (victim, the request it made room for)
+    media_ahead: list = field(default_factory=list)  # PreparedMedia to encode this step for a request admitted next
 
 
 def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
@@ -61,6 +66,9 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.num_preemptions = 0
         self._decoding = False  # some running request has produced a token (set by each schedule)
+        # Whether a media item's features are in the encoder cache (the engine sets the runner's); None: no
+        # encoding ahead.
+        self.is_media_encoded: Callable[[bytes], bool] | None = None
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -120,6 +128,11 @@ class Scheduler:
                     out.failed.append((request, self._unschedulable_reason(content, hit.num_tokens)))
                     continue
                 break
+            ahead = self._media_to_encode_ahead(request, hit.num_tokens)
+            if ahead:
+                request.media_encoded_ahead = True
+                out.media_ahead.extend(ahead)
+                break  # admitted next step, its features ready; FCFS: nobody overtakes it meanwhile
             admitted = self._admit(request, content, budget, hit.num_tokens)
             if admitted is None:
                 break  # wait for running requests to finish or be preempted
@@ -135,6 +148,17 @@ class Scheduler:
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _media_to_encode_ahead(self, request: Request, hit_tokens: int) -> list:
+        """The media items of `request` its prefill will read (tokens past the prefix hit) and the encoder has
+        not seen, when they should be encoded a step early: others are decoding, and this request was not
+        already given its step ahead (once: if the features are evicted meanwhile, the prefill encodes them)."""
+        if (not self.config.encode_media_ahead or not self._decoding or request.media_encoded_ahead
+                or self.is_media_encoded is None):
+            return []
+        return [item for item in request.prompt.media
+                if any(start + length > hit_tokens for start, length in item.spans)
+                and not self.is_media_encoded(item.digest)]
+
     def content_of(self, request: Request) -> SeqContent:
         prompt = request.prompt.kv_content()
         return SeqContent(prompt.tokens + request.output_token_ids, prompt.media)

@@ -1,0 +1,85 @@
+"""Encoding media ahead (`EngineConfig.encode_media_ahead`, on by default): while other requests decode, a new
+request's uncached images are encoded in one step and its prefill runs in the next, so the decoders never wait
+for the vision encoder and the prefill in the same step. Real engine, tiny checkpoint, CPU."""
+
+from __future__ import annotations
+
+from prism.engine.llm import LLM
+from prism.engine.request import RequestState
+from prism.engine.sampling import SamplingParams
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.hf_reference import random_images
+
+IMAGES = random_images([(64, 64), (48, 80)], seed=11)
+GREEDY = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+
+
+def cold_request():
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in IMAGES),
+                                         {"type": "text", "text": "What do you see?"}]}]
+
+
+def engine(**overrides):
+    return LLM(ensure_tiny_checkpoint(), page_size=8, num_gpu_pages=256, check_invariants=True, **overrides).engine
+
+
+def run_until_done(eng, requests) -> dict[str, list[int]]:
+    """Step to the end; the generated tokens of `requests`."""
+    while eng.has_unfinished_requests():
+        eng.step()
+    return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def inject_cold_into_decodes(eng):
+    """Two text requests decoding, then the cold 2-image request arrives: returns (every request, the cold
+    request's state after the first step after its arrival, the images that step encoded, and the next one)."""
+    texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
+                             SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
+    for _ in range(3):
+        eng.step()
+    cold = eng.add_request("cold", cold_request(), GREEDY)
+    stats = eng.runner.stats
+    before = stats.vision_items_encoded
+    eng.step()
+    first = stats.vision_items_encoded - before
+    state_after_first = cold.state
+    eng.step()
+    second = stats.vision_items_encoded - before - first
+    return [*texts, cold], state_after_first, first, second
+
+
+def test_a_cold_request_among_decodes_has_its_images_encoded_one_step_before_its_prefill():
+    eng = engine()
+    requests, state_after_first, first, second = inject_cold_into_decodes(eng)
+    cold = requests[-1]
+    assert state_after_first is RequestState.WAITING, "the request must wait one step while its images encode"
+    assert first == len(IMAGES), "both images are encoded in the step after the arrival"
+    assert cold.state is RequestState.RUNNING and second == 0, "the prefill then reads the encoder cache"
+    assert eng.runner.stats.encoder_cache_hits >= len(IMAGES)
+    ahead = run_until_done(eng, requests)
+    assert len(ahead["cold"]) == GREEDY.max_tokens
+
+    plain = engine(encode_media_ahead=False)
+    requests_plain, state_plain, first_plain, _ = inject_cold_into_decodes(plain)
+    assert state_plain is RequestState.RUNNING and first_plain == len(IMAGES), "off: encoded in the prefill's step"
+    assert run_until_done(plain, requests_plain) == ahead, "encoding ahead changes when the features are computed, not the tokens"
+
+
+def test_nothing_waits_when_nobody_decodes():
+    eng = engine()
+    cold = eng.add_request("cold", cold_request(), GREEDY)
+    eng.step()
+    assert cold.state is RequestState.RUNNING and cold.output_token_ids, "alone, the request is prefilled at once"
+    assert not cold.media_encoded_ahead
+
+
+def test_images_already_encoded_are_not_held_back():
+    eng = engine()
+    run_until_done(eng, [eng.add_request("warm", cold_request(), GREEDY)])
+    for i in range(2):
+        eng.add_request(f"text{i}", f"Count to ten, number {i}.", SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    again = eng.add_request("again", cold_request(), GREEDY)
+    eng.step()
+    assert again.state is RequestState.RUNNING and not again.media_encoded_ahead
