@@ -120,3 +120,21 @@ def test_rows_that_do_not_fit_are_refused(model):
     padded = PieceInput([1], torch.zeros(3, 4, dtype=torch.int64), 0, 1, 3, [0], True)
     with pytest.raises(ValueError, match="padded"):
         GraphRows.from_pieces([padded], PAGE)
+
+
+def test_prefills_that_would_reread_long_contexts_stay_eager(model, monkeypatch):
+    """As rows, each prefill token reads its whole context alone: past a budget of key reads the step runs
+    eagerly (the prefill kernel shares key tiles); decode rows are never refused for it."""
+    from types import SimpleNamespace
+
+    from prism.engine import runner
+
+    pool, graphs, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    fake = SimpleNamespace(graphs=graphs)
+    question = [piece(tokens(5), 10, a_pages)]  # 5 tokens x context 15 = 75 key reads
+    decodes = [piece(tokens(1), 7, b_pages), piece(tokens(1), 3, c_pages)]
+    assert runner.ModelRunner._fits_graph(fake, question + decodes, [])
+    monkeypatch.setattr(runner, "MAX_GRAPH_PREFILL_KEY_READS", 74)
+    assert not runner.ModelRunner._fits_graph(fake, question + decodes, [])
+    assert runner.ModelRunner._fits_graph(fake, decodes, [])
+    assert not runner.ModelRunner._fits_graph(fake, decodes, ["a media slice"]), "media tokens never run as rows"

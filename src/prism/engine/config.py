@@ -51,8 +51,8 @@ class EngineConfig:
     encoder_cache_bytes: int = 256 * 2**20
     preprocess_cache_bytes: int = 256 * 2**20
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
-    cuda_graphs: bool = True  # decode steps replay captured CUDA graphs (CUDA only)
-    cuda_graph_max_batch: int = 32  # larger decode batches run eagerly
+    cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
+    cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
     # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
     deterministic: bool = False

@@ -38,6 +38,9 @@ from .step_payload import (
     media_work,
 )
 
+# Prefill tokens x their context lengths that a graph step may take as rows: a 64-row decode at 2K contexts.
+MAX_GRAPH_PREFILL_KEY_READS = 64 * 2048
+
 
 @dataclass
 class RunnerStats:
@@ -176,8 +179,13 @@ class ModelRunner:
         return CacheKey(digest, "vision") in self.encoder_cache
 
     def _fits_graph(self, pieces: list[PieceInput], media: list[MediaSlice]) -> bool:
-        """Decodes and short prefills without media tokens replay a captured graph as one-token rows."""
+        """Decodes and short prefills without media tokens replay a captured graph as one-token rows. As rows,
+        each prefill token reads its whole context on its own (the prefill kernel shares each key tile among
+        a block of tokens), so prefills go to the graphs only while that re-reading stays small."""
         if self.graphs is None or media or any(p.pad for p in pieces):
+            return False
+        prefill_key_reads = sum((p.end - p.start) * p.end for p in pieces if p.end - p.start > 1)
+        if prefill_key_reads > MAX_GRAPH_PREFILL_KEY_READS:
             return False
         return self.graphs.fits(sum(p.end - p.start for p in pieces), max(p.end for p in pieces))
 
