@@ -4,7 +4,9 @@ Owns the device state (model, KV pools, encoder cache) and the *hit == miss* pro
 (invariant 11): every step's attention reads K/V back through the paged (possibly FP8) cache, also for
 the tokens written in that step, so a prefix that was computed earlier (a hit) and one computed now (a
 miss) are read identically. Vision runs only for media items whose tokens are computed this step and
-whose features are not in the encoder cache; a full prefix hit runs no vision at all.
+whose features are not in the encoder cache (or that the scheduler sends ahead of their prefill); a full
+prefix hit runs no vision at all. Decodes and short prefills without media replay a CUDA graph as one-token
+rows (`cuda_graphs.py`); other steps run one packed eager forward.
 Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), with one rank or several.
 """
 
