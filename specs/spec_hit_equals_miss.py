@@ -2,7 +2,8 @@
 the cache off, on the real engine (tiny checkpoint, fp32, scaled-FP8 KV, CPU).
 
 Drawn: which images the prompts share, their questions, the page size and the token budget (so prefixes hit at
-page boundaries, inside pages with a tail copy, or not at all, and misses are chunked differently). The prompts
+page boundaries, inside pages with a tail copy, or not at all, and misses are chunked differently), and whether
+decodes and short prefills run as the CUDA graphs' one-token rows (eagerly here). The prompts
 run one after another, so every later one can hit what the earlier ones computed.
 
 Default mode: the same greedy tokens, and logits within 2e-2. Not tighter: a GEMM over a different number of rows
@@ -32,10 +33,10 @@ DEFAULT_TOLERANCE = 2e-2
 
 
 @functools.cache
-def engine(page_size: int, budget: int, cache: bool, deterministic: bool) -> LLM:
+def engine(page_size: int, budget: int, cache: bool, deterministic: bool, graph_rows: bool = False) -> LLM:
     return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=page_size, num_gpu_pages=256,
                max_num_batched_tokens=budget, enable_prefix_cache=cache, deterministic=deterministic,
-               check_invariants=True)
+               graph_rows_without_cuda=graph_rows, check_invariants=True)
 
 
 def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tensor], list[int]]:
@@ -71,16 +72,19 @@ def chat(images: list[int], question: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": PREAMBLE + question}]}]
 
 
-def check(images, questions, page_size: int, budget: int, deterministic: bool) -> None:
+def check(images, questions, page_size: int, budget: int, deterministic: bool, graph_rows: bool = False) -> None:
     """`images`: one list of image indices shared by every prompt (every later prompt hits), or one list per
-    prompt (partial hits, misses, and prefixes evicted by nothing but their own variety)."""
+    prompt (partial hits, misses, and prefixes evicted by nothing but their own variety). `graph_rows`: both
+    engines run decodes and short prefills as the CUDA graphs' one-token rows (the question after a hit too)."""
     torch.set_num_threads(1)
     shared = not (images and isinstance(images[0], list))
     per_prompt = [images] * len(questions) if shared else images
     prompts = [chat(imgs, q) for imgs, q in zip(per_prompt, questions, strict=False)]
-    hit, cached = logits_of_each(engine(page_size, budget, True, deterministic), prompts)
-    miss, uncached = logits_of_each(engine(page_size, budget, False, deterministic), prompts)
+    hit, cached = logits_of_each(engine(page_size, budget, True, deterministic, graph_rows), prompts)
+    miss, uncached = logits_of_each(engine(page_size, budget, False, deterministic, graph_rows), prompts)
     assert not any(uncached), "the cache-off engine reported cached tokens"
+    if graph_rows:
+        assert engine(page_size, budget, True, deterministic, graph_rows).engine.runner.stats.graph_steps > 0
     assert not shared or any(cached[1:]), f"prompts sharing their images must hit (cached tokens {cached})"
     for i, (h, m) in enumerate(zip(hit, miss, strict=True)):
         if deterministic:
@@ -100,9 +104,9 @@ SHARED = dict(
 
 
 @settings(max_examples=12, deadline=None)
-@given(**SHARED)
-def spec_a_prefix_hit_gives_the_logits_of_a_miss(images, questions, page_size, budget) -> None:
-    check(images, questions, page_size, budget, deterministic=False)
+@given(**SHARED, graph_rows=st.booleans())
+def spec_a_prefix_hit_gives_the_logits_of_a_miss(images, questions, page_size, budget, graph_rows) -> None:
+    check(images, questions, page_size, budget, deterministic=False, graph_rows=graph_rows)
 
 
 @settings(max_examples=6, deadline=None)
@@ -117,6 +121,7 @@ def spec_deterministic_mode_hit_equals_miss_bitwise(images, questions, page_size
     questions=st.lists(st.sampled_from(QUESTIONS), min_size=3, max_size=3),
     page_size=st.sampled_from([4, 8]),
     budget=st.sampled_from([96, 512]),
+    graph_rows=st.booleans(),
 )
-def spec_partial_hits_give_the_logits_of_misses(images, questions, page_size, budget) -> None:
-    check(images, questions, page_size, budget, deterministic=False)
+def spec_partial_hits_give_the_logits_of_misses(images, questions, page_size, budget, graph_rows) -> None:
+    check(images, questions, page_size, budget, deterministic=False, graph_rows=graph_rows)

@@ -280,3 +280,23 @@ def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.Mo
         _spec_fails(spec_hit_equals_miss.spec_deterministic_mode_hit_equals_miss_bitwise, "changed the logits")
     finally:
         spec_hit_equals_miss.engine.cache_clear()
+
+
+def test_graph_rows_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11 through the CUDA graphs' one-token rows: rows that rotate each token as the next one (an
+    off-by-one in the per-row positions) make a question after a hit differ from the packed miss."""
+    from prism.engine import cuda_graphs
+    from specs import spec_hit_equals_miss
+
+    from_pieces = cuda_graphs.GraphRows.from_pieces.__func__
+
+    def one_position_ahead(cls, pieces, page_size):
+        rows = from_pieces(cls, pieces, page_size)
+        return dataclasses.replace(rows, positions=rows.positions + 1)
+
+    monkeypatch.setattr(cuda_graphs.GraphRows, "from_pieces", classmethod(one_position_ahead))
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        _spec_fails(spec_hit_equals_miss.spec_a_prefix_hit_gives_the_logits_of_a_miss, "a prefix hit changed")
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()

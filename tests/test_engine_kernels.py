@@ -26,19 +26,24 @@ def ask(text: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": text}]}]
 
 
-def run(monkeypatch: pytest.MonkeyPatch, kernels: str):
+def run(monkeypatch: pytest.MonkeyPatch, kernels: str, graph_rows: bool = False):
     monkeypatch.setenv(KERNELS_ENV, kernels)
     torch.set_num_threads(1)
-    llm = LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=8, num_gpu_pages=64, check_invariants=True)
+    llm = LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=8, num_gpu_pages=64, check_invariants=True,
+              graph_rows_without_cuda=graph_rows)
     first = llm.generate([ask("Hi?"), "Kernels."], PARAMS)
     (hit,) = llm.generate([ask("Why?")], PARAMS)  # the image prefix is a cache hit: prefill over cached pages
+    assert (llm.engine.runner.stats.graph_steps > 0) == graph_rows
     return [*first, hit]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or not HAVE_TRITON, reason="the CPU interpreter run")
-def test_engine_with_every_kernel_matches_the_references(monkeypatch):
+@pytest.mark.parametrize("graph_rows", [False, True], ids=["packed", "graph-rows"])
+def test_engine_with_every_kernel_matches_the_references(monkeypatch, graph_rows):
+    """graph-rows: decodes and the question after the hit run as the CUDA graphs' one-token rows through the
+    decode kernel (eagerly: no graphs on the CPU)."""
     reference = run(monkeypatch, "reference")
-    kernels = run(monkeypatch, "triton")
+    kernels = run(monkeypatch, "triton", graph_rows)
     assert kernels[-1].cached_tokens > 0, "the last request must hit the image prefix"
     for ref, ker in zip(reference, kernels, strict=True):
         assert ker.error is None, ker.error

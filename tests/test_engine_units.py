@@ -34,6 +34,8 @@ def test_shipped_configs_load(path):
         ({"preemption": "swap"}, "needs num_cpu_pages"),
         ({"max_num_seqs": True}, "max_num_seqs must be a positive integer"),
         ({"dtype": "float64"}, "dtype must be"),
+        ({"encode_media_ahead": "false"}, "encode_media_ahead must be true or false"),
+        ({"cuda_graphs": 0}, "cuda_graphs must be true or false"),
         ([1, 2], "must be a JSON object"),
     ],
 )

@@ -53,6 +53,9 @@ class EngineConfig:
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
     cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
+    # Off CUDA, run the steps the CUDA graphs would replay as the same one-token rows, eagerly: slower on the CPU,
+    # but it puts the graph path's row construction through the whole engine (tests and specs).
+    graph_rows_without_cuda: bool = False
     # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
     deterministic: bool = False
@@ -71,6 +74,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        for f in dataclasses.fields(self):  # a JSON "false" string would otherwise switch a feature on
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ConfigError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
             raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
         if self.kv_dtype not in KV_DTYPES:

@@ -47,5 +47,6 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         max_model_len=max_model_len,
         deterministic=config.deterministic,
         group=group,
+        graph_rows_without_cuda=config.graph_rows_without_cuda,
     )
     return runner, max_model_len

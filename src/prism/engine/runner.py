@@ -87,6 +87,7 @@ class ModelRunner:
         max_model_len: int = 0,
         deterministic: bool = False,
         group: TPGroup | None = None,
+        graph_rows_without_cuda: bool = False,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -95,7 +96,10 @@ class ModelRunner:
         self.deterministic = deterministic
         self.group = group or TPGroup.single(self.device)
         self.publish: Callable[[StepPayload], None] | None = None
-        use_graphs = cuda_graph_max_batch is not None and self.device.type == "cuda" and not deterministic
+        # graph_rows_without_cuda: off CUDA, run the steps the graphs would replay as the same rows, eagerly
+        # (how the CPU tests put that path through the whole engine).
+        use_graphs = (cuda_graph_max_batch is not None and not deterministic
+                      and (self.device.type == "cuda" or graph_rows_without_cuda))
         # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
         scratch = -(-cuda_graph_max_batch // layout.page_size) if use_graphs else 0
         self.gpu_pool = KVPool.allocate(layout.with_num_pages(layout.num_pages + scratch), self.device)
