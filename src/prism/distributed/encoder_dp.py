@@ -38,7 +38,9 @@ def _encode_batches(model: Qwen3VLModel, pixels: list[torch.Tensor], grids: list
     batches = [[i] for i in range(len(grids))] if one_at_a_time else ([list(range(len(grids)))] if grids else [])
     out: list[Features] = []
     for batch in batches:
-        x = torch.cat([pixels[i] for i in batch]).to(model.device, model.dtype)
+        # Each item goes to the device on its own and is joined there: no host-side copy of all the fp32
+        # pixels first (38 MB for 8 images of 448x448), and the cast to the model dtype runs on the device.
+        x = torch.cat([pixels[i].to(model.device, non_blocking=True) for i in batch]).to(model.dtype)
         enc = model.encode_media(x, [list(grids[i]) for i in batch])
         start = 0
         for count in enc.tokens_per_item:
