@@ -132,3 +132,41 @@ def test_cuda_graph_decode_matches_eager(ckpt_8b):
     graphs.generate([chat("Count slowly.")], params)
     torch.cuda.synchronize()
     print(f"batch-1, 64 tokens incl. prefill, CUDA graphs + FP8 KV: {(time.perf_counter() - start) / 64 * 1e3:.2f} ms/token")
+
+
+def test_encoding_ahead_with_graph_decodes_changes_no_token(ckpt_8b):
+    """A cold image request arriving while others decode (graph steps): its images are encoded in a decode
+    step, its prefill runs in the next, and every request's tokens are those of the engine that encodes in
+    the prefill's step (or part from them only at a near-tie of that run)."""
+    from prism.engine.llm import LLM as _LLM
+    from prism.engine.request import RequestState
+
+    def run(ahead: bool):
+        llm = engine(ckpt_8b, "fp8", encode_media_ahead=ahead)
+        eng = llm.engine
+        params = SamplingParams.greedy(max_tokens=STEPS, ignore_eos=True, logprobs=5)
+        for i in range(2):
+            eng.add_request(f"t{i}", f"Count to twenty, number {i}.", params)
+        completions: dict = {}
+        for _ in range(4):
+            for event in eng.step():
+                _LLM._accumulate(completions, event)
+        cold = eng.add_request("cold", chat(IMAGES[0], IMAGES[2], "Compare them."), GREEDY)
+        for event in eng.step():
+            _LLM._accumulate(completions, event)
+        held_back = cold.state is RequestState.WAITING
+        while eng.has_unfinished_requests():
+            for event in eng.step():
+                _LLM._accumulate(completions, event)
+        graph_steps = eng.runner.stats.graph_steps
+        del llm, eng
+        release_gpu_memory()
+        return completions, held_back, graph_steps
+
+    ahead, held_back, graph_steps = run(True)
+    plain, plain_held_back, _ = run(False)
+    assert held_back and not plain_held_back, "only the encoding-ahead engine holds the cold request back a step"
+    assert graph_steps > 0
+    for request_id in ("t0", "t1", "cold"):
+        assert len(ahead[request_id].token_ids) == STEPS
+        assert_same_or_near_tie(ahead[request_id], plain[request_id])
