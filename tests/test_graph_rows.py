@@ -138,3 +138,19 @@ def test_prefills_that_would_reread_long_contexts_stay_eager(model, monkeypatch)
     assert not runner.ModelRunner._fits_graph(fake, question + decodes, [])
     assert runner.ModelRunner._fits_graph(fake, decodes, [])
     assert not runner.ModelRunner._fits_graph(fake, decodes, ["a media slice"]), "media tokens never run as rows"
+
+
+def test_padding_rows_write_only_scratch_slots_after_a_larger_step(model):
+    """A step padded up to its bucket must leave every page outside the scratch pages as it was, except the
+    step's own slots, also right after a larger step filled those rows with real slots."""
+    pool, graphs, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    graphs.run(GraphRows.from_pieces([piece(tokens(5), 10, a_pages), piece(tokens(1), 7, b_pages),
+                                      piece(tokens(1), 3, c_pages)], PAGE))  # 7 rows: bucket 8
+    before = snapshot(pool)
+    rows = GraphRows.from_pieces([piece(tokens(1), 15, a_pages), piece(tokens(1), 8, b_pages + [30]),
+                                  piece(tokens(1), 4, c_pages + [31])], PAGE)  # 3 rows: bucket 4, one padding row
+    graphs.run(rows)
+    changed = (pool.scales != before[1]).flatten(0, 1).any(0).any(-1)  # [pages, rows in page]
+    changed[SCRATCH:] = False
+    written = {(int(s) // PAGE, int(s) % PAGE) for s in rows.slots}
+    assert {tuple(ix) for ix in changed.nonzero().tolist()} <= written, "a padding row wrote a sequence's page"

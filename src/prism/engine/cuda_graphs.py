@@ -107,12 +107,13 @@ class RowGraphs:
         self._idle_rows[_SLOT] = self.scratch_slots
         self._idle_rows[_CTX] = 1
         self._idle_table = np.repeat((self.scratch_slots // page_size)[:, None], self.max_pages, axis=1)
-        self.row_inputs = torch.from_numpy(self._idle_rows).to(dev)
+        # torch.tensor copies (from_numpy(...).to("cpu") would alias the templates on a CPU pool).
+        self.row_inputs = torch.tensor(self._idle_rows, device=dev)
         self.input_ids = self.row_inputs[_ID]
         self.positions = self.row_inputs[_POS]
         self.slot_mapping = self.row_inputs[_SLOT]
         self.context_lens = self.row_inputs[_CTX]
-        self.block_table = torch.from_numpy(self._idle_table).to(dev)
+        self.block_table = torch.tensor(self._idle_table, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=i64, device=dev)
         self.logits_index = torch.arange(max_batch, dtype=i64, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
