@@ -308,6 +308,34 @@ def test_decode_kernel_custom_scale_and_more_splits_than_pages():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
+@needs_triton
+@pytest.mark.parametrize("native", [True, False], ids=["hardware-e4m3", "bits-by-hand"])
+def test_fp8_kernels_keep_their_precision_for_small_values(native, monkeypatch):
+    """Values of 1e-3 give FP8 scales near 2e-6: probability x scale, rounded to fp16 for the second dot,
+    must stay clear of fp16's subnormals (a factor without the 2^8 lost an order of magnitude here). Both
+    E4M3 decodings (the hardware's on sm_89+, the bits by hand on older GPUs) give the same numbers."""
+    monkeypatch.setattr(pa, "native_fp8", lambda device: native)
+    monkeypatch.setattr(pp, "native_fp8", lambda device: native)
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4, num_pages=220, kv_dtype="fp8")
+    batch = Batch(lay, [(500, 1), (300, 4)], 2, 5, device=DEV)
+    small_v = batch.v_new * 1e-3
+    kw.write_kv(batch.pool, 0, batch.meta.slot_mapping, batch.k_new, small_v)
+    pre = PagedAttentionMetadata.build([500, 300], [500, 300], batch.tables, lay.page_size, DEV)
+    kw.write_kv(batch.pool, 0, pre.slot_mapping, torch.cat([k[:p] for k, (p, _) in zip(batch.keys, batch.specs,
+                                                                                          strict=True)]).to(DEV),
+                torch.cat([v[:p] * 1e-3 for v, (p, _) in zip(batch.values, batch.specs, strict=True)]).to(DEV))
+    q = batch.q.to(torch.float16)
+    ref = pa.paged_attention_reference(q.float(), batch.pool, 0, batch.meta)
+    for out in (pp.paged_prefill_attention(q, batch.pool, 0, batch.meta, use_triton=True),):
+        rel = float((out.float() - ref).abs().max() / ref.abs().max())
+        assert rel < 2e-3, f"relative error {rel:.2e}"
+    decode_meta = PagedAttentionMetadata.build([1], [501], [batch.tables[0]], lay.page_size, DEV)
+    out = pa.paged_decode_attention(q[:1], batch.pool, 0, decode_meta, use_triton=True, num_splits=2)
+    ref = pa.paged_attention_reference(q[:1].float(), batch.pool, 0, decode_meta)
+    rel = float((out.float() - ref).abs().max() / ref.abs().max())
+    assert rel < 2e-3, f"decode: relative error {rel:.2e}"
+
+
 # --------------------------------------------------------------------------------------- prefill kernel
 
 

@@ -20,6 +20,7 @@ operands, so CPU tests run it in fp32/fp16.)
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -258,20 +259,31 @@ if HAVE_TRITON:
 
     @triton.jit
     def _load_kv_tile(pay_ptr, sc_ptr, row, slot, hk, d, pmask, dmask, stride_row, stride_slot, sc_stride_row,
-                      H, HEAD_DIM, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """[BLOCK_N, BLOCK_D] payload of KV head hk at `slot` in OUT_DTYPE (fp8: the unscaled E4M3 value,
-        exact in fp16, bf16 and fp32), and the per-token factor that finishes the dequantization (fp8: the
-        scale, else 1). Decoded straight to the dot dtype: no fp32 copy of the tile in registers."""
+                      H, HEAD_DIM, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                      NATIVE_FP8: tl.constexpr):
+        """[BLOCK_N, BLOCK_D] payload of KV head hk at `slot` in OUT_DTYPE (fp8: the unscaled E4M3 value * 2^-8,
+        exact in fp16, bf16 and fp32), and the per-token factor that finishes the dequantization (fp8: scale *
+        256, else 1). Decoded straight to the dot dtype: no fp32 copy of the tile in registers. The 2^8 sits
+        on the factor so that probability x factor, rounded to fp16 for the second dot, stays clear of fp16's
+        subnormals when the scales are small."""
         off = slot_offset(row, slot[:, None], hk * HEAD_DIM + d[None, :], stride_row, stride_slot,
                                    OFFSET_DTYPE)
         m2 = pmask[:, None] & dmask[None, :]
         if KIND == 0:
-            # The hardware's E4M3 -> fp16 conversion (two values per instruction on sm_89+). Decoding the bits
-            # by hand cost ~10 integer operations per element, which made the batch-32 decode ALU-bound.
             b = tl.load(pay_ptr + off, mask=m2, other=0)
-            x = b.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(OUT_DTYPE)
-            factor = tl.load(sc_ptr + slot_offset(row, slot, hk, sc_stride_row, H, OFFSET_DTYPE),
-                             mask=pmask, other=0.0)
+            if NATIVE_FP8:
+                # The hardware's E4M3 -> fp16 conversion (sm_89+; two values per instruction), then an exact
+                # power-of-two step. The bits decoded by hand below cost ~10 integer operations per element.
+                x = (b.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 0.00390625).to(OUT_DTYPE)
+            else:
+                # E4M3FN bits placed in an fp16 (sign, then exponent+mantissa shifted up 7) read as value *
+                # 2^-8, subnormals included.
+                bits = b.to(tl.int32)
+                h16 = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+                x = h16.to(tl.int16).to(tl.float16, bitcast=True).to(OUT_DTYPE)
+            sc = tl.load(sc_ptr + slot_offset(row, slot, hk, sc_stride_row, H, OFFSET_DTYPE),
+                         mask=pmask, other=0.0)
+            factor = sc * 256.0
         elif KIND == 1:
             x = tl.load(pay_ptr + off, mask=m2, other=0).to(tl.int16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
             factor = tl.full(pmask.shape, 1.0, tl.float32)
@@ -285,7 +297,7 @@ if HAVE_TRITON:
                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr):
         """Online softmax of the query rows `q` (pre-scaled, log2 units) over keys [lo, hi) of one sequence's
         pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc)."""
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -297,7 +309,8 @@ if HAVE_TRITON:
             page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
             slot = page * page_size + pos % page_size  # int64: page ids are int64
             k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
+                                   NATIVE_FP8)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
             s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -306,7 +319,8 @@ if HAVE_TRITON:
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE)
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
+                                   NATIVE_FP8)
             pv = (p * v_f[None, :]).to(DOT_DTYPE)
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             m_i = m_new
@@ -339,7 +353,8 @@ if HAVE_TRITON:
                        H, HQ, GROUP, HEAD_DIM,
                        KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                       PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                       NATIVE_FP8: tl.constexpr):
         # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
         # The GQA group's query heads are the rows of two tl.dot per key tile (padded to BLOCK_G >= 16).
         # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
@@ -365,7 +380,7 @@ if HAVE_TRITON:
         m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES)
+                                     NUM_STAGES, NATIVE_FP8)
         _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
                          stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -397,6 +412,15 @@ if HAVE_TRITON:
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         optr = out_ptr + b.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@functools.cache
+def native_fp8(device: torch.device) -> bool:
+    """Whether the attention kernels decode E4M3 with the hardware's conversion: sm_89 (Ada, Hopper) and newer,
+    and the CPU interpreter; older GPUs (A100) decode the bits by hand, to the same values."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
@@ -454,7 +478,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
             lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-            NUM_STAGES=_NUM_STAGES, num_warps=_NUM_WARPS,
+            NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), num_warps=_NUM_WARPS,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(bsz, hq)](

@@ -29,6 +29,7 @@ from .paged_attention import (
 from .paged_attention import (
     PagedAttentionMetadata,
     kernel_operands,
+    native_fp8,
     paged_attention_reference,
     paged_decode_attention,
     power_of_two_at_most,
@@ -82,7 +83,8 @@ if HAVE_TRITON:
                         part_acc_ptr, part_ml_ptr, H, HQ, GROUP, HEAD_DIM,
                         KIND: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                        NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                        NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                        NATIVE_FP8: tl.constexpr):
         # grid = (blocks, KV heads, splits). Row r of the tile is token r // GROUP of the block, query head
         # r % GROUP. With several splits, each takes a share of the block's keys (whole tiles) and writes a
         # partial softmax that `_decode_reduce_kernel` merges per (token, head).
@@ -114,7 +116,7 @@ if HAVE_TRITON:
         m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES)
+                                     NUM_STAGES, NATIVE_FP8)
         _store_attention(m_i, l_i, acc, q_rows, head, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
                          part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -167,7 +169,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
-            OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=2,
+            OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=2, NATIVE_FP8=native_fp8(pool.device),
             num_warps=4, num_stages=2,
         )
         if num_splits > 1:
