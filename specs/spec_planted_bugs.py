@@ -31,12 +31,13 @@ def _machine_fails(match: str) -> None:
 
 
 def _spec_fails(spec, match: str) -> None:
-    """Run a spec (a @given one with its own example budget, but no shrinking and one reported failure); it
-    must find a counterexample."""
+    """Run a spec (a @given one with its own example budget, but no shrinking, one reported failure and the
+    derandomized examples of the CI profile, whatever profile is loaded); it must find a counterexample."""
     own = getattr(spec, "_hypothesis_internal_use_settings", None)
     if own is not None:
         spec._hypothesis_internal_use_settings = settings(
-            own, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, database=None
+            own, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, database=None,
+            derandomize=True,
         )
     try:
         with pytest.raises(AssertionError, match=match):
@@ -198,6 +199,17 @@ def test_encoding_ahead_without_its_once_flag_is_caught(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(scheduler_module.Scheduler, "_media_to_encode_ahead", ahead_every_time)
     _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool, "held back twice")
+
+
+def test_encoding_ahead_beside_a_prefill_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: two cold requests back to back had the second one's images encoded in the step that
+    prefilled the first, so the decoders waited for both in one step, what encoding ahead exists to avoid."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_encodes_ahead_in", staticmethod(lambda step_prefills: True))
+    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool,
+                "encoded media ahead and computed a prefill")
 
 
 def test_each_rank_using_its_own_page_count_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ be (a computed slice is published; a slice that reaches the end samples a token)
 - no chunk ever cuts a visual span, and a running request is only ever preempted by an older one;
 - the KV manager's accounting is exact after every step, and nothing leaks at the end;
 - with encoding ahead (`encode_media_ahead`, over a stand-in encoder cache that may forget everything after
-  every step), a request is held back to have its media encoded at most once.
+  every step), a request has its media encoded ahead at most once, and never in a step with a prefill.
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
         for request, _reason in out.failed:
             finish(request, FinishReason.ERROR)
         if out.media_ahead:  # the head of the queue was held back while its media are encoded
+            assert all(s.start >= s.request.num_prompt_tokens for s in out.slices), \
+                "a step both encoded media ahead and computed a prefill"
             head = scheduler.waiting[0]
             assert {m.digest for m in out.media_ahead} <= {m.digest for m in head.prompt.media}
             held_back[head.request_id] = held_back.get(head.request_id, 0) + 1

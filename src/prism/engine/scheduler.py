@@ -10,8 +10,9 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
   up to `max_num_seqs` and the step's token budget. A chunk never cuts a visual span: its end snaps
   down to the span start; a span larger than the whole budget is rejected with a reason.
 - Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
-  yet has them encoded in this step (`media_ahead`) and is admitted in the next one, once: the decoders wait
-  for the vision encoder and the prefill in two steps, never in one.
+  yet has them encoded in a step that computes no prefill (`media_ahead`) and is admitted in a later one;
+  once per request (if the features are evicted meanwhile, or the step ran nothing, its prefill encodes
+  them). The decoders wait for the vision encoder and for a prefill in different steps.
 Nothing here touches tensors: the result is a list of slices plus the KV manager's transfer plan.
 """
 
@@ -113,6 +114,7 @@ class Scheduler:
             out.slices.append(ScheduledSlice(request, seq.num_computed, end))
             scheduled.add(request.request_id)
             budget -= end - seq.num_computed
+        prefills = any(s.start < s.request.num_prompt_tokens for s in out.slices)
 
         self._resume_swapped()
 
@@ -130,9 +132,10 @@ class Scheduler:
                 break
             ahead = self._media_to_encode_ahead(request, hit.num_tokens)
             if ahead:
-                request.media_encoded_ahead = True
-                out.media_ahead.extend(ahead)
-                break  # admitted next step, its features ready; FCFS: nobody overtakes it meanwhile
+                if self._encodes_ahead_in(prefills):
+                    request.media_encoded_ahead = True
+                    out.media_ahead.extend(ahead)
+                break  # admitted once its features are ready; FCFS: nobody overtakes it meanwhile
             admitted = self._admit(request, content, budget, hit.num_tokens)
             if admitted is None:
                 break  # wait for running requests to finish or be preempted
@@ -145,6 +148,7 @@ class Scheduler:
             out.slices.append(ScheduledSlice(request, seq.num_computed, end))
             scheduled.add(request.request_id)
             budget -= end - seq.num_computed
+            prefills = True
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -158,6 +162,11 @@ class Scheduler:
         return [item for item in request.prompt.media
                 if any(start + length > hit_tokens for start, length in item.spans)
                 and not self.is_media_encoded(item.digest)]
+
+    @staticmethod
+    def _encodes_ahead_in(step_prefills: bool) -> bool:
+        """A step that computes a prefill already keeps the decoders waiting: the encoding waits a step."""
+        return not step_prefills
 
     def content_of(self, request: Request) -> SeqContent:
         prompt = request.prompt.kv_content()
