@@ -83,3 +83,28 @@ def test_images_already_encoded_are_not_held_back():
     again = eng.add_request("again", cold_request(), GREEDY)
     eng.step()
     assert again.state is RequestState.RUNNING and not again.media_encoded_ahead
+
+
+def test_a_step_failing_while_encoding_ahead_also_fails_the_held_back_request(monkeypatch):
+    """If the step that encodes a request's media ahead fails, that request fails with it (its media may be
+    the cause) instead of failing the next step's requests again; nothing leaks, the engine keeps serving."""
+    eng = engine()
+    texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
+                             SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
+    for _ in range(3):
+        eng.step()
+    cold = eng.add_request("cold", cold_request(), GREEDY)
+
+    def encoder_out_of_memory(work):
+        raise RuntimeError("vision encoder out of memory")
+
+    monkeypatch.setattr(eng.runner, "_encode", encoder_out_of_memory)
+    events = eng.step()
+    assert cold.state is RequestState.FINISHED and "out of memory" in (cold.error or "")
+    assert all(t.state is RequestState.FINISHED for t in texts)
+    assert {e.request_id for e in events if e.finished} == {"text0", "text1", "cold"}
+    monkeypatch.undo()
+    assert not eng.kv.seqs and not eng.has_unfinished_requests()
+    after = eng.add_request("after", cold_request(), GREEDY)
+    run_until_done(eng, [after])
+    assert len(after.output_token_ids) == GREEDY.max_tokens

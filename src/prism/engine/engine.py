@@ -163,8 +163,11 @@ class Engine:
                     self._followers.close()
                     raise failure from error
                 log.exception("step failed")
-                for s in out.slices:
-                    self._finish(s.request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
+                # The request whose media were encoded ahead fails with the step: its media may be the cause,
+                # and its own prefill must not fail another step's requests the same way.
+                failed = [s.request for s in out.slices] + [r for r in (out.media_ahead_for,) if r is not None]
+                for request in failed:
+                    self._finish(request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
             else:
                 self._commit(out.slices, logits)
         if self.config.check_invariants:

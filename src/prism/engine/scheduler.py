@@ -49,6 +49,7 @@ class SchedulerOutput:
     failed: list[tuple[Request, str]] = field(default_factory=list)  # can never be scheduled, and why
     preempted: list[tuple[Request, Request]] = field(default_factory=list)  # (victim, the request it made room for)
     media_ahead: list = field(default_factory=list)  # PreparedMedia to encode this step for a request admitted next
+    media_ahead_for: Request | None = None  # ... that request (still waiting)
 
 
 def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
@@ -135,6 +136,7 @@ class Scheduler:
                 if self._encodes_ahead_in(prefills):
                     request.media_encoded_ahead = True
                     out.media_ahead.extend(ahead)
+                    out.media_ahead_for = request
                 break  # admitted once its features are ready; FCFS: nobody overtakes it meanwhile
             admitted = self._admit(request, content, budget, hit.num_tokens)
             if admitted is None:
