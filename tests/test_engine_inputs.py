@@ -370,20 +370,20 @@ def test_preprocess_cache_hits_second_identical_media(ckpt, frames):
     assert (cache.stats().hits, cache.stats().misses) == (0, 1)
     second = proc.prepare_prompt(prompt, [bytes(png)])
     assert (cache.stats().hits, cache.stats().misses) == (1, 1)
-    assert second.media[0].pixel_values is first.media[0].pixel_values  # reused, not recomputed
+    assert second.media[0].pixels is first.media[0].pixels  # reused, not recomputed
     assert second.media[0].digest == first.media[0].digest
 
     pil_1 = proc.prepare_prompt(prompt, [img])  # decoded pixels: their own key, same content digest
     pil_2 = proc.prepare_prompt(prompt, [np.asarray(img)])
     assert (cache.stats().hits, cache.stats().misses) == (2, 2)
-    assert pil_2.media[0].pixel_values is pil_1.media[0].pixel_values
+    assert pil_2.media[0].pixels is pil_1.media[0].pixels
     assert pil_1.media[0].digest == first.media[0].digest
 
     vprompt = "<|vision_start|><|video_pad|><|vision_end|>"
     v1 = proc.prepare_prompt(vprompt, videos=[VideoInput(frames, 2.0)])
     v2 = proc.prepare_prompt(vprompt, videos=[VideoInput([f.copy() for f in frames], 2.0)])
     assert (cache.stats().hits, cache.stats().misses) == (3, 3)
-    assert v2.media[0].pixel_values is v1.media[0].pixel_values
+    assert v2.media[0].pixels is v1.media[0].pixels
 
     # Same pixel bytes in another shape: another image, never a cache hit.
     flat = np.random.default_rng(12).integers(0, 256, 40 * 60 * 3, dtype=np.uint8)

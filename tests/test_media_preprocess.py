@@ -39,6 +39,7 @@ from prism.media.errors import (
     VideoError,
 )
 from prism.media.image import DecodeLimits, decode_image, preprocess_image, smart_resize
+from prism.media.pixels import PatchPixels, pixels_on
 from prism.media.video import (
     frame_group_timestamps,
     preprocess_video,
@@ -110,6 +111,9 @@ def test_image_matches_hf_pil_processor(h, w, min_tokens, extra_tokens, mode, cl
     assert ours.pixel_values.shape == ref_pixels.shape
     # Same PIL resize and the same numpy op order: the values are bit-identical, not just within 1e-5.
     assert torch.equal(ours.pixel_values, ref_pixels)
+    # The engine keeps uint8 patches (a quarter of the bytes) and normalizes them where it encodes them.
+    assert ours.pixels.patches.dtype == torch.uint8 and ours.pixels.patches.shape == ref_pixels.shape
+    assert torch.equal(pixels_on(ours.pixels, "cpu"), ref_pixels)
     t, gh, gw = ours.grid_thw
     assert t == 1 and ours.resized_size == (gh * 16, gw * 16)
     assert ours.num_tokens(cfg.merge_size) == gh * gw // 4
@@ -433,3 +437,15 @@ def test_video_errors():
         preprocess_video("frames", 10.0, cfg)  # type: ignore[arg-type]
     with pytest.raises(AspectRatioError):
         preprocess_video([np.zeros((2, 600, 3), np.uint8)] * 4, 10.0, cfg, sample=False)
+
+
+def test_patch_pixels_are_checked():
+    table = torch.zeros(3, 256)
+    with pytest.raises(ValueError, match="uint8"):
+        PatchPixels(torch.zeros(2, 6), table)
+    with pytest.raises(ValueError, match="does not fit"):
+        PatchPixels(torch.zeros(2, 7, dtype=torch.uint8), table)
+    levels = torch.arange(6, dtype=torch.uint8).reshape(1, 6)
+    table = torch.arange(3 * 256, dtype=torch.float32).reshape(3, 256)
+    # columns are channel-major: two columns per channel, each level looked up in its channel's row
+    assert PatchPixels(levels, table).normalized().tolist() == [[0.0, 1.0, 258.0, 259.0, 516.0, 517.0]]

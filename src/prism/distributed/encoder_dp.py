@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..media.pixels import PatchPixels, pixels_on
 from ..model.qwen3_vl import Qwen3VLModel
 from .tensor_parallel import TPGroup
 
@@ -34,13 +35,14 @@ def assign_media(patch_counts: Sequence[int], world_size: int) -> list[int]:
     return owner
 
 
-def _encode_batches(model: Qwen3VLModel, pixels: list[torch.Tensor], grids: list[Grid], one_at_a_time: bool) -> list[Features]:
+def _encode_batches(model: Qwen3VLModel, pixels: list[PatchPixels | torch.Tensor], grids: list[Grid],
+                    one_at_a_time: bool) -> list[Features]:
     batches = [[i] for i in range(len(grids))] if one_at_a_time else ([list(range(len(grids)))] if grids else [])
     out: list[Features] = []
     for batch in batches:
-        # Each item goes to the device on its own and is joined there: no host-side copy of all the fp32
-        # pixels first (38 MB for 8 images of 448x448), and the cast to the model dtype runs on the device.
-        x = torch.cat([pixels[i].to(model.device, non_blocking=True) for i in batch]).to(model.dtype)
+        # Each item goes to the device on its own (images as uint8, normalized there) and is joined there:
+        # no host-side copy of all the pixels first, and the cast to the model dtype runs on the device.
+        x = torch.cat([pixels_on(pixels[i], model.device) for i in batch]).to(model.dtype)
         enc = model.encode_media(x, [list(grids[i]) for i in batch])
         start = 0
         for count in enc.tokens_per_item:
@@ -52,7 +54,7 @@ def _encode_batches(model: Qwen3VLModel, pixels: list[torch.Tensor], grids: list
 def encode_media_items(
     model: Qwen3VLModel,
     grids: Sequence[Grid],
-    pixels: Sequence[torch.Tensor],
+    pixels: Sequence[PatchPixels | torch.Tensor],
     group: TPGroup,
     *,
     one_at_a_time: bool = False,

@@ -345,7 +345,7 @@ class InputProcessor:
             key = (item.kind, item.media_index)
             if item.kind == "image":
                 im = prepared_images[item.media_index]
-                pixels, grid, digest, stamps = im.pixel_values, im.grid_thw, im.digest, ()
+                pixels, grid, digest, stamps = im.pixels, im.grid_thw, im.digest, ()
             else:
                 cv = prepared_videos[item.media_index]
                 pixels, grid, digest = cv.video.pixel_values_videos, cv.video.grid_thw, cv.digest
@@ -354,7 +354,7 @@ class InputProcessor:
                 PreparedMedia(
                     kind=item.kind,
                     index=item.media_index,
-                    pixel_values=pixels,
+                    pixels=pixels,
                     grid_thw=grid,
                     digest=digest,
                     spans=tuple(runs[key]),
@@ -395,7 +395,7 @@ class InputProcessor:
         def compute() -> tuple[PreparedImage, int]:
             pre = preprocess_image(rgb, cfg, self._limits)
             out = PreparedImage(
-                pixel_values=pre.pixel_values,
+                pixels=pre.pixels,
                 grid_thw=pre.grid_thw,
                 digest=image_digest(pre, model_id=self.model_id, config=cfg),
                 raw_digest=key.raw_digest,

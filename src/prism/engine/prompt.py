@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from ..kv.content import MediaSpan, SeqContent
+from ..media.pixels import PatchPixels, pixels_on
 from .chat import InputError
 
 
@@ -26,7 +27,9 @@ class PreparedMedia:
 
     kind: Literal["image", "video"]
     index: int  # among the prompt's images, or among its videos
-    pixel_values: torch.Tensor  # [t*h*w, C*T*p*p] float32, read-only (may be shared through the cache)
+    # [t*h*w, C*T*p*p]: uint8 patches (images, normalized on the encoding device) or float32 (videos);
+    # read-only (may be shared through the cache)
+    pixels: PatchPixels | torch.Tensor
     grid_thw: tuple[int, int, int]  # in patches
     digest: bytes  # media content digest (prism.media.digest)
     spans: tuple[tuple[int, int], ...]
@@ -38,6 +41,11 @@ class PreparedMedia:
             raise InputError(
                 f"{self.kind} {self.index}: {len(self.spans)} spans, {len(self.span_digests)} digests"
             )
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [t*h*w, C*T*p*p] on the CPU, normalized as HF does."""
+        return pixels_on(self.pixels, "cpu")
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from ..distributed.encoder_dp import assign_media
 from ..kv.transfers import TransferPlan
+from ..media.pixels import PatchPixels
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class MediaWork:
     digest: bytes
     grid: tuple[int, int, int]
     encode: bool
-    pixels: torch.Tensor | None
+    pixels: PatchPixels | torch.Tensor | None  # uint8 patches (images) or float32 (videos)
 
 
 @dataclass(frozen=True)
@@ -110,5 +111,5 @@ def media_work(items: Sequence, is_cached: Callable[[bytes], bool]) -> list[Medi
         seen.add(item.digest)
         encode = not is_cached(item.digest)
         out.append(MediaWork(item.digest, tuple(int(v) for v in item.grid_thw), encode,
-                             item.pixel_values if encode else None))
+                             item.pixels if encode else None))
     return out

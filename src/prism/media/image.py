@@ -10,6 +10,8 @@ Owns: the pixel layout the vision encoder consumes. It reproduces HF transformer
   values are bit-identical to HF's for the same resized pixels.
 - patchify to `pixel_values [gh*gw, C*T*p*p]` in HF's order (merge-window major: gh/m, gw/m, m, m; then
   C, T, p, p), the single image repeated T (= temporal_patch_size) times; grid_thw = (1, gh, gw).
+  The patches stay uint8 (`media.pixels.PatchPixels`), normalized by the 256-level table of the formula
+  above where they are encoded: the same values, a quarter of the bytes until then.
 
 Decoding from bytes refuses oversized images from the header alone (before any pixel is decoded), maps every
 PIL failure to a typed error, applies the EXIF orientation and converts to RGB (what HF's `load_image` does).
@@ -35,6 +37,7 @@ from .errors import (
     MediaDecodeError,
     MediaError,
 )
+from .pixels import PatchPixels
 
 MAX_ASPECT_RATIO = 200  # Qwen's smart_resize limit on long side / short side
 
@@ -65,13 +68,18 @@ DEFAULT_LIMITS = DecodeLimits()
 class PreprocessedImage:
     """One image ready for the vision encoder."""
 
-    pixel_values: torch.Tensor  # [gh*gw, C*T*p*p] float32
+    pixels: PatchPixels  # [gh*gw, C*T*p*p] uint8 patches and their normalization table
     # uint8 [H, W, 3] after smart resize: pixel_values is a function of these and the processor settings,
     # one-to-one (normalization is injective per channel), so the content digest hashes these 8x fewer bytes.
     resized_pixels: np.ndarray
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patches
     image_size: tuple[int, int]  # (height, width) before resize
     resized_size: tuple[int, int]  # (height, width) after smart resize
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [gh*gw, C*T*p*p], normalized as HF does (computed on each access)."""
+        return self.pixels.normalized()
 
     def num_tokens(self, merge_size: int) -> int:
         """LM placeholder tokens for this image: t*h*w / merge^2."""
@@ -180,6 +188,12 @@ def resize_rgb(image: Image.Image, height: int, width: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
+def normalize_table_tensor(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> torch.Tensor:
+    """`_normalize_table` as a (shared, read-only by convention) float32 tensor [C, 256]."""
+    return torch.tensor(_normalize_table(tuple(mean), tuple(std), float(rescale_factor)))
+
+
+@functools.lru_cache(maxsize=16)
 def _normalize_table(mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float) -> np.ndarray:
     """float32 [C, 256]: the normalized value of every uint8 level per channel, computed by HF's formula."""
     levels = np.arange(256, dtype=np.uint8)[:, None].repeat(len(mean), axis=1)  # [256, C]
@@ -197,16 +211,6 @@ def normalize(
     of that formula: element-wise arithmetic, so bitwise the same values, without float64 temporaries."""
     table = _normalize_table(tuple(mean), tuple(std), float(rescale_factor))
     return table[np.arange(table.shape[0]), frames_u8]
-
-
-def normalize_patches(
-    patches_u8: np.ndarray, channels: int, mean: tuple[float, ...], std: tuple[float, ...], rescale_factor: float
-) -> np.ndarray:
-    """uint8 pixel_values [rows, C*T*p*p] (channel-major columns, see `patchify`) -> float32, as `normalize`."""
-    table = _normalize_table(tuple(mean), tuple(std), float(rescale_factor))
-    per_channel = patches_u8.shape[1] // channels
-    channel_of_column = np.repeat(np.arange(channels), per_channel)
-    return table[channel_of_column[None, :], patches_u8]
 
 
 def patchify(
@@ -251,9 +255,11 @@ def preprocess_image(
         merge_size=config.merge_size,
         temporal_patch_size=config.temporal_patch_size,
     )
-    flat = normalize_patches(flat_u8, resized.shape[2], config.image_mean, config.image_std, config.rescale_factor)
+    table = normalize_table_tensor(tuple(config.image_mean), tuple(config.image_std), float(config.rescale_factor))
+    if table.shape[0] != resized.shape[2]:
+        raise MediaError(f"{table.shape[0]} channel means/stds for an image of {resized.shape[2]} channels")
     return PreprocessedImage(
-        pixel_values=torch.from_numpy(flat),
+        pixels=PatchPixels(torch.from_numpy(flat_u8), table),
         resized_pixels=resized,
         grid_thw=grid,
         image_size=(height, width),

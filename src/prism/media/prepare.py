@@ -2,7 +2,7 @@
 
 Owns the order raw-byte digest -> cache lookup -> decode / resize / normalize / patchify -> content digest,
 so every entry path (offline, in-process, HTTP) shares one cache and one identity per image.
-Cached values are shared between requests: treat `pixel_values` as read-only (copy before any in-place op).
+Cached values are shared between requests: treat their tensors as read-only (copy before any in-place op).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from .cache import CacheKey, PreprocessCache
 from .config import ImageProcessorConfig, VideoProcessorConfig
 from .digest import image_digest, raw_digest
 from .image import DEFAULT_LIMITS, DecodeLimits, preprocess_image
+from .pixels import PatchPixels
 
 
 @dataclass(frozen=True)
 class PreparedImage:
-    pixel_values: torch.Tensor  # [gh*gw, C*T*p*p] float32
+    pixels: PatchPixels  # [gh*gw, C*T*p*p] uint8 patches, normalized where they are encoded
     grid_thw: tuple[int, int, int]
     digest: bytes  # content digest of the preprocessed pixels (media_digest)
     raw_digest: bytes  # digest of the encoded bytes
@@ -31,8 +32,13 @@ class PreparedImage:
         return t * h * w // (merge_size * merge_size)
 
     @property
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [gh*gw, C*T*p*p], normalized as HF does (computed on each access)."""
+        return self.pixels.normalized()
+
+    @property
     def nbytes(self) -> int:
-        return self.pixel_values.numel() * self.pixel_values.element_size() + 256
+        return self.pixels.nbytes + 256
 
 
 def media_namespace(model_id: str, config: ImageProcessorConfig | VideoProcessorConfig) -> str:
@@ -54,7 +60,7 @@ def prepare_image(
     def compute() -> tuple[PreparedImage, int]:
         pre = preprocess_image(data, config, limits)
         prepared = PreparedImage(
-            pixel_values=pre.pixel_values,
+            pixels=pre.pixels,
             grid_thw=pre.grid_thw,
             digest=image_digest(pre, model_id=model_id, config=config),
             raw_digest=key.raw_digest,
