@@ -148,6 +148,18 @@ def test_int32_offsets_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     _spec_fails(spec_fp8_addressing.spec_kernel_offsets_are_exact_on_the_8b_pool, "kernel offsets")
 
 
+def _hit_equals_miss_fails(spec_name: str, match: str) -> None:
+    """`_spec_fails` on a hit == miss spec, with fresh engines (they are cached across examples): the planted
+    bug must be in the engines the spec builds, and must not stay in them afterwards."""
+    from specs import spec_hit_equals_miss
+
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        _spec_fails(getattr(spec_hit_equals_miss, spec_name), match)
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()
+
+
 def test_equal_priority_deadlock_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the liveness spec: two requests of equal priority on a full pool (decision branches share
     their material's arrival order) each waited for the other, forever."""
@@ -246,7 +258,6 @@ def test_encoder_dp_losing_the_item_order_is_caught(monkeypatch: pytest.MonkeyPa
 def test_tail_copy_dropping_a_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Invariant 11 on the real engine: a tail copy one row short leaves the hit reading a row nobody wrote."""
     from prism.engine import runner
-    from specs import spec_hit_equals_miss
 
     execute = runner.execute_plan
 
@@ -255,18 +266,13 @@ def test_tail_copy_dropping_a_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
         execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
 
     monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
-    spec_hit_equals_miss.engine.cache_clear()
-    try:
-        _spec_fails(spec_hit_equals_miss.spec_a_prefix_hit_gives_the_logits_of_a_miss, "a prefix hit changed")
-    finally:
-        spec_hit_equals_miss.engine.cache_clear()
+    _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
 
 
 def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Invariant 11, deterministic mode: a hit ending inside a page, computed from the hit onwards instead of
     from the page start, gives the frontier page's rows other tile positions than a miss does."""
     from prism.engine import runner
-    from specs import spec_hit_equals_miss
 
     init = KVCacheManager.__init__
 
@@ -287,18 +293,13 @@ def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(KVCacheManager, "__init__", tail_hits_allowed)
     monkeypatch.setattr(runner.ModelRunner, "_deterministic_tiles", tiles_from_the_hit)
-    spec_hit_equals_miss.engine.cache_clear()
-    try:
-        _spec_fails(spec_hit_equals_miss.spec_deterministic_mode_hit_equals_miss_bitwise, "changed the logits")
-    finally:
-        spec_hit_equals_miss.engine.cache_clear()
+    _hit_equals_miss_fails("spec_deterministic_mode_hit_equals_miss_bitwise", "changed the logits")
 
 
 def test_graph_rows_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Invariant 11 through the CUDA graphs' one-token rows: rows that rotate each token as the next one (an
     off-by-one in the per-row positions) make a question after a hit differ from the packed miss."""
     from prism.engine import cuda_graphs
-    from specs import spec_hit_equals_miss
 
     from_pieces = cuda_graphs.GraphRows.from_pieces.__func__
 
@@ -307,8 +308,4 @@ def test_graph_rows_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatc
         return dataclasses.replace(rows, positions=rows.positions + 1)
 
     monkeypatch.setattr(cuda_graphs.GraphRows, "from_pieces", classmethod(one_position_ahead))
-    spec_hit_equals_miss.engine.cache_clear()
-    try:
-        _spec_fails(spec_hit_equals_miss.spec_a_prefix_hit_gives_the_logits_of_a_miss, "a prefix hit changed")
-    finally:
-        spec_hit_equals_miss.engine.cache_clear()
+    _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")

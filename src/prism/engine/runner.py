@@ -47,7 +47,7 @@ MAX_GRAPH_PREFILL_KEY_READS = 64 * 2048
 @dataclass
 class RunnerStats:
     steps: int = 0
-    graph_steps: int = 0  # steps that replayed a captured CUDA graph
+    graph_steps: int = 0  # steps run as the CUDA graphs' one-token rows (replayed on CUDA, eager off it)
     tokens_computed: int = 0
     vision_items_encoded: int = 0  # media items that went through the vision encoder
     encoder_cache_hits: int = 0  # media items whose features came from the encoder cache

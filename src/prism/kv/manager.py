@@ -93,9 +93,7 @@ class KVCacheManager:
     def num_allocatable(self, pinned: tuple[int, ...] | list[int] = ()) -> int:
         """Pages an allocation could get by evicting every cache entry, if `pinned` were referenced first."""
         pinned_set = set(pinned)
-        free = self.gpu.num_free - self._num_free_among(pinned_set)
-        reclaimable = self.entries.reclaimable_pages() - pinned_set
-        return free + len(reclaimable)
+        return self._free_unpinned(pinned_set) + len(self.entries.reclaimable_pages() - pinned_set)
 
     def can_allocate(self, n: int, pinned: tuple[int, ...] | list[int] = ()) -> bool:
         """`n <= num_allocatable(pinned)`, without counting reclaimable pages when free ones suffice: every
@@ -103,8 +101,12 @@ class KVCacheManager:
         if n <= 0:
             return True
         pinned_set = set(pinned)
-        free = self.gpu.num_free - self._num_free_among(pinned_set)
+        free = self._free_unpinned(pinned_set)
         return n <= free or n <= free + len(self.entries.reclaimable_pages() - pinned_set)
+
+    def _free_unpinned(self, pinned_set: set[int]) -> int:
+        """Free pages, less those `pinned` would reference first."""
+        return self.gpu.num_free - self._num_free_among(pinned_set)
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
