@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.vision_rope import vision_rope
 from .attention import dense_varlen_attention
 from .config import VisionConfig
-from .text import rotate_half
 
 Grid = tuple[int, int, int]
 
@@ -109,10 +109,7 @@ class VisionBlock(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        # Rotary in fp32, back to the activation dtype (HF's order).
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q.float() * c + rotate_half(q.float()) * s).to(x.dtype)
-        k = (k.float() * c + rotate_half(k.float()) * s).to(x.dtype)
+        q, k = vision_rope(q, k, cos, sin)  # in fp32, back to the activation dtype (HF's order)
         out = dense_varlen_attention(q, k, v, seq_lens, causal=False)
         return self.proj(out.reshape(n, -1))
 
