@@ -553,3 +553,22 @@ def test_tokenizer_eos_and_decode(proc, ckpt):
     p = proc.prepare_chat([{"role": "user", "content": "Yes or no?"}])
     assert proc.decode(p.token_ids, skip_special_tokens=False) == p.text
     assert "<|im_start|>" not in proc.decode(p.token_ids)
+
+
+def test_a_media_memo_prepares_each_image_object_once(proc, monkeypatch):
+    """A decision's questions share the material's image objects: with one memo, each is hashed and looked
+    up once, and the prompts equal those prepared without the memo."""
+    images = random_images([(64, 48), (32, 32)], seed=11)
+    material = [{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]
+    questions = ["Which is larger?", "Are they the same?", "Describe them."]
+    calls = []
+    original = proc._image
+    monkeypatch.setattr(proc, "_image", lambda data: calls.append(id(data)) or original(data))
+    memo: dict = {}
+    with_memo = [proc.prepare_chat([*material, {"role": "user", "content": q}], media_memo=memo) for q in questions]
+    assert sorted(calls) == sorted(id(im) for im in images)
+    calls.clear()
+    without = [proc.prepare_chat([*material, {"role": "user", "content": q}]) for q in questions]
+    assert len(calls) == len(images) * len(questions)
+    for a, b in zip(with_memo, without, strict=True):
+        assert a.token_ids == b.token_ids and [m.digest for m in a.media] == [m.digest for m in b.media]

@@ -55,8 +55,11 @@ def grouped(question: Question) -> list[Question]:
 
 def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
                   thinking: ThinkingConfig | None = None) -> Plan:
+    media_memo: dict = {}  # the material's images are hashed and looked up once, not once per question
+
     def branch(request_id: str, question: Question) -> Branch:
-        prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}])
+        prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}],
+                                     media_memo=media_memo)
         return Branch(request_id, prompt, candidate_token_ids(question, inputs.encode), question.temperature)
 
     def read(outcome: Outcome, index: int, question: Question) -> Answer:

@@ -254,7 +254,10 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
     ) -> PreparedPrompt:
+        """`media_memo`: prompts built from the same message objects (a decision's material asked several
+        questions) pass one dict, and each image object is hashed and looked up once for all of them."""
         text, media = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -263,7 +266,7 @@ class InputProcessor:
         )
         images = [m for m in media if isinstance(m, ImageInput)]
         videos = [m for m in media if isinstance(m, VideoInput)]
-        return self._prepare(text, images, videos, from_chat=True)
+        return self._prepare(text, images, videos, from_chat=True, media_memo=media_memo)
 
     def prepare_prompt(
         self,
@@ -279,7 +282,8 @@ class InputProcessor:
 
     # ---------------------------------------------------------------------------------- internals
     def _prepare(
-        self, text: str, images: list[ImageInput], videos: list[VideoInput], *, from_chat: bool
+        self, text: str, images: list[ImageInput], videos: list[VideoInput], *, from_chat: bool,
+        media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
     ) -> PreparedPrompt:
         ids = np.asarray(self.encode(text), dtype=np.int64)
         if ids.size == 0:
@@ -300,11 +304,7 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
-        prepared_images = (
-            list(self._media_threads.map(self._image, [im.data for im in images]))
-            if len(images) > 1
-            else [self._image(im.data) for im in images]
-        )
+        prepared_images = self._images([im.data for im in images], {} if media_memo is None else media_memo)
         prepared_videos = [self._video(v) for v in videos]
         expanded = expand_placeholders(
             ids,
@@ -375,6 +375,15 @@ class InputProcessor:
         if self._cache is None:
             return compute()[0]
         return self._cache.get_or_compute(key, compute)
+
+    def _images(self, datas: list[Any], memo: dict[int, tuple[Any, PreparedImage]]) -> list[PreparedImage]:
+        """Each image prepared once per memo (keyed by object identity; the memo holds the object, so its id
+        cannot be reused while the entry lives), new ones on the media threads."""
+        todo = list({id(d): d for d in datas if id(d) not in memo or memo[id(d)][0] is not d}.values())
+        done = list(self._media_threads.map(self._image, todo)) if len(todo) > 1 else [self._image(d) for d in todo]
+        for data, prepared in zip(todo, done, strict=True):
+            memo[id(data)] = (data, prepared)
+        return [memo[id(d)][1] for d in datas]
 
     def _image(self, data: Any) -> PreparedImage:
         cfg = self.image_config

@@ -42,8 +42,11 @@ if HAVE_TRITON:
     from .paged_attention import _attend_keys, _decode_reduce_kernel, _store_attention, dot_dtype
 
 _LOG2E = 1.4426950408889634
+# Launch knobs (`bench/tune_prefill_attention.py` sweeps them on the GPU).
 _BLOCK_ROWS = 64  # rows (token, head) of one program
 _BLOCK_N = 64  # keys per tile
+_NUM_WARPS = 4
+_NUM_STAGES = 2  # software pipelining of the key loop
 _TARGET_PROGRAMS = 512  # below this many (block, KV head) programs, split the keys too
 _MAX_SPLITS = 16
 _MAX_PARTIAL_BYTES = 16 * 2**20
@@ -169,8 +172,8 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
-            OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=2, NATIVE_FP8=native_fp8(pool.device),
-            num_warps=4, num_stages=2,
+            OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(pool.device),
+            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(n, hq)](

@@ -1,0 +1,96 @@
+"""Sweep the paged prefill-attention kernel's launch knobs on the GPU (not part of `nox -s bench`).
+
+8B shapes (32 query heads, 8 KV heads of 128), scaled-FP8 pages of 256 tokens:
+- w1: one sequence prefilled from scratch, 1,600 tokens (W1's eight images);
+- chunk256: 256 new tokens of one sequence at positions 1,024-1,279 (W4's interleaved chunks);
+- w2: a 30-token question after a 1,600-token cached prefix (W2 when it runs eagerly, W7's branches).
+For each case and each (rows per program, keys per tile, pipeline stages, warps, splits) the kernel is
+captured 20 times in a CUDA graph and the replay timed. Prints the best configurations per case and the
+current defaults' time; writes the table to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
+from prism.ops import paged_prefill as pp  # noqa: E402
+from prism.ops.paged_attention import PagedAttentionMetadata  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 256
+CASES = {"w1": (1600, 1600), "chunk256": (256, 1280), "w2": (30, 1630)}  # (new tokens, context after)
+
+
+def time_config(q, pool, meta, splits: int) -> float:
+    launch = pp.PrefillLaunch(meta.query_lens, meta.context_lens_host, HQ // HKV, pool.device)
+
+    def call():
+        pp.paged_prefill_attention(q, pool, 3, meta, launch=launch, num_splits=splits, use_triton=True)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / 100  # us per call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results/tune_prefill_attention.txt")
+    args = parser.parse_args()
+    layout = KVLayout(36, HKV, D, PAGE, 16, "fp8")
+    pool = KVPool.allocate(layout, "cuda")
+    sign = torch.randint(0, 2, pool.payload.shape, device="cuda", dtype=torch.uint8) << 7
+    pool.payload.view(torch.uint8).copy_(torch.randint(0, 0x70, pool.payload.shape, device="cuda",
+                                                       dtype=torch.uint8) | sign)
+    pool.scales.uniform_(0.001, 0.01)
+    lines = []
+    defaults = (pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS)
+    for name, (new, ctx) in CASES.items():
+        meta = PagedAttentionMetadata.build([new], [ctx], [list(range(-(-ctx // PAGE)))], PAGE, "cuda")
+        q = torch.randn(new, HQ, D, dtype=torch.bfloat16, device="cuda")
+        blocks = -(-new // (pp._BLOCK_ROWS // (HQ // HKV)))
+        default_splits = pp.prefill_num_splits(new, blocks, HQ, HKV, D, ctx)
+        results = []
+        for rows, block_n, stages, warps in itertools.product((64, 128), (64, 128), (1, 2), (4, 8)):
+            pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS = rows, block_n, stages, warps
+            for splits in {"w1": (1,), "chunk256": (1, 2), "w2": (4, 8, 16)}[name]:
+                try:
+                    us = time_config(q, pool, meta, splits)
+                except Exception as error:  # a configuration the compiler refuses (shared memory...)
+                    print(f"{name} {rows} {block_n} {stages} {warps} {splits}: {type(error).__name__}")
+                    continue
+                results.append((us, rows, block_n, stages, warps, splits))
+        pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS = defaults
+        current = next((r for r in results if r[1:] == (*defaults, default_splits)), (float("nan"),))
+        results.sort()
+        lines.append(f"== {name} ({new} new tokens, context {ctx}): current defaults (rows {defaults[0]}, "
+                     f"BLOCK_N {defaults[1]}, stages {defaults[2]}, warps {defaults[3]}, splits {default_splits}): "
+                     f"{current[0]:.1f} us")
+        lines += [f"  {us:7.1f} us  rows {r:3d} BLOCK_N {bn:3d} stages {st} warps {w} splits {sp:2d}"
+                  for us, r, bn, st, w, sp in results[:12]]
+        print("\n".join(lines[-13:]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
