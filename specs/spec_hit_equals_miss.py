@@ -2,9 +2,10 @@
 the cache off, on the real engine (tiny checkpoint, fp32, scaled-FP8 KV, CPU).
 
 Drawn: which images the prompts share, their questions, the page size and the token budget (so prefixes hit at
-page boundaries, inside pages with a tail copy, or not at all, and misses are chunked differently), and whether
-decodes and short prefills run as the CUDA graphs' one-token rows (eagerly here). The prompts
-run one after another, so every later one can hit what the earlier ones computed.
+page boundaries, inside pages with a tail copy, or not at all, and misses are chunked differently), and which CUDA
+graph paths run (eagerly here, on their static buffers): none, the one-token rows (decodes and short prefills), or
+the rows and the packed graphs (every step with a prefill, media tokens included). The prompts run one after
+another, so every later one can hit what the earlier ones computed.
 
 Default mode: the same greedy tokens, and logits within 2e-2. Not tighter: a GEMM over a different number of rows
 rounds differently in fp32, and when that moves a K/V value across an FP8 rounding boundary the difference grows
@@ -33,10 +34,14 @@ DEFAULT_TOLERANCE = 2e-2
 
 
 @functools.cache
-def engine(page_size: int, budget: int, cache: bool, deterministic: bool, graph_rows: bool = False) -> LLM:
+def engine(page_size: int, budget: int, cache: bool, deterministic: bool, graphs: str = "off") -> LLM:
     return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=page_size, num_gpu_pages=256,
                max_num_batched_tokens=budget, enable_prefix_cache=cache, deterministic=deterministic,
-               graph_rows_without_cuda=graph_rows, check_invariants=True)
+               graph_rows_without_cuda=graphs != "off", cuda_graph_max_packed_tokens=512 if graphs == "packed" else 0,
+               check_invariants=True)
+
+
+GRAPHS = st.sampled_from(["off", "rows", "packed"])  # "packed": the rows and the packed graphs
 
 
 def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tensor], list[int]]:
@@ -72,19 +77,24 @@ def chat(images: list[int], question: str) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": PREAMBLE + question}]}]
 
 
-def check(images, questions, page_size: int, budget: int, deterministic: bool, graph_rows: bool = False) -> None:
+def check(images, questions, page_size: int, budget: int, deterministic: bool, graphs: str = "off") -> None:
     """`images`: one list of image indices shared by every prompt (every later prompt hits), or one list per
-    prompt (partial hits, misses, and prefixes evicted by nothing but their own variety). `graph_rows`: both
-    engines run decodes and short prefills as the CUDA graphs' one-token rows (the question after a hit too)."""
+    prompt (partial hits, misses, and prefixes evicted by nothing but their own variety). `graphs`: the cached
+    engine runs through the CUDA graphs' paths (the cache-off one always eagerly): "rows" (decodes, and short prefills such as the question after a hit, as
+    one-token rows), "packed" (decodes as rows, every step with a prefill packed)."""
     torch.set_num_threads(1)
     shared = not (images and isinstance(images[0], list))
     per_prompt = [images] * len(questions) if shared else images
     prompts = [chat(imgs, q) for imgs, q in zip(per_prompt, questions, strict=False)]
-    hit, cached = logits_of_each(engine(page_size, budget, True, deterministic, graph_rows), prompts)
-    miss, uncached = logits_of_each(engine(page_size, budget, False, deterministic, graph_rows), prompts)
+    hit, cached = logits_of_each(engine(page_size, budget, True, deterministic, graphs), prompts)
+    # The miss is the plain reference: the cache off and every step an eager forward, whatever `graphs` says.
+    miss, uncached = logits_of_each(engine(page_size, budget, False, deterministic), prompts)
     assert not any(uncached), "the cache-off engine reported cached tokens"
-    if graph_rows:
-        assert engine(page_size, budget, True, deterministic, graph_rows).engine.runner.stats.graph_steps > 0
+    stats = engine(page_size, budget, True, deterministic, graphs).engine.runner.stats
+    if graphs != "off":
+        assert stats.graph_steps > 0, "no decode ran as graph rows"
+    if graphs == "packed":
+        assert stats.packed_graph_steps > 0, "no prefill ran through the packed graphs"
     assert not shared or any(cached[1:]), f"prompts sharing their images must hit (cached tokens {cached})"
     for i, (h, m) in enumerate(zip(hit, miss, strict=True)):
         if deterministic:
@@ -104,9 +114,9 @@ SHARED = dict(
 
 
 @settings(max_examples=12, deadline=None)
-@given(**SHARED, graph_rows=st.booleans())
-def spec_a_prefix_hit_gives_the_logits_of_a_miss(images, questions, page_size, budget, graph_rows) -> None:
-    check(images, questions, page_size, budget, deterministic=False, graph_rows=graph_rows)
+@given(**SHARED, graphs=GRAPHS)
+def spec_a_prefix_hit_gives_the_logits_of_a_miss(images, questions, page_size, budget, graphs) -> None:
+    check(images, questions, page_size, budget, deterministic=False, graphs=graphs)
 
 
 @settings(max_examples=6, deadline=None)
@@ -121,7 +131,7 @@ def spec_deterministic_mode_hit_equals_miss_bitwise(images, questions, page_size
     questions=st.lists(st.sampled_from(QUESTIONS), min_size=3, max_size=3),
     page_size=st.sampled_from([4, 8]),
     budget=st.sampled_from([96, 512]),
-    graph_rows=st.booleans(),
+    graphs=GRAPHS,
 )
-def spec_partial_hits_give_the_logits_of_misses(images, questions, page_size, budget, graph_rows) -> None:
-    check(images, questions, page_size, budget, deterministic=False, graph_rows=graph_rows)
+def spec_partial_hits_give_the_logits_of_misses(images, questions, page_size, budget, graphs) -> None:
+    check(images, questions, page_size, budget, deterministic=False, graphs=graphs)

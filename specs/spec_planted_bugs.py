@@ -309,3 +309,18 @@ def test_graph_rows_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(cuda_graphs.GraphRows, "from_pieces", classmethod(one_position_ahead))
     _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
+
+
+def test_packed_graph_steps_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11 through the packed graphs: a packed step that rotates each token as the next one makes the
+    cached engine's prompts (packed) differ from the cache-off engine's eager ones."""
+    from prism.engine import packed_graphs
+
+    from_pieces = packed_graphs.PackedStep.from_pieces.__func__
+
+    def one_position_ahead(cls, pieces, media, page_size):
+        step = from_pieces(cls, pieces, media, page_size)
+        return dataclasses.replace(step, positions=step.positions + 1)
+
+    monkeypatch.setattr(packed_graphs.PackedStep, "from_pieces", classmethod(one_position_ahead))
+    _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")

@@ -572,3 +572,36 @@ def test_a_media_memo_prepares_each_image_object_once(proc, monkeypatch):
     assert len(calls) == len(images) * len(questions)
     for a, b in zip(with_memo, without, strict=True):
         assert a.token_ids == b.token_ids and [m.digest for m in a.media] == [m.digest for m in b.media]
+
+
+def test_an_image_sent_with_a_uuid_can_then_be_named_by_it_alone(ckpt):
+    """vLLM's convention: a part's `uuid` names its image; later prompts may send the uuid without the image
+    (no decoding, no hashing) and get the same prepared media. An unknown uuid, a uuid re-pointed at another
+    image, a malformed uuid and an image part with neither are clear InputErrors."""
+    proc = InputProcessor(ckpt, model_id="tiny-uuid", cache_bytes=2**26)
+    a, b = random_images([(64, 48), (32, 32)], seed=12)
+
+    def chat(part):
+        return [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]
+
+    with pytest.raises(InputError, match="names no image"):
+        proc.prepare_chat(chat({"type": "image", "image": None, "uuid": "pic-a"}))
+    sent = proc.prepare_chat(chat({"type": "image", "image": a, "uuid": "pic-a"}))
+    calls = []
+    original = proc._image
+    proc._image = lambda data: calls.append(data) or original(data)
+    named = proc.prepare_chat(chat({"type": "image_url", "image_url": None, "uuid": "pic-a"}))
+    assert not calls, "an image named by its uuid was prepared again"
+    assert named.token_ids == sent.token_ids and named.media[0].digest == sent.media[0].digest
+    assert torch.equal(named.media[0].pixels.patches, sent.media[0].pixels.patches)
+    with pytest.raises(InputError, match="already names a different image"):
+        proc.prepare_chat(chat({"type": "image", "image": b, "uuid": "pic-a"}))
+    assert proc.prepare_chat(chat({"type": "image", "image": a, "uuid": "pic-a"})).media[0].digest == sent.media[0].digest
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(InputError, match="uuid must be"):
+            proc.prepare_chat(chat({"type": "image", "image": a, "uuid": bad}))
+    with pytest.raises(InputError, match="nor a 'uuid'"):
+        proc.prepare_chat(chat({"type": "image", "image": None}))
+    no_cache = InputProcessor(ckpt, model_id="tiny-uuid")
+    with pytest.raises(InputError, match="preprocessing cache"):
+        no_cache.prepare_chat(chat({"type": "image", "image": a, "uuid": "pic-a"}))

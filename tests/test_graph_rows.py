@@ -31,8 +31,9 @@ def piece(token_ids, start, pages, sample=True) -> PieceInput:
     return PieceInput(list(token_ids), positions, start, end, 0, list(pages), sample)
 
 
-def packed_forward(model, pool, pieces):
-    """The eager packed step (`ModelRunner._forward`'s computation): logits of the sampling pieces' last rows."""
+def packed_forward(model, pool, pieces, media=None):
+    """The eager packed step (`ModelRunner._forward`'s computation): logits of the sampling pieces' last rows;
+    `media`: `MultimodalEmbeddings` placed at their rows."""
     meta = PagedAttentionMetadata.build([p.end - p.start for p in pieces], [p.end for p in pieces],
                                         [p.pages for p in pieces], PAGE)
     rows, offset = [], 0
@@ -43,7 +44,8 @@ def packed_forward(model, pool, pieces):
     ids = torch.tensor([t for p in pieces for t in p.token_ids])
     positions = torch.cat([p.positions for p in pieces], dim=1)
     with torch.inference_mode():
-        return model(ids, positions, PagedKVBackend(pool, meta), logits_indices=torch.tensor(rows)).float()
+        return model(ids, positions, PagedKVBackend(pool, meta), multimodal=media,
+                     logits_indices=torch.tensor(rows)).float()
 
 
 def snapshot(pool: KVPool):
@@ -130,14 +132,15 @@ def test_prefills_that_would_reread_long_contexts_stay_eager(model, monkeypatch)
     from prism.engine import runner
 
     pool, graphs, tokens, (a_pages, b_pages, c_pages) = setup(model)
-    fake = SimpleNamespace(graphs=graphs)
+    fake = SimpleNamespace(graphs=graphs, packed=None)  # no packed graphs: the rows are the only graphs
     question = [piece(tokens(5), 10, a_pages)]  # 5 tokens x context 15 = 75 key reads
     decodes = [piece(tokens(1), 7, b_pages), piece(tokens(1), 3, c_pages)]
-    assert runner.ModelRunner._fits_graph(fake, question + decodes, [])
+    graph_for = runner.ModelRunner._graph_for
+    assert graph_for(fake, question + decodes, []) == "rows"
     monkeypatch.setattr(runner, "MAX_GRAPH_PREFILL_KEY_READS", 74)
-    assert not runner.ModelRunner._fits_graph(fake, question + decodes, [])
-    assert runner.ModelRunner._fits_graph(fake, decodes, [])
-    assert not runner.ModelRunner._fits_graph(fake, decodes, ["a media slice"]), "media tokens never run as rows"
+    assert graph_for(fake, question + decodes, []) == ""
+    assert graph_for(fake, decodes, []) == "rows"
+    assert graph_for(fake, decodes, ["a media slice"]) == "", "media tokens never run as rows"
 
 
 def test_padding_rows_write_only_scratch_slots_after_a_larger_step(model):

@@ -96,6 +96,37 @@ def test_openai_client_plain_and_streaming(live):
     assert "prism:time_to_first_token_seconds_bucket" in metrics and "prism:mm_cache_hits_total" in metrics
 
 
+def test_images_named_by_uuid_after_being_sent_once(live):
+    """vLLM's convention through the openai client: an image part's `uuid` names it; a later request sends the
+    uuid with `"image_url": null` (no pixels) and hits the same prefix. An unknown uuid, a uuid re-pointed at
+    another image and a part with neither image nor uuid are 400s that harm nothing."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=live.url + "/v1", api_key="unused")
+
+    def ask(part: dict, text: str):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [part, {"type": "text", "text": text}]}],
+            max_tokens=2)
+
+    url = _data_url(_png(31))
+    first = ask({"type": "image_url", "image_url": {"url": url}, "uuid": "shelf-31"}, "What is it?")
+    again = ask({"type": "image_url", "image_url": None, "uuid": "shelf-31"}, "And its colour?")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, "naming the image by uuid must hit its prefix"
+    assert again.usage.prompt_tokens > 64 and first.usage.prompt_tokens > 64, "the image's tokens are in both prompts"
+    for part, needle in (
+        ({"type": "image_url", "image_url": None, "uuid": "never-sent"}, "names no image"),
+        ({"type": "image_url", "image_url": {"url": _data_url(_png(32))}, "uuid": "shelf-31"}, "different image"),
+        ({"type": "image_url", "image_url": None}, "uuid"),
+        ({"type": "image_url", "image_url": None, "uuid": ""}, "uuid"),
+    ):
+        response = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "x"}]}]})
+        assert response.status_code == 400, response.text
+        assert needle in response.json()["error"]["message"], response.json()
+    assert ask({"type": "image_url", "image_url": None, "uuid": "shelf-31"}, "Still there?").choices
+
+
 def test_local_file_under_the_media_root(live):
     path = live.app.state.prism.settings.media_root / "cat.png"
     body = {"model": MODEL, "messages": _image_message(f"file://{path}", "hi"), "max_tokens": 2}

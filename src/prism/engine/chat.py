@@ -10,7 +10,9 @@ and the tokenizer-side files that shape text (chat template, named special token
 - Message parts: `{"type": "text", "text"}`, `{"type": "image", "image": bytes | PIL | uint8 HxWx3}`,
   `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}` (data URLs only: remote URLs
   and paths are refused here) and `{"type": "video", "video": frames, "fps": source frame rate}` with an
-  optional `num_frames` (sample exactly that many frames instead of the processor's fps).
+  optional `num_frames` (sample exactly that many frames instead of the processor's fps). An image part may
+  carry a `uuid` (vLLM's convention): the client's name for that image. Sent once with its data, the image can
+  then be named by its uuid alone (`"image": None` / `"image_url": None`), which skips decoding and hashing it.
   The template sees media parts as bare `{"type": "image"}` / `{"type": "video"}` (payloads are not text).
 - Media are collected in message order, part order (what HF's processor does); images and videos are
   numbered separately, matching how placeholders are expanded.
@@ -52,9 +54,11 @@ ImageData = bytes | bytearray | memoryview | Image.Image | np.ndarray
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image as given: encoded file bytes, a PIL image or a uint8 [H, W, 3] array."""
+    """One image as given: encoded file bytes, a PIL image or a uint8 [H, W, 3] array; or only a `uuid`, the
+    client's name for an image it sent with that uuid before (the server then skips decoding and hashing)."""
 
-    data: ImageData
+    data: ImageData | None
+    uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -267,8 +271,16 @@ def _check_keys(part: Mapping[str, Any], allowed: frozenset[str], where: str) ->
         raise InputError(f"{where}: unknown keys {unknown} (allowed: {sorted(allowed)})")
 
 
-_IMAGE_KEYS = frozenset({"type", "image"})
-_IMAGE_URL_KEYS = frozenset({"type", "image_url"})
+_IMAGE_KEYS = frozenset({"type", "image", "uuid"})
+_IMAGE_URL_KEYS = frozenset({"type", "image_url", "uuid"})
+MAX_UUID_CHARS = 256
+
+
+def _image_uuid(part: Mapping[str, Any], where: str) -> str | None:
+    uuid = part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
+        raise InputError(f"{where}: uuid must be a non-empty string of at most {MAX_UUID_CHARS} characters")
+    return uuid
 _VIDEO_KEYS = frozenset({"type", "video", "fps", "num_frames"})
 _TEXT_KEYS = frozenset({"type", "text"})
 
@@ -276,6 +288,9 @@ _TEXT_KEYS = frozenset({"type", "text"})
 def _image_url_part(part: Mapping[str, Any], where: str, max_bytes: int) -> ImageInput:
     _check_keys(part, _IMAGE_URL_KEYS, where)
     spec = part.get("image_url")
+    uuid = _image_uuid(part, where)
+    if spec is None and uuid is not None:
+        return ImageInput(None, uuid)
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - {"url", "detail"})
         if unknown:
@@ -287,7 +302,7 @@ def _image_url_part(part: Mapping[str, Any], where: str, max_bytes: int) -> Imag
         url = spec
     if url is None:
         raise InputError(f"{where}: image_url part has no url")
-    return ImageInput(decode_data_url(url, max_bytes))
+    return ImageInput(decode_data_url(url, max_bytes), uuid)
 
 
 def _video_part(part: Mapping[str, Any], where: str) -> VideoInput:
@@ -341,9 +356,10 @@ def parse_messages(
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image":
                 _check_keys(part, _IMAGE_KEYS, where)
-                if part.get("image") is None:
-                    raise InputError(f"{where}: image part has no 'image' data")
-                media.append(ImageInput(part["image"]))
+                uuid = _image_uuid(part, where)
+                if part.get("image") is None and uuid is None:
+                    raise InputError(f"{where}: image part has no 'image' data (nor a 'uuid' of an image sent before)")
+                media.append(ImageInput(part.get("image"), uuid))
                 parts.append({"type": "image"})
             elif kind == "image_url":
                 media.append(_image_url_part(part, where, max_image_bytes))
@@ -368,10 +384,10 @@ def coerce_media_lists(images: Any, videos: Any) -> tuple[list[ImageInput], list
             raise InputError(f"{name} must be a list, got {type(value).__name__}")
     image_inputs = []
     for i, im in enumerate(images):
-        data = im.data if isinstance(im, ImageInput) else im
-        if data is None:
-            raise InputError(f"image {i} has no data")
-        image_inputs.append(ImageInput(data))
+        image = im if isinstance(im, ImageInput) else ImageInput(im)
+        if image.data is None and image.uuid is None:
+            raise InputError(f"image {i} has no data (nor a uuid of an image sent before)")
+        image_inputs.append(image)
     video_inputs = []
     for j, v in enumerate(videos):
         if isinstance(v, Mapping):

@@ -53,8 +53,11 @@ class EngineConfig:
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
     cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
-    # Off CUDA, run the steps the CUDA graphs would replay as the same one-token rows, eagerly: slower on the CPU,
-    # but it puts the graph path's row construction through the whole engine (tests and specs).
+    # Tokens of the largest captured packed step (prefill chunks, questions, media tokens, beside decodes); larger
+    # steps run eagerly. 0: no packed graphs.
+    cuda_graph_max_packed_tokens: int = 1024
+    # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
+    # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False
     # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
@@ -77,6 +80,9 @@ class EngineConfig:
         for f in dataclasses.fields(self):  # a JSON "false" string would otherwise switch a feature on
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
+        packed = self.cuda_graph_max_packed_tokens
+        if not isinstance(packed, int) or isinstance(packed, bool) or packed < 0:
+            raise ConfigError(f"cuda_graph_max_packed_tokens must be a non-negative integer, got {packed!r}")
         if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
             raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
         if self.kv_dtype not in KV_DTYPES:

@@ -29,6 +29,31 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _ID, _POS, _SLOT, _CTX = 0, slice(1, 4), 4, 5
 
 
+@torch.inference_mode()
+def capture_buckets(device: torch.device, buckets, forward, prepare=None) -> tuple[dict, dict]:
+    """`forward(b)` of every bucket captured in a CUDA graph (largest first, sharing one memory pool), each
+    after `prepare(b)` and two eager runs on a side stream, which compile the Triton kernels and settle the
+    allocations outside the capture. ({bucket: graph}, {bucket: output}); nothing is captured off CUDA."""
+    graphs, outputs = {}, {}
+    if device.type != "cuda":
+        return graphs, outputs
+    memory = torch.cuda.graph_pool_handle()
+    for b in sorted(buckets, reverse=True):
+        if prepare is not None:
+            prepare(b)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[b] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[b], pool=memory):
+            outputs[b] = forward(b)
+    torch.cuda.synchronize()
+    return graphs, outputs
+
+
 @dataclass(frozen=True)
 class GraphRows:
     """A step as one-token rows. Row r is token `token_ids[r]` at slot `slots[r]`, attending over the first
@@ -136,24 +161,9 @@ class RowGraphs:
         backend = PagedKVBackend(self.pool, meta)
         return self.model(self.input_ids[:b], self.positions[:, :b], backend, logits_indices=self.logits_index[:b])
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket (largest first, sharing one memory pool); nothing to capture on a CPU pool."""
-        if self.pool.device.type != "cuda":
-            return
-        memory = torch.cuda.graph_pool_handle()
-        for b in sorted(self.buckets, reverse=True):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compile Triton kernels and settle allocations outside the capture
-                    self._forward(b)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory):
-                self._outputs[b] = self._forward(b)
-            self._graphs[b] = graph
-        torch.cuda.synchronize()
+        """Capture every bucket; nothing to capture on a CPU pool."""
+        self._graphs, self._outputs = capture_buckets(self.pool.device, self.buckets, self._forward)
 
     def fits(self, num_rows: int, max_context: int) -> bool:
         return 0 < num_rows <= self.max_batch and max_context <= self.max_context

@@ -18,6 +18,7 @@ run on worker threads concurrently.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -304,7 +305,7 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
-        prepared_images = self._images([im.data for im in images], {} if media_memo is None else media_memo)
+        prepared_images = self._images(images, {} if media_memo is None else media_memo)
         prepared_videos = [self._video(v) for v in videos]
         expanded = expand_placeholders(
             ids,
@@ -376,14 +377,50 @@ class InputProcessor:
             return compute()[0]
         return self._cache.get_or_compute(key, compute)
 
-    def _images(self, datas: list[Any], memo: dict[int, tuple[Any, PreparedImage]]) -> list[PreparedImage]:
+    def _images(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]]) -> list[PreparedImage]:
         """Each image prepared once per memo (keyed by object identity; the memo holds the object, so its id
-        cannot be reused while the entry lives), new ones on the media threads."""
+        cannot be reused while the entry lives), new ones on the media threads; images named by uuid alone come
+        from the uuid registry, and images sent with a uuid are registered under it."""
+        datas = [im.data for im in images if im.data is not None]
         todo = list({id(d): d for d in datas if id(d) not in memo or memo[id(d)][0] is not d}.values())
         done = list(self._media_threads.map(self._image, todo)) if len(todo) > 1 else [self._image(d) for d in todo]
         for data, prepared in zip(todo, done, strict=True):
             memo[id(data)] = (data, prepared)
-        return [memo[id(d)][1] for d in datas]
+        out = []
+        for im in images:
+            if im.data is None:
+                out.append(self._image_by_uuid(im.uuid))
+                continue
+            prepared = memo[id(im.data)][1]
+            if im.uuid is not None:
+                self._register_uuid(im.uuid, prepared)
+            out.append(prepared)
+        return out
+
+    def _uuid_key(self, uuid: str | None) -> CacheKey:
+        if self._cache is None:
+            raise InputError("image uuids need the preprocessing cache (preprocess_cache_bytes > 0)")
+        return CacheKey(hashlib.sha256(str(uuid).encode()).digest(), self._image_ns + "/uuid")
+
+    def _image_by_uuid(self, uuid: str | None) -> PreparedImage:
+        key = self._uuid_key(uuid)
+        assert self._cache is not None
+        prepared = self._cache.get(key)
+        if prepared is None:
+            raise InputError(f"image uuid {uuid!r} names no image this server holds: send the image with it "
+                             "(it may have been evicted)")
+        return prepared
+
+    def _register_uuid(self, uuid: str, prepared: PreparedImage) -> None:
+        """Name `prepared` by `uuid`; a uuid already naming another image keeps it (first wins): re-pointing
+        it would hand that image's other users someone else's pixels."""
+        key = self._uuid_key(uuid)
+        assert self._cache is not None
+        known = self._cache.get(key)
+        if known is not None and known.digest != prepared.digest:
+            raise InputError(f"image uuid {uuid!r} already names a different image")
+        if known is None:
+            self._cache.put(key, prepared, prepared.nbytes)
 
     def _image(self, data: Any) -> PreparedImage:
         cfg = self.image_config

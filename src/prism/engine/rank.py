@@ -48,5 +48,7 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         deterministic=config.deterministic,
         group=group,
         graph_rows_without_cuda=config.graph_rows_without_cuda,
+        packed_graph_max_tokens=config.cuda_graph_max_packed_tokens,
+        max_num_seqs=config.max_num_seqs,
     )
     return runner, max_model_len

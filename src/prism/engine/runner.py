@@ -29,6 +29,7 @@ from ..ops.dispatch import kernels_override
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
 from .cuda_graphs import GraphRows, RowGraphs
+from .packed_graphs import PackedGraphs, PackedStep
 from .scheduler import ScheduledSlice
 from .step_payload import (
     ForwardInput,
@@ -48,6 +49,7 @@ MAX_GRAPH_PREFILL_KEY_READS = 64 * 2048
 class RunnerStats:
     steps: int = 0
     graph_steps: int = 0  # steps run as the CUDA graphs' one-token rows (replayed on CUDA, eager off it)
+    packed_graph_steps: int = 0  # steps run through the packed graphs' static buffers (replayed on CUDA)
     tokens_computed: int = 0
     vision_items_encoded: int = 0  # media items that went through the vision encoder
     encoder_cache_hits: int = 0  # media items whose features came from the encoder cache
@@ -88,6 +90,8 @@ class ModelRunner:
         deterministic: bool = False,
         group: TPGroup | None = None,
         graph_rows_without_cuda: bool = False,
+        packed_graph_max_tokens: int | None = None,
+        max_num_seqs: int = 64,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -100,8 +104,10 @@ class ModelRunner:
         # (how the CPU tests put that path through the whole engine).
         use_graphs = (cuda_graph_max_batch is not None and not deterministic
                       and (self.device.type == "cuda" or graph_rows_without_cuda))
+        use_packed = use_graphs and bool(packed_graph_max_tokens)
         # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
-        scratch = -(-cuda_graph_max_batch // layout.page_size) if use_graphs else 0
+        scratch_rows = max(cuda_graph_max_batch or 0, packed_graph_max_tokens or 0) if use_graphs else 0
+        scratch = -(-scratch_rows // layout.page_size)
         self.gpu_pool = KVPool.allocate(layout.with_num_pages(layout.num_pages + scratch), self.device)
         self.cpu_pool = (
             KVPool.allocate(layout.with_num_pages(num_cpu_pages), "cpu", pin_memory=self.device.type == "cuda")
@@ -117,6 +123,11 @@ class ModelRunner:
         if use_graphs:
             self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len)
             self.graphs.capture()
+        self.packed: PackedGraphs | None = None
+        if use_packed:
+            self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
+                                       max_num_seqs, max_model_len)
+            self.packed.capture()
 
     def group_q_heads(self, text) -> int:
         """Query heads on this rank (the KV pool holds this rank's share of the KV heads)."""
@@ -162,7 +173,7 @@ class ModelRunner:
             ]
             media, used = media_slices(pieces, [g[0].request for g in group])
             items.extend(used)
-            forwards.append(ForwardInput(pieces, media, graph=self._fits_graph(pieces, media)))
+            forwards.append(ForwardInput(pieces, media, graph=self._graph_for(pieces, media)))
         items.extend(media_ahead)  # media_work keeps one entry per digest, the forwards' first
         return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached))
 
@@ -184,16 +195,25 @@ class ModelRunner:
     def is_encoder_cached(self, digest: bytes) -> bool:
         return CacheKey(digest, "vision") in self.encoder_cache
 
-    def _fits_graph(self, pieces: list[PieceInput], media: list[MediaSlice]) -> bool:
-        """Decodes and short prefills without media tokens replay a captured graph as one-token rows. As rows,
-        each prefill token reads its whole context on its own (the prefill kernel shares each key tile among
-        a block of tokens), so prefills go to the graphs only while that re-reading stays small."""
-        if self.graphs is None or media or any(p.pad for p in pieces):
-            return False
+    def _graph_for(self, pieces: list[PieceInput], media: list[MediaSlice]) -> str:
+        """Which captured graphs run this forward ("rows", "packed" or "" for an eager forward). Decodes replay
+        the one-token rows. A step with a prefill goes to the packed graphs (the prefill kernel shares each key
+        tile among a block of tokens); failing those, a short one without media to the rows, where each prefill
+        token reads its whole context on its own, so only while that re-reading stays small."""
+        if any(p.pad for p in pieces):
+            return ""
+        tokens, longest = sum(p.end - p.start for p in pieces), max(p.end for p in pieces)
+        decode_only = all(p.end - p.start == 1 for p in pieces)
+        if decode_only and not media and self.graphs is not None and self.graphs.fits(tokens, longest):
+            return "rows"
+        if self.packed is not None and self.packed.fits(tokens, len(pieces), longest):
+            return "packed"
+        if self.graphs is None or media:
+            return ""
         prefill_key_reads = sum((p.end - p.start) * p.end for p in pieces if p.end - p.start > 1)
         if prefill_key_reads > MAX_GRAPH_PREFILL_KEY_READS:
-            return False
-        return self.graphs.fits(sum(p.end - p.start for p in pieces), max(p.end for p in pieces))
+            return ""
+        return "rows" if self.graphs.fits(tokens, longest) else ""
 
     # -- every rank: running the payload ---------------------------------------------------------
     @torch.inference_mode()
@@ -205,7 +225,12 @@ class ModelRunner:
         features = self._encode(payload.media) if payload.media else {}
         out = []
         for forward in payload.forwards:
-            logits = self._graph_step(forward) if forward.graph else self._forward(forward, features)
+            if forward.graph == "rows":
+                logits = self._graph_step(forward)
+            elif forward.graph == "packed":
+                logits = self._packed_step(forward, features)
+            else:
+                logits = self._forward(forward, features)
             if len(payload.forwards) == 1:
                 return logits
             if any(p.sample for p in forward.pieces):
@@ -245,6 +270,15 @@ class ModelRunner:
         self.stats.steps += 1
         self.stats.graph_steps += 1
         self.stats.tokens_computed += rows.num_rows
+        return logits
+
+    def _packed_step(self, forward: ForwardInput, features) -> torch.Tensor:
+        assert self.packed is not None
+        step = PackedStep.from_pieces(forward.pieces, forward.media, self.page_size)
+        logits = self.packed.run(step, self._place_media(forward.media, features))
+        self.stats.steps += 1
+        self.stats.packed_graph_steps += 1
+        self.stats.tokens_computed += step.num_tokens
         return logits
 
     # -- vision ----------------------------------------------------------------------------------

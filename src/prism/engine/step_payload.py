@@ -53,7 +53,9 @@ class MediaSlice:
 class ForwardInput:
     pieces: list[PieceInput]
     media: list[MediaSlice]
-    graph: bool = False  # one-token rows (decodes, short prefills without media) replaying a captured CUDA graph
+    # Which captured CUDA graphs replay this forward: "rows" (one-token rows: decodes, short prefills without
+    # media), "packed" (the packed forward of a mixed step), "" (none: an eager forward).
+    graph: str = ""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,20 @@ class MultimodalEmbeddings:
     deepstack: torch.Tensor
 
 
+@dataclass(frozen=True)
+class DenseMultimodal:
+    """Visual features over every row of a packed batch (a CUDA graph's static form of `MultimodalEmbeddings`).
+
+    mask: [N] bool, True at media placeholder rows; embeds: [N, hidden] (read only where mask is set);
+    deepstack: [num_deepstack, N, hidden], zeros at the other rows (added to every row: adding zero changes
+    no value).
+    """
+
+    mask: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: torch.Tensor
+
+
 def last_token_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Row of each packed sequence's last token (for next-token logits), computed on device."""
     return (cu_seqlens[1:] - 1).to(torch.long)
@@ -133,14 +147,18 @@ class Qwen3VLModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         backend: AttentionBackend,
-        multimodal: MultimodalEmbeddings | None = None,
+        multimodal: MultimodalEmbeddings | DenseMultimodal | None = None,
     ) -> torch.Tensor:
         """Packed tokens [N] + positions [3, N] -> final-normed hidden states [N, hidden]."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be flat [N], got {tuple(input_ids.shape)}")
         embeds = self.embed_tokens(input_ids)
         deepstack = None
-        if multimodal is not None:
+        if isinstance(multimodal, DenseMultimodal):
+            embeds = torch.where(multimodal.mask[:, None], multimodal.embeds.to(embeds.dtype), embeds)
+            if multimodal.deepstack.shape[0]:
+                deepstack = DeepstackInput(None, multimodal.deepstack)
+        elif multimodal is not None:
             embeds = embeds.index_copy(0, multimodal.token_index, multimodal.embeds.to(embeds.dtype))
             if multimodal.deepstack.shape[0]:
                 deepstack = DeepstackInput(multimodal.token_index, multimodal.deepstack)
@@ -157,7 +175,7 @@ class Qwen3VLModel(nn.Module):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
-        multimodal: MultimodalEmbeddings | None = None,
+        multimodal: MultimodalEmbeddings | DenseMultimodal | None = None,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [len(logits_indices) or N, vocab] in the model dtype.

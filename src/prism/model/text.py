@@ -134,11 +134,12 @@ class DecoderLayer(nn.Module):
 class DeepstackInput:
     """DeepStack features for the visual tokens of this step.
 
-    token_index: [M] int64 rows of the packed batch that hold visual tokens.
-    features: [num_deepstack, M, hidden]; features[i] is added after decoder layer i.
+    token_index: [M] int64 rows of the packed batch that hold visual tokens, or None for dense features.
+    features: [num_deepstack, M, hidden] (dense: [num_deepstack, N, hidden], zeros at text rows); features[i]
+    is added after decoder layer i.
     """
 
-    token_index: torch.Tensor
+    token_index: torch.Tensor | None
     features: torch.Tensor
 
 
@@ -167,7 +168,8 @@ class TextDecoder(nn.Module):
             num_ds = deepstack.features.shape[0]
             if num_ds > len(self.layers):
                 raise ValueError(f"{num_ds} DeepStack levels for {len(self.layers)} decoder layers")
-            if deepstack.features.shape[1] != deepstack.token_index.shape[0]:
+            rows = n if deepstack.token_index is None else deepstack.token_index.shape[0]
+            if deepstack.features.shape[1] != rows:
                 raise ValueError("DeepStack features and token_index disagree on the number of visual tokens")
         cos, sin = self.rope.cos_sin(positions, inputs_embeds.dtype)
         residual, pending = inputs_embeds, None
@@ -176,7 +178,11 @@ class TextDecoder(nn.Module):
             if i < num_ds:  # DeepStack adds to the layer's full output: materialize it
                 assert deepstack is not None
                 h = residual + pending
-                residual, pending = h.index_add(0, deepstack.token_index, deepstack.features[i].to(h.dtype)), None
+                features = deepstack.features[i].to(h.dtype)
+                if deepstack.token_index is None:
+                    residual, pending = h + features, None
+                else:
+                    residual, pending = h.index_add(0, deepstack.token_index, features), None
         if pending is None:
             return self.norm(residual)
         return add_rms_norm(pending, residual, self.norm.weight, self.norm.eps)[0]

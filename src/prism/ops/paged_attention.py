@@ -497,13 +497,18 @@ class PagedKVBackend:
     default on), where Triton applies; the reference otherwise."""
 
     def __init__(self, pool: KVPool, meta: PagedAttentionMetadata, scale: float | None = None, *,
-                 use_triton: bool | None = None, prefill_kernel: bool = True):
+                 use_triton: bool | None = None, prefill_kernel: bool = True, prefill_launch=None,
+                 prefill_splits: int | None = None):
+        """`prefill_launch` / `prefill_splits`: a caller-owned launch and a fixed key-split count (a CUDA graph's
+        static buffers); by default the first layer builds the launch from `meta` and the split count follows
+        the step's shape."""
         self.pool = pool
         self.meta = meta
         self.scale = scale
         self.use_triton = use_triton
         self.prefill_kernel = prefill_kernel
-        self._prefill_launch = None  # built by the first layer, reused by the others
+        self._prefill_launch = prefill_launch  # else built by the first layer, reused by the others
+        self._prefill_splits = prefill_splits
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         _check_attention_inputs(q, self.pool, layer_idx, self.meta)  # before anything is written
@@ -519,5 +524,6 @@ class PagedKVBackend:
                 self._prefill_launch = paged_prefill.PrefillLaunch(
                     self.meta.query_lens, self.meta.context_lens_host, group, self.pool.device)
             return paged_prefill.paged_prefill_attention(q, self.pool, layer_idx, self.meta, self.scale,
-                                                         launch=self._prefill_launch, use_triton=True)
+                                                         launch=self._prefill_launch, use_triton=True,
+                                                         num_splits=self._prefill_splits)
         return paged_attention_reference(q, self.pool, layer_idx, self.meta, self.scale)

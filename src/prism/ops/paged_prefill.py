@@ -125,14 +125,26 @@ if HAVE_TRITON:
         _store_attention(m_i, l_i, acc, q_rows, head, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
                          part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
+def tokens_per_block(group: int) -> int:
+    """New tokens per program of the prefill kernel for a GQA group of `group` query heads per KV head."""
+    return max(1, _BLOCK_ROWS // triton.next_power_of_2(group)) if HAVE_TRITON else 1
+
+
 class PrefillLaunch:
     """The per-step part of a prefill launch (the block table of the query blocks on the device), built
     once per step on the host and reused by every layer."""
 
     def __init__(self, query_lens, context_lens, group: int, device: torch.device):
         self.group = group
-        self.tokens = max(1, _BLOCK_ROWS // triton.next_power_of_2(group)) if HAVE_TRITON else 1
+        self.tokens = tokens_per_block(group)
         self.blocks = prefill_blocks(query_lens, context_lens, self.tokens).to(device, non_blocking=True)
+
+    @classmethod
+    def static(cls, group: int, blocks: torch.Tensor) -> PrefillLaunch:
+        """A launch over a caller-owned block buffer (a CUDA graph's): entries holding zero tokens do nothing."""
+        launch = cls.__new__(cls)
+        launch.group, launch.tokens, launch.blocks = group, tokens_per_block(group), blocks
+        return launch
 
 
 def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,

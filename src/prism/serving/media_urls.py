@@ -156,7 +156,8 @@ class MediaResolver:
     # ---------------------------------------------------------------------------------- messages
     def resolve_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         """Protocol messages -> `prepare_chat` messages: text kept, images as encoded bytes
-        (`{"type": "image", "image": bytes}`), videos as decoded frames
+        (`{"type": "image", "image": bytes}`, with the part's `uuid` if any; `"image": None` when named by uuid
+        alone), videos as decoded frames
         (`{"type": "video", "video": [PIL.Image, ...], "fps": fps}`); "developer" becomes "system"."""
         self._check_counts(messages)
         s = self.settings
@@ -216,8 +217,11 @@ class MediaResolver:
         if isinstance(part, TextPart):
             return {"type": "text", "text": part.text}
         if isinstance(part, ImageURLPart):
+            if part.image_url is None:  # named by its uuid: the input processor finds it, or answers 400
+                return {"type": "image", "image": None, "uuid": part.uuid}
             param = f"{where}.image_url.url"
-            return {"type": "image", "image": self._fetch(part.image_url.url, param, budget, fetcher)}
+            image = self._fetch(part.image_url.url, param, budget, fetcher)
+            return {"type": "image", "image": image} | ({"uuid": part.uuid} if part.uuid is not None else {})
         if isinstance(part, VideoPart):
             frames = []
             for k, url in enumerate(part.video.frames):

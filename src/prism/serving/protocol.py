@@ -94,8 +94,18 @@ class ImageURL(_In):
 
 
 class ImageURLPart(_In):
+    """An image by URL, with an optional `uuid` naming it (vLLM's convention). A part with a uuid and
+    `"image_url": null` names an image sent earlier with that uuid: no pixels travel."""
+
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | None = None
+    uuid: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _has_image_or_uuid(self) -> ImageURLPart:
+        if self.image_url is None and self.uuid is None:
+            raise ValueError("an image_url part needs image_url, or a uuid naming an image sent before")
+        return self
 
 
 class VideoURL(_In):

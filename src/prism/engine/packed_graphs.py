@@ -1,0 +1,216 @@
+"""CUDA-graph packed steps: the eager packed forward (prefill chunks, questions, decodes, media tokens)
+captured once per token-count bucket and replayed.
+
+Owns replaying a *mixed* step without per-kernel launch overhead. On the H200's host an eager forward of the
+8B decoder costs ~25-45 ms of Python and launches whatever its size, while a 256-token chunk beside 8 decodes
+is ~14 ms of GPU work: interleaved chunks, the questions of a decision, and the mixed steps of many clients
+were host-bound. One-token rows (`cuda_graphs.RowGraphs`) cannot take them: as rows each token re-reads its
+whole context, and media tokens have no place there.
+
+How a packed step fits a static graph:
+- Every per-token input (token id, M-RoPE positions, slot, "is a media token") and every per-sequence input
+  (context length, block table) and the prefill kernel's block list live in static buffers, refilled before
+  replay. The kernel's grid covers the bucket's most blocks; unused block entries hold zero tokens and exit.
+- A bucket larger than the step is filled by one *padding sequence* whose tokens write scratch KV slots that
+  no sequence owns and attend only to themselves; their logits are never read.
+- Media features enter densely: a [tokens, hidden] buffer selected where the token is a media token, and
+  DeepStack features as a [levels, tokens, hidden] buffer that holds zeros at text tokens (adding zero
+  changes no value: the same sums as the eager forward's indexed add).
+- The split count of the prefill kernel's keys is fixed per bucket (the kernel reads every real length from
+  the device), so a row's arithmetic does not depend on which other rows share the step.
+On a CPU pool nothing is captured and the same buffers run eagerly with the step's real lengths (how the CPU
+tests put the packing through the whole engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kv.fp8 import KVPool
+from ..model.qwen3_vl import DenseMultimodal, MultimodalEmbeddings, Qwen3VLModel
+from ..ops import paged_prefill
+from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from .cuda_graphs import capture_buckets
+
+BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+# Rows of the packed per-token host inputs: token id, 3 M-RoPE positions, slot, is-a-media-token.
+_ID, _POS, _SLOT, _MEDIA = 0, slice(1, 4), 4, 5
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """A step as packed pieces: piece i is tokens [starts[i], starts[i] + query_lens[i]) of the batch, its
+    sequence's context after the step is context_lens[i], its pages `tables[i]`. `sample_rows` are the rows
+    whose logits the step returns, in order; `media_rows` the rows that are media tokens."""
+
+    token_ids: np.ndarray  # [n] int64
+    positions: np.ndarray  # [3, n] int64
+    slots: np.ndarray  # [n] int64
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    tables: list[list[int]]
+    sample_rows: list[int]
+    media_rows: np.ndarray  # [m] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def from_pieces(cls, pieces, media, page_size: int) -> PackedStep:
+        """From `step_payload.PieceInput`s without padding and their `MediaSlice`s."""
+        ids, slots, positions, sample = [], [], [], []
+        offset = 0
+        for p in pieces:
+            if p.pad:
+                raise ValueError("padded (deterministic) pieces do not run in the packed graphs")
+            pos = np.arange(p.start, p.end, dtype=np.int64)
+            pages = np.asarray(p.pages, dtype=np.int64)
+            ids.append(np.asarray(p.token_ids, dtype=np.int64))
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            positions.append(p.positions.numpy())
+            offset += len(pos)
+            if p.sample:
+                sample.append(offset - 1)
+        media_rows = [np.arange(m.row, m.row + m.length, dtype=np.int64) for m in media]
+        cat = np.concatenate
+        return cls(cat(ids), cat(positions, axis=1), cat(slots), tuple(p.end - p.start for p in pieces),
+                   tuple(p.end for p in pieces), [list(p.pages) for p in pieces], sample,
+                   cat(media_rows) if media_rows else np.zeros(0, dtype=np.int64))
+
+
+class PackedGraphs:
+    def __init__(self, model: Qwen3VLModel, pool: KVPool, first_scratch_page: int, max_tokens: int,
+                 max_seqs: int, max_model_len: int) -> None:
+        self.model = model
+        self.pool = pool
+        page_size = pool.layout.page_size
+        self.page_size = page_size
+        self.max_pages = -(-max_model_len // page_size)
+        self.max_context = self.max_pages * page_size
+        max_tokens = min(max_tokens, self.max_context)
+        self.buckets = tuple(b for b in BUCKETS if b < max_tokens) + (max_tokens,)
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs  # real sequences; slot max_seqs is the padding sequence
+        text = model.config.text
+        self.group = text.num_attention_heads // text.num_key_value_heads
+        self.tokens_per_block = paged_prefill.tokens_per_block(self.group)
+        self.max_blocks = -(-max_tokens // self.tokens_per_block) + max_seqs + 1
+        self.scratch_slots = np.arange(max_tokens, dtype=np.int64) + first_scratch_page * page_size
+        self.scratch_pages = list(range(first_scratch_page, first_scratch_page + -(-max_tokens // page_size)))
+        dev, i64 = pool.device, torch.int64
+        seqs = max_seqs + 1
+        self.token_inputs = torch.zeros((6, max_tokens), dtype=i64, device=dev)
+        self.context_lens = torch.ones(seqs, dtype=i64, device=dev)
+        self.block_table = torch.zeros((seqs, self.max_pages), dtype=i64, device=dev)
+        self.blocks = torch.zeros((self.max_blocks, 4), dtype=i64, device=dev)
+        self.logits_index = torch.zeros(seqs, dtype=i64, device=dev)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=i64, device=dev)  # not read by the prefill kernel
+        hidden, levels = text.hidden_size, len(model.config.vision.deepstack_visual_indexes)
+        self.media_embeds = torch.zeros((max_tokens, hidden), dtype=model.dtype, device=dev)
+        self.media_deepstack = torch.zeros((levels, max_tokens, hidden), dtype=model.dtype, device=dev)
+        self._deepstack_dirty = 0  # leading rows of media_deepstack that may hold nonzero features
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+
+    def splits(self, bucket: int) -> int:
+        """The prefill kernel's key splits for a bucket: as for one sequence of `bucket` new tokens at the
+        longest context (many short pieces then get more splits than they need; never a different result)."""
+        text = self.model.config.text
+        blocks = -(-bucket // self.tokens_per_block)
+        return paged_prefill.prefill_num_splits(bucket, blocks, self.group * self.pool.layout.num_kv_heads,
+                                                self.pool.layout.num_kv_heads, text.head_dim, self.max_context)
+
+    def _forward(self, bucket: int, real: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> torch.Tensor:
+        """The step over the first `bucket` token rows. Captured (`real` None): host facts that pass the
+        metadata's checks (one sequence of `bucket` tokens at the longest context); the kernels read the real
+        ones from the device. Eager: `real` = (query lengths, context lengths) incl. the padding piece."""
+        if real is None:  # the kernels index every sequence slot of the full buffers through `blocks`
+            query_lens, context_lens = (bucket,), (self.max_context,)
+        else:
+            query_lens, context_lens = real
+        seqs = len(query_lens)
+        meta = PagedAttentionMetadata(
+            self.query_start_loc[: seqs + 1], self.context_lens[:seqs], self.block_table[:seqs],
+            self.token_inputs[_SLOT, :bucket], query_lens, context_lens, self.page_size,
+            self.pool.layout.num_pages - 1)
+        launch = paged_prefill.PrefillLaunch.static(self.group, self.blocks)
+        backend = PagedKVBackend(self.pool, meta, prefill_launch=launch, prefill_splits=self.splits(bucket))
+        media = DenseMultimodal(self.token_inputs[_MEDIA, :bucket] != 0, self.media_embeds[:bucket],
+                                self.media_deepstack[:, :bucket])
+        return self.model(self.token_inputs[_ID, :bucket], self.token_inputs[_POS, :bucket], backend,
+                          multimodal=media, logits_indices=self.logits_index)
+
+    def capture(self) -> None:
+        """Capture every bucket, each over a step of padding only (valid inputs for the warm-up runs); nothing
+        on a CPU pool."""
+        self._graphs, self._outputs = capture_buckets(
+            self.pool.device, self.buckets, self._forward, lambda b: self._fill(self._idle_step(), None, bucket=b))
+
+    def _idle_step(self) -> PackedStep:
+        return PackedStep(np.zeros(0, np.int64), np.zeros((3, 0), np.int64), np.zeros(0, np.int64), (), (), [],
+                          [], np.zeros(0, np.int64))
+
+    def fits(self, num_tokens: int, num_seqs: int, max_context: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and max_context <= self.max_context
+
+    def _fill(self, step: PackedStep, multimodal: MultimodalEmbeddings | None, bucket: int | None = None
+              ) -> tuple[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Write the step into the buffers, padded to its bucket; (bucket, real lengths incl. the padding piece)."""
+        n = step.num_tokens
+        b = bucket or next(size for size in self.buckets if size >= n)
+        pad = b - n
+        query_lens, context_lens = step.query_lens, step.context_lens
+        tables = list(step.tables)
+        host = np.zeros((6, b), dtype=np.int64)
+        host[_ID, :n] = step.token_ids
+        host[_POS, :n] = step.positions
+        host[_SLOT, :n] = step.slots
+        host[_MEDIA, step.media_rows] = 1
+        if pad:  # the padding sequence: positions 0..pad-1 in scratch slots, attending to themselves
+            host[_SLOT, n:] = self.scratch_slots[:pad]
+            query_lens, context_lens = (*query_lens, pad), (*context_lens, pad)
+            tables.append(self.scratch_pages)
+        seqs = len(query_lens)
+        table = np.zeros((seqs, self.max_pages), dtype=np.int64)
+        for i, pages in enumerate(tables):
+            table[i, : len(pages)] = pages
+        blocks = np.zeros((self.max_blocks, 4), dtype=np.int64)
+        real_blocks = paged_prefill.prefill_blocks(query_lens, context_lens, self.tokens_per_block).numpy()
+        blocks[: len(real_blocks)] = real_blocks
+        logits_index = np.zeros(self.max_seqs + 1, dtype=np.int64)
+        logits_index[: len(step.sample_rows)] = step.sample_rows
+        self.token_inputs[:, :b].copy_(torch.from_numpy(host), non_blocking=True)
+        self.context_lens[:seqs].copy_(torch.from_numpy(np.asarray(context_lens, dtype=np.int64)), non_blocking=True)
+        self.block_table[:seqs].copy_(torch.from_numpy(table), non_blocking=True)
+        self.blocks.copy_(torch.from_numpy(blocks), non_blocking=True)
+        self.logits_index.copy_(torch.from_numpy(logits_index), non_blocking=True)
+        if self._deepstack_dirty:
+            self.media_deepstack[:, : self._deepstack_dirty].zero_()
+            self._deepstack_dirty = 0
+        if multimodal is not None and multimodal.token_index.numel():
+            rows = multimodal.token_index
+            self.media_embeds.index_copy_(0, rows, multimodal.embeds.to(self.media_embeds.dtype))
+            if multimodal.deepstack.shape[0]:
+                self.media_deepstack.index_copy_(1, rows, multimodal.deepstack.to(self.media_deepstack.dtype))
+                self._deepstack_dirty = b
+        return b, (query_lens, context_lens)
+
+    @torch.inference_mode()
+    def run(self, step: PackedStep, multimodal: MultimodalEmbeddings | None) -> torch.Tensor:
+        """One step; logits [len(step.sample_rows), vocab] in fp32."""
+        if not self.fits(step.num_tokens, len(step.query_lens), max(step.context_lens, default=0)):
+            raise ValueError(f"{step.num_tokens} tokens of {len(step.query_lens)} sequences do not fit the "
+                             "captured packed graphs")
+        b, real = self._fill(step, multimodal)
+        if b in self._graphs:
+            self._graphs[b].replay()
+            self.replays += 1
+            logits = self._outputs[b]
+        else:
+            logits = self._forward(b, real)
+        return logits[: len(step.sample_rows)].float()

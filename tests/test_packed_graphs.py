@@ -1,0 +1,126 @@
+"""Packed CUDA-graph steps (`engine/packed_graphs.py`): the mixed steps (a prefill chunk, a question, decodes,
+media tokens) through static buffers padded to a bucket. On the CPU the same buffers run eagerly, so these
+tests check the packing (slots, block table, the padding sequence, dense media and DeepStack features, which
+logits come back) against the eager packed forward through the paged pool, on the tiny checkpoint in fp32
+with scaled-FP8 KV. Planted bugs (stale DeepStack features, a padding sequence in a real page) must fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_graph_rows import PAGE, SCRATCH, piece, restore, setup, snapshot
+from test_graph_rows import packed_forward as eager
+
+from prism.engine import packed_graphs as pg
+from prism.engine.packed_graphs import PackedGraphs, PackedStep
+from prism.engine.step_payload import MediaSlice
+from prism.model.loading import load_model
+from prism.model.qwen3_vl import MultimodalEmbeddings
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(ensure_tiny_checkpoint(), dtype=torch.float32)
+
+
+def packed(model, pool):
+    graphs = PackedGraphs(model, pool, SCRATCH, max_tokens=32, max_seqs=4, max_model_len=SCRATCH * PAGE)
+    graphs.capture()  # nothing on the CPU
+    return graphs
+
+
+def written_outside_scratch(pool, before) -> set[tuple[int, int]]:
+    """(page, row) of every KV slot outside the scratch pages whose scales changed since `before`."""
+    changed = (pool.scales != before[1]).flatten(0, 1).any(0).any(-1)  # [pages, rows in page]
+    changed[SCRATCH:] = False
+    return {tuple(ix) for ix in changed.nonzero().tolist()}
+
+
+def own_slots(step: PackedStep) -> set[tuple[int, int]]:
+    return {(int(s) // PAGE, int(s) % PAGE) for s in step.slots}
+
+
+def media_for(model, rows: list[int], seed: int) -> MultimodalEmbeddings:
+    g = torch.Generator().manual_seed(seed)
+    hidden = model.config.text.hidden_size
+    levels = len(model.config.vision.deepstack_visual_indexes)
+    return MultimodalEmbeddings(torch.tensor(rows), torch.randn(len(rows), hidden, generator=g),
+                                torch.randn(levels, len(rows), hidden, generator=g))
+
+
+def test_a_mixed_step_equals_the_eager_packed_forward(model):
+    pool, _, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    graphs = packed(model, pool)
+    step = [piece(tokens(1), 7, b_pages), piece(tokens(5), 10, a_pages, sample=False), piece(tokens(1), 3, c_pages)]
+    saved = snapshot(pool)
+    expected = eager(model, pool, step)
+    after_eager = snapshot(pool)
+    restore(pool, saved)
+    packed_step = PackedStep.from_pieces(step, [], PAGE)
+    assert packed_step.sample_rows == [0, 6] and packed_step.query_lens == (1, 5, 1)
+    got = graphs.run(packed_step, None)  # 7 tokens: bucket 32, a 25-token padding sequence
+    assert got.shape == expected.shape == (2, model.config.text.vocab_size)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # Outside the scratch pages the KV written is the eager step's (up to the rounding of other GEMM shapes),
+    # and only at the step's own slots: the padding sequence wrote only scratch.
+    assert written_outside_scratch(pool, saved) <= own_slots(packed_step)
+    torch.testing.assert_close(pool.scales[:, :, :SCRATCH], after_eager[1][:, :, :SCRATCH], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(pool.payload[:, :, :SCRATCH].view(torch.uint8).int(),
+                               after_eager[0][:, :, :SCRATCH].view(torch.uint8).int(), rtol=0, atol=1)
+
+
+def test_media_rows_take_dense_features_and_the_next_step_sees_none(model, monkeypatch):
+    """A step with media tokens equals the indexed eager form; the step after it (no media) must not see the
+    DeepStack features left in the buffers. Planted bug: not clearing them."""
+    pool, _, tokens, (a_pages, b_pages, _) = setup(model)
+    graphs = packed(model, pool)
+    step = [piece(tokens(5), 10, a_pages), piece(tokens(1), 7, b_pages)]
+    media = media_for(model, [1, 2, 3], seed=1)
+    saved = snapshot(pool)
+    expected = eager(model, pool, step, media)
+    restore(pool, saved)
+    slices = [MediaSlice(1, b"x", 0, 3)]
+    got = graphs.run(PackedStep.from_pieces(step, slices, PAGE), media)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    follow = [piece(tokens(1), 15, a_pages), piece(tokens(3), 8, b_pages + [30])]
+    restore(pool, saved)
+    eager(model, pool, step, media)
+    saved = snapshot(pool)
+    expected = eager(model, pool, follow)
+    restore(pool, saved)
+    torch.testing.assert_close(graphs.run(PackedStep.from_pieces(follow, [], PAGE), None), expected,
+                               rtol=1e-5, atol=1e-5)
+
+    # Planted: the buffers keep the last media step's DeepStack features.
+    restore(pool, saved)
+    graphs.run(PackedStep.from_pieces(step, slices, PAGE), media)
+    restore(pool, saved)
+    monkeypatch.setattr(graphs, "_deepstack_dirty", 0)
+    stale = graphs.run(PackedStep.from_pieces(follow, [], PAGE), None)
+    assert (stale - expected).abs().max() > 1e-3, "stale DeepStack features went unnoticed"
+
+
+def test_a_padding_sequence_in_a_real_page_is_caught(model, monkeypatch):
+    """Planted bug: the padding sequence's scratch starts at page 20 (sequence A's): the KV check fails."""
+    pool, _, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    graphs = packed(model, pool)
+    shift = (SCRATCH - a_pages[-1]) * PAGE
+    monkeypatch.setattr(graphs, "scratch_slots", graphs.scratch_slots - shift)
+    monkeypatch.setattr(graphs, "scratch_pages", [p - shift // PAGE for p in graphs.scratch_pages])
+    before = snapshot(pool)
+    step = PackedStep.from_pieces([piece(tokens(1), 3, c_pages)], [], PAGE)
+    graphs.run(step, None)
+    assert not written_outside_scratch(pool, before) <= own_slots(step)
+
+
+def test_steps_that_do_not_fit_are_refused(model):
+    pool, _, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    graphs = packed(model, pool)
+    assert graphs.buckets == (32,) and not graphs.fits(33, 1, 10) and not graphs.fits(8, 5, 10)
+    five = [piece(tokens(1), 3, c_pages)] * 5
+    with pytest.raises(ValueError, match="do not fit"):
+        graphs.run(PackedStep.from_pieces(five, [], PAGE), None)
+    assert PackedGraphs(model, pool, SCRATCH, max_tokens=100, max_seqs=4, max_model_len=SCRATCH * PAGE).buckets \
+        == tuple(b for b in pg.BUCKETS if b < 100) + (100,)
