@@ -123,7 +123,7 @@ def test_cuda_graph_decode_matches_eager(ckpt_8b):
     before = stats.graph_steps
     out += graphs.generate([after_hit], GREEDY)
     assert out[-1].cached_tokens > 0, "the question must hit the image prefix"
-    assert stats.graph_steps - before == STEPS, "the prefill after the hit and every decode must replay graphs"
+    assert stats.graph_steps - before == STEPS, "the prefill after the hit and every decode must replay graph rows"
     for ours, ref in zip(out, reference, strict=True):
         assert_same_or_near_tie(ours, ref)
     # Not a benchmark (that is `nox -s bench`): a rough batch-1 decode step time for the record.
