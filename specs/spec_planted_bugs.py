@@ -199,8 +199,9 @@ def test_swapped_request_keeping_shared_pages_is_caught(monkeypatch: pytest.Monk
 
 
 def test_encoding_ahead_without_its_once_flag_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Encoding ahead must hold a request back once: without the flag, an encoder cache that evicted the
-    features before admission holds it back again at every step while others decode (TTFT unbounded)."""
+    """Encoding ahead must hold a request back at most once per media item: without remembering what was sent
+    ahead, an encoder cache that evicted the features before admission holds it back again at every step
+    while others decode (TTFT unbounded)."""
     from prism.engine import scheduler as scheduler_module
     from specs import spec_scheduler_liveness
 
@@ -211,6 +212,27 @@ def test_encoding_ahead_without_its_once_flag_is_caught(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(scheduler_module.Scheduler, "_media_to_encode_ahead", ahead_every_time)
     _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool, "held back twice")
+
+
+def test_encoding_ahead_past_the_interleaving_limit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With interleaving, a step that encodes every item ahead at once keeps the decoders waiting for the whole
+    vision encoder, what the per-step limit exists to avoid."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    original = scheduler_module.Scheduler._media_to_encode_ahead
+
+    def everything_at_once(self, request, hit_tokens):
+        limit = self.config.interleave_prefill_tokens
+        object.__setattr__(self.config, "interleave_prefill_tokens", None)
+        try:
+            return original(self, request, hit_tokens)
+        finally:
+            object.__setattr__(self.config, "interleave_prefill_tokens", limit)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_media_to_encode_ahead", everything_at_once)
+    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool,
+                "more media tokens than an interleaved chunk")
 
 
 def test_encoding_ahead_beside_a_prefill_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

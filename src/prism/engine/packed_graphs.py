@@ -10,7 +10,8 @@ whole context, and media tokens have no place there.
 How a packed step fits a static graph:
 - Every per-token input (token id, M-RoPE positions, slot, "is a media token") and every per-sequence input
   (context length, block table) and the prefill kernel's block list live in static buffers, refilled before
-  replay. The kernel's grid covers the bucket's most blocks; unused block entries hold zero tokens and exit.
+  replay. The kernel's grid covers the most blocks a bucket's pieces can make; unused entries hold zero tokens
+  and exit.
 - A bucket larger than the step is filled by one *padding sequence* whose tokens write scratch KV slots that
   no sequence owns and attend only to themselves; their logits are never read.
 - Media features enter densely: a [tokens, hidden] buffer selected where the token is a media token, and
@@ -98,7 +99,6 @@ class PackedGraphs:
         text = model.config.text
         self.group = text.num_attention_heads // text.num_key_value_heads
         self.tokens_per_block = paged_prefill.tokens_per_block(self.group)
-        self.max_blocks = -(-max_tokens // self.tokens_per_block) + max_seqs + 1
         self.scratch_slots = np.arange(max_tokens, dtype=np.int64) + first_scratch_page * page_size
         self.scratch_pages = list(range(first_scratch_page, first_scratch_page + -(-max_tokens // page_size)))
         dev, i64 = pool.device, torch.int64
@@ -106,7 +106,7 @@ class PackedGraphs:
         self.token_inputs = torch.zeros((6, max_tokens), dtype=i64, device=dev)
         self.context_lens = torch.ones(seqs, dtype=i64, device=dev)
         self.block_table = torch.zeros((seqs, self.max_pages), dtype=i64, device=dev)
-        self.blocks = torch.zeros((self.max_blocks, 4), dtype=i64, device=dev)
+        self.blocks = torch.zeros((self.num_blocks(max_tokens), 4), dtype=i64, device=dev)
         self.logits_index = torch.zeros(seqs, dtype=i64, device=dev)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=i64, device=dev)  # not read by the prefill kernel
         hidden, levels = text.hidden_size, len(model.config.vision.deepstack_visual_indexes)
@@ -116,6 +116,11 @@ class PackedGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
+
+    def num_blocks(self, bucket: int) -> int:
+        """The prefill kernel's grid for a bucket: the most query blocks its pieces can cut into (each piece,
+        the padding one included, adds at most one partial block)."""
+        return -(-bucket // self.tokens_per_block) + min(self.max_seqs + 1, bucket)
 
     def splits(self, bucket: int) -> int:
         """The prefill kernel's key splits for a bucket: as for one sequence of `bucket` new tokens at the
@@ -138,7 +143,7 @@ class PackedGraphs:
             self.query_start_loc[: seqs + 1], self.context_lens[:seqs], self.block_table[:seqs],
             self.token_inputs[_SLOT, :bucket], query_lens, context_lens, self.page_size,
             self.pool.layout.num_pages - 1)
-        launch = paged_prefill.PrefillLaunch.static(self.group, self.blocks)
+        launch = paged_prefill.PrefillLaunch.static(self.group, self.blocks[: self.num_blocks(bucket)])
         backend = PagedKVBackend(self.pool, meta, prefill_launch=launch, prefill_splits=self.splits(bucket))
         media = DenseMultimodal(self.token_inputs[_MEDIA, :bucket] != 0, self.media_embeds[:bucket],
                                 self.media_deepstack[:, :bucket])
@@ -179,7 +184,7 @@ class PackedGraphs:
         table = np.zeros((seqs, self.max_pages), dtype=np.int64)
         for i, pages in enumerate(tables):
             table[i, : len(pages)] = pages
-        blocks = np.zeros((self.max_blocks, 4), dtype=np.int64)
+        blocks = np.zeros((self.num_blocks(b), 4), dtype=np.int64)  # entries of zero tokens do nothing
         real_blocks = paged_prefill.prefill_blocks(query_lens, context_lens, self.tokens_per_block).numpy()
         blocks[: len(real_blocks)] = real_blocks
         logits_index = np.zeros(self.max_seqs + 1, dtype=np.int64)
@@ -187,7 +192,7 @@ class PackedGraphs:
         self.token_inputs[:, :b].copy_(torch.from_numpy(host), non_blocking=True)
         self.context_lens[:seqs].copy_(torch.from_numpy(np.asarray(context_lens, dtype=np.int64)), non_blocking=True)
         self.block_table[:seqs].copy_(torch.from_numpy(table), non_blocking=True)
-        self.blocks.copy_(torch.from_numpy(blocks), non_blocking=True)
+        self.blocks[: len(blocks)].copy_(torch.from_numpy(blocks), non_blocking=True)
         self.logits_index.copy_(torch.from_numpy(logits_index), non_blocking=True)
         if self._deepstack_dirty:
             self.media_deepstack[:, : self._deepstack_dirty].zero_()

@@ -107,7 +107,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
-        self.media_encoded_ahead = False  # its media were sent to the encoder one step before admission
+        # Digests of its media sent to the encoder in steps before its admission (encoding ahead): each at most
+        # once, so a request is held back at most once per media item.
+        self.media_sent_ahead: set[bytes] = set()
         self.num_preemptions = 0
         self.times = RequestTimes()
         # A readout request ends at its last prompt position with probabilities over these token ids.
@@ -128,6 +130,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED
+
+    @property
+    def media_encoded_ahead(self) -> bool:
+        """Some of its media were encoded ahead of its admission."""
+        return bool(self.media_sent_ahead)
 
     def transition(self, new: RequestState) -> None:
         if new not in _ALLOWED[self.state]:

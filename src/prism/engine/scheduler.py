@@ -10,9 +10,11 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
   up to `max_num_seqs` and the step's token budget. A chunk never cuts a visual span: its end snaps
   down to the span start; a span larger than the whole budget is rejected with a reason.
 - Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
-  yet has them encoded in a step that computes no prefill (`media_ahead`) and is admitted in a later one;
-  once per request (if the features are evicted meanwhile, or the step ran nothing, its prefill encodes
-  them). The decoders wait for the vision encoder and for a prefill in different steps.
+  yet has them encoded in a step that computes no prefill (`media_ahead`) and is admitted in a later one.
+  With `interleave_prefill_tokens`, a step encodes ahead only as many media tokens as a chunk may prefill
+  (at least one item), so the encoding is spread over several steps too. Each item is sent ahead once (if
+  its features are evicted meanwhile, the prefill encodes it): a request is held back at most once per item.
+  The decoders wait for the vision encoder and for a prefill in different steps.
 Nothing here touches tensors: the result is a list of slices plus the KV manager's transfer plan.
 """
 
@@ -134,7 +136,7 @@ class Scheduler:
             ahead = self._media_to_encode_ahead(request, hit.num_tokens)
             if ahead:
                 if self._encodes_ahead_in(prefills):
-                    request.media_encoded_ahead = True
+                    request.media_sent_ahead.update(item.digest for item in ahead)
                     out.media_ahead.extend(ahead)
                     out.media_ahead_for = request
                 break  # admitted once its features are ready; FCFS: nobody overtakes it meanwhile
@@ -155,15 +157,27 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _media_to_encode_ahead(self, request: Request, hit_tokens: int) -> list:
-        """The media items of `request` its prefill will read (tokens past the prefix hit) and the encoder has
-        not seen, when they should be encoded a step early: others are decoding, and this request was not
-        already given its step ahead (once: if the features are evicted meanwhile, the prefill encodes them)."""
-        if (not self.config.encode_media_ahead or not self._decoding or request.media_encoded_ahead
-                or self.is_media_encoded is None):
+        """The media items of `request` to encode this step, ahead of its admission: those its prefill will read
+        (tokens past the prefix hit) that the encoder has not seen and that were not sent ahead already (once
+        each: if the features are evicted meanwhile, the prefill encodes them), while others are decoding.
+        With interleaving, only the first items within a chunk's token limit (at least one)."""
+        if not self.config.encode_media_ahead or not self._decoding or self.is_media_encoded is None:
             return []
-        return [item for item in request.prompt.media
-                if any(start + length > hit_tokens for start, length in item.spans)
-                and not self.is_media_encoded(item.digest)]
+        items = list({item.digest: item for item in request.prompt.media  # an image shown twice: encoded once
+                      if any(start + length > hit_tokens for start, length in item.spans)
+                      and item.digest not in request.media_sent_ahead
+                      and not self.is_media_encoded(item.digest)}.values())
+        limit = self.config.interleave_prefill_tokens
+        if limit is None:
+            return items
+        taken, tokens = [], 0
+        for item in items:
+            size = sum(length for _, length in item.spans)
+            if taken and tokens + size > limit:
+                break
+            taken.append(item)
+            tokens += size
+        return taken
 
     @staticmethod
     def _encodes_ahead_in(step_prefills: bool) -> bool:
