@@ -449,3 +449,17 @@ def test_patch_pixels_are_checked():
     table = torch.arange(3 * 256, dtype=torch.float32).reshape(3, 256)
     # columns are channel-major: two columns per channel, each level looked up in its channel's row
     assert PatchPixels(levels, table).normalized().tolist() == [[0.0, 1.0, 258.0, 259.0, 516.0, 517.0]]
+
+
+@pytest.mark.parametrize("size", [(64, 96), (448, 448)])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_an_image_already_at_its_target_size_matches_hf(size, as_array):
+    """No resize is needed (both sides multiples of 32, the area in range): the pixels are taken as they are,
+    which is what PIL's same-size resize returns; HF resizes anyway. Bitwise the same patches."""
+    h, w = size
+    cfg = _image_cfg(1, 16384)
+    img = _random_image(np.random.default_rng(h * w), h, w, "RGB")
+    ours = preprocess_image(np.asarray(img) if as_array else img, cfg)
+    assert ours.resized_size == (h, w)
+    ref = _hf_image_processor(cfg)(images=[img])
+    assert torch.equal(ours.pixel_values, torch.from_numpy(np.asarray(ref["pixel_values"])))

@@ -181,6 +181,10 @@ def to_rgb_image(
     raise MediaError(f"{what} must be bytes, a PIL image or a uint8 array, got {type(image).__name__}")
 
 
+def _is_rgb_array(image: object) -> bool:
+    return isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+
+
 def resize_rgb(image: Image.Image, height: int, width: int) -> np.ndarray:
     """PIL bicubic resize (HF's PIL backend: `Image.resize((w, h), BICUBIC)`) -> uint8 [H, W, 3]."""
     resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
@@ -240,12 +244,18 @@ def preprocess_image(
     if isinstance(image, (bytes, bytearray, memoryview)):
         rgb = decode_image(image, limits)
     else:
-        rgb = to_rgb_image(image, limits)
-    width, height = rgb.size
+        rgb = to_rgb_image(image, limits) if not _is_rgb_array(image) else image
+    height, width = (rgb.shape[0], rgb.shape[1]) if isinstance(rgb, np.ndarray) else (rgb.size[1], rgb.size[0])
+    if isinstance(rgb, np.ndarray):
+        limits.check_size(width, height)
     new_h, new_w = smart_resize(
         height, width, factor=config.factor, min_pixels=config.min_pixels, max_pixels=config.max_pixels
     )
-    resized = resize_rgb(rgb, new_h, new_w)
+    if (new_h, new_w) == (height, width):
+        # PIL's resize to the same size returns a copy of the image: the pixels as they are, without the copies.
+        resized = np.asarray(rgb, dtype=np.uint8)
+    else:
+        resized = resize_rgb(rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb, mode="RGB"), new_h, new_w)
     # A still image fills the temporal patch by repetition (a zero-copy broadcast until the final reshape).
     # Patchify the uint8 pixels, then normalize: a quarter of the bytes to move.
     frames = np.broadcast_to(resized[None], (config.temporal_patch_size, *resized.shape))
