@@ -69,6 +69,11 @@ def main() -> None:
     if not (CKPT / "config.json").exists():
         build_checkpoint("8b", CKPT, device="cuda", progress=True)
     out: dict = {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every measurement: a run cut short keeps what it measured
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
     llm = LLM(CKPT, kv_memory_bytes=8 * 2**30, page_size=256)
     hot = random_images([(448, 448)] * 8, seed=7)
     llm.generate([llm.engine.inputs.prepare_chat(chat(hot, "First question."))],
@@ -88,14 +93,14 @@ def main() -> None:
     runner_mod.ModelRunner._graph_for = original
     out["w2_ttft_by_uuid_ms"] = ttft_by_uuid_ms(llm, hot)
     print(json.dumps(out), flush=True)
+    save()
     del llm
     torch.cuda.empty_cache()
     for interleave in (512, 256):
         r = w4_injection(CKPT, 448, 8, 12 * 2**30, interleave)
         out[f"w4_interleave_{interleave}"] = {k: v for k, v in r.items() if k != "gaps_ms"}
         print(interleave, json.dumps(out[f"w4_interleave_{interleave}"]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        save()
 
 
 if __name__ == "__main__":
