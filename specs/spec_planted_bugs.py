@@ -346,3 +346,23 @@ def test_packed_graph_steps_one_position_ahead_are_caught(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(packed_graphs.PackedStep, "from_pieces", classmethod(one_position_ahead))
     _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
+
+
+def test_an_image_uuid_re_pointed_at_another_image_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found while building image uuids: names kept in the evicting pixel cache were forgotten with the pixels,
+    so a later send of another image under the same uuid re-pointed it. Planted: a bind where the last image
+    sent wins."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from prism.engine import image_names
+    from specs.spec_image_uuids import ImageUuidMachine
+
+    def last_wins(self, uuid, key, digest):
+        with self._lock:
+            self._names[uuid] = (key, digest)
+
+    monkeypatch.setattr(image_names.ImageNames, "bind", last_wins)
+    with pytest.raises(AssertionError, match="re-pointed|was refused|another image"):
+        run_state_machine_as_test(ImageUuidMachine, settings=settings(
+            max_examples=60, stateful_step_count=25, deadline=None, phases=[Phase.generate], database=None,
+            derandomize=True))

@@ -605,3 +605,22 @@ def test_an_image_sent_with_a_uuid_can_then_be_named_by_it_alone(ckpt):
     no_cache = InputProcessor(ckpt, model_id="tiny-uuid")
     with pytest.raises(InputError, match="preprocessing cache"):
         no_cache.prepare_chat(chat({"type": "image", "image": a, "uuid": "pic-a"}))
+
+
+def test_image_names_are_bounded_and_forget_the_least_recently_used():
+    from prism.engine.image_names import ImageNameConflict, ImageNames
+    from prism.media.cache import CacheKey
+
+    names = ImageNames(max_names=2)
+    key = CacheKey(b"k" * 32, "ns")
+    names.bind("a", key, b"1")
+    names.bind("b", key, b"2")
+    assert names.resolve("a") == (key, b"1")  # "a" is now the most recently used
+    names.bind("c", key, b"3")  # forgets "b"
+    assert names.resolve("b") is None and len(names) == 2
+    with pytest.raises(ImageNameConflict):
+        names.bind("a", key, b"2")
+    names.bind("b", key, b"9")  # a forgotten name may be bound anew
+    assert names.resolve("b") == (key, b"9")
+    with pytest.raises(ValueError):
+        ImageNames(max_names=0)

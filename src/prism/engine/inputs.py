@@ -18,7 +18,6 @@ run on worker threads concurrently.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -39,7 +38,7 @@ from ..media.config import ImageProcessorConfig, VideoProcessorConfig
 from ..media.digest import hash_field, image_digest, new_hash, video_digest
 from ..media.image import DEFAULT_LIMITS, DecodeLimits, preprocess_image, to_rgb_image
 from ..media.placeholders import SpecialTokens, VideoPlaceholder, expand_placeholders
-from ..media.prepare import PreparedImage, prepare_image
+from ..media.prepare import PreparedImage, media_namespace, prepare_image
 from ..media.video import PreprocessedVideo, preprocess_video, sample_frame_indices
 from ..model.config import Qwen3VLConfig
 from ..model.mrope import mrope_positions_from_spans
@@ -57,6 +56,7 @@ from .chat import (
     read_eos_token_ids,
     special_token_strings,
 )
+from .image_names import ImageNameConflict, ImageNames
 from .prompt import PreparedMedia, PreparedPrompt
 
 __all__ = [
@@ -197,6 +197,7 @@ class InputProcessor:
         if cache is None and cache_bytes:
             cache = PreprocessCache(cache_bytes)
         self._cache = cache
+        self.image_names = ImageNames()  # image uuids -> the cache keys of the images they name
         self._limits = limits
         self._max_prompt_tokens = max_prompt_tokens
         self._absorb = absorb_video_vision_tokens
@@ -393,34 +394,41 @@ class InputProcessor:
                 continue
             prepared = memo[id(im.data)][1]
             if im.uuid is not None:
-                self._register_uuid(im.uuid, prepared)
+                self._name_image(im.uuid, im.data, prepared)
             out.append(prepared)
         return out
 
-    def _uuid_key(self, uuid: str | None) -> CacheKey:
+    def _check_names_usable(self) -> None:
         if self._cache is None:
             raise InputError("image uuids need the preprocessing cache (preprocess_cache_bytes > 0)")
-        return CacheKey(hashlib.sha256(str(uuid).encode()).digest(), self._image_ns + "/uuid")
 
     def _image_by_uuid(self, uuid: str | None) -> PreparedImage:
-        key = self._uuid_key(uuid)
+        """The prepared image `uuid` names (`engine/image_names.py`), or InputError if the name is not held or
+        its pixels were evicted (the client sends the image with its uuid again)."""
+        self._check_names_usable()
         assert self._cache is not None
-        prepared = self._cache.get(key)
+        found = self.image_names.resolve(str(uuid))
+        prepared = self._cache.get(found[0]) if found is not None else None
         if prepared is None:
             raise InputError(f"image uuid {uuid!r} names no image this server holds: send the image with it "
                              "(it may have been evicted)")
         return prepared
 
-    def _register_uuid(self, uuid: str, prepared: PreparedImage) -> None:
-        """Name `prepared` by `uuid`; a uuid already naming another image keeps it (first wins): re-pointing
-        it would hand that image's other users someone else's pixels."""
-        key = self._uuid_key(uuid)
+    def _name_image(self, uuid: str, data: Any, prepared: PreparedImage) -> None:
+        """Name `prepared` (from `data`) `uuid`; a uuid naming another image keeps it (first wins): re-pointing it
+        would hand that image's other users someone else's pixels."""
+        self._check_names_usable()
         assert self._cache is not None
-        known = self._cache.get(key)
-        if known is not None and known.digest != prepared.digest:
-            raise InputError(f"image uuid {uuid!r} already names a different image")
-        if known is None:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            key = CacheKey(prepared.raw_digest, media_namespace(self.model_id, self.image_config))
+        else:
+            key = CacheKey(prepared.raw_digest, self._image_ns)
+        if key not in self._cache:  # make sure the name's pixels are findable (a memo may have skipped the cache)
             self._cache.put(key, prepared, prepared.nbytes)
+        try:
+            self.image_names.bind(uuid, key, prepared.digest)
+        except ImageNameConflict as error:
+            raise InputError(str(error)) from error
 
     def _image(self, data: Any) -> PreparedImage:
         cfg = self.image_config

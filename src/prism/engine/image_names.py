@@ -1,0 +1,55 @@
+"""Image uuids: a client's names for images it sent (vLLM's `uuid` on an image part).
+
+Owns *a name never changes what it names*: the first image sent with a uuid keeps it; sending another image
+with the same uuid is refused. A name is bound to the image's key in the preprocessing cache (its raw
+digest), not to the prepared pixels: the pixels may be evicted (naming the uuid then asks the client to send
+the image again, which re-fills them under the same name) while the binding, a few dozen bytes, stays. Only
+past `max_names` bindings is the least recently used one forgotten; a forgotten name may then be bound anew.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from ..media.cache import CacheKey
+
+DEFAULT_MAX_NAMES = 1_000_000
+
+
+class ImageNameConflict(ValueError):
+    """A uuid already names a different image."""
+
+
+class ImageNames:
+    def __init__(self, max_names: int = DEFAULT_MAX_NAMES) -> None:
+        if not isinstance(max_names, int) or max_names < 1:
+            raise ValueError(f"max_names must be a positive int, got {max_names!r}")
+        self.max_names = max_names
+        self._names: OrderedDict[str, tuple[CacheKey, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def bind(self, uuid: str, key: CacheKey, digest: bytes) -> None:
+        """Name the image stored under `key` (content digest `digest`) `uuid`; ImageNameConflict if `uuid`
+        names an image of another digest."""
+        with self._lock:
+            known = self._names.get(uuid)
+            if known is not None:
+                if known[1] != digest:
+                    raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
+                self._names.move_to_end(uuid)
+                return
+            self._names[uuid] = (key, digest)
+            if len(self._names) > self.max_names:
+                self._names.popitem(last=False)
+
+    def resolve(self, uuid: str) -> tuple[CacheKey, bytes] | None:
+        """(cache key, content digest) of the image `uuid` names, or None for a name not held."""
+        with self._lock:
+            found = self._names.get(uuid)
+            if found is not None:
+                self._names.move_to_end(uuid)
+            return found
+
+    def __len__(self) -> int:
+        return len(self._names)
