@@ -214,27 +214,6 @@ def test_encoding_ahead_without_its_once_flag_is_caught(monkeypatch: pytest.Monk
     _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool, "held back twice")
 
 
-def test_encoding_ahead_past_the_interleaving_limit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With interleaving, a step that encodes every item ahead at once keeps the decoders waiting for the whole
-    vision encoder, what the per-step limit exists to avoid."""
-    from prism.engine import scheduler as scheduler_module
-    from specs import spec_scheduler_liveness
-
-    original = scheduler_module.Scheduler._media_to_encode_ahead
-
-    def everything_at_once(self, request, hit_tokens):
-        limit = self.config.interleave_prefill_tokens
-        object.__setattr__(self.config, "interleave_prefill_tokens", None)
-        try:
-            return original(self, request, hit_tokens)
-        finally:
-            object.__setattr__(self.config, "interleave_prefill_tokens", limit)
-
-    monkeypatch.setattr(scheduler_module.Scheduler, "_media_to_encode_ahead", everything_at_once)
-    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool,
-                "more media tokens than an interleaved chunk")
-
-
 def test_encoding_ahead_beside_a_prefill_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found in review: two cold requests back to back had the second one's images encoded in the step that
     prefilled the first, so the decoders waited for both in one step, what encoding ahead exists to avoid."""

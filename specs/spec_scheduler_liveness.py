@@ -7,8 +7,7 @@ be (a computed slice is published; a slice that reaches the end samples a token)
 - no chunk ever cuts a visual span, and a running request is only ever preempted by an older one;
 - the KV manager's accounting is exact after every step, and nothing leaks at the end;
 - with encoding ahead (`encode_media_ahead`, over a stand-in encoder cache that may forget everything after
-  every step), each media item of a request is encoded ahead at most once (with interleaving, within a chunk's
-  token limit per step, at least one item), and never in a step with a prefill.
+  every step), each media item of a request is encoded ahead at most once, and never in a step with a prefill.
 """
 
 from __future__ import annotations
@@ -110,9 +109,6 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
                 key = (head.request_id, digest)
                 held_back[key] = held_back.get(key, 0) + 1
                 assert held_back[key] == 1, "a request was held back twice to encode the same media item ahead"
-            if interleave is not None and len(out.media_ahead) > 1:
-                assert sum(length for m in out.media_ahead for _, length in m.spans) <= interleave, \
-                    "a step encoded ahead more media tokens than an interleaved chunk may prefill"
         encoded.update(m.digest for m in out.media_ahead)
         encoded.update(m.digest for s in out.slices for m in s.request.prompt.media)
         plan = kv.take_plan()

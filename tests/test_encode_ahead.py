@@ -108,19 +108,3 @@ def test_a_step_failing_while_encoding_ahead_also_fails_the_held_back_request(mo
     after = eng.add_request("after", cold_request(), GREEDY)
     run_until_done(eng, [after])
     assert len(after.output_token_ids) == GREEDY.max_tokens
-
-
-def test_with_interleaving_the_images_are_encoded_ahead_one_chunk_limit_per_step():
-    """interleave_prefill_tokens=1: each step encodes ahead one image (at least one item, within the chunk's
-    token limit), so the decoders wait for one image's encoding per step; then the prefill runs, chunked. The
-    tokens are those of the same engine without encoding ahead."""
-    eng = engine(interleave_prefill_tokens=1)
-    requests, state_after_first, first, second = inject_cold_into_decodes(eng)
-    cold = requests[-1]
-    assert state_after_first is RequestState.WAITING and first == 1, "one image in the first step ahead"
-    assert second == 1 and cold.state is RequestState.WAITING, "the other image in the next step"
-    assert cold.media_sent_ahead == {m.digest for m in cold.prompt.media}
-    ahead = run_until_done(eng, requests)
-    plain = engine(interleave_prefill_tokens=1, encode_media_ahead=False)
-    requests_plain, _, _, _ = inject_cold_into_decodes(plain)
-    assert run_until_done(plain, requests_plain) == ahead

@@ -42,8 +42,7 @@ class EngineConfig:
     interleave_prefill_tokens: int | None = None
     # While some requests are decoding, a new request's uncached media are encoded in the step before its
     # prefill (riding along the decodes) instead of in the prefill's step: the decoders' longest gap is then
-    # the longer of the two, not their sum. Costs the new request about one decode step of TTFT. With
-    # interleave_prefill_tokens, each such step encodes at most that many media tokens (at least one item).
+    # the longer of the two, not their sum. Costs the new request about one decode step of TTFT.
     encode_media_ahead: bool = True
     enable_prefix_cache: bool = True
     preemption: Preemption = "recompute"

@@ -196,19 +196,23 @@ class ModelRunner:
         return CacheKey(digest, "vision") in self.encoder_cache
 
     def _graph_for(self, pieces: list[PieceInput], media: list[MediaSlice]) -> str:
-        """Which captured graphs run this forward ("rows", "packed" or "" for an eager forward). Decodes and
-        short prefills without media replay the one-token rows (as rows, each prefill token reads its whole
-        context on its own, so only while that re-reading stays small: the H200 measured a 30-token question
-        after a hit at 9.9 ms as rows, 13.0 ms packed). Other steps up to the packed graphs' size replay those."""
+        """Which captured graphs run this forward ("rows", "packed" or "" for an eager forward). Decodes replay
+        the one-token rows. A step with a prefill replays the packed graphs (the prefill kernel shares each key
+        tile among a block of tokens: W2's 30-token question after a hit took 7.9 ms packed, 8.6 ms as rows, on
+        the H200); without them, a short prefill without media goes to the rows, where each prefill token reads
+        its whole context on its own, so only while that re-reading stays small."""
         if any(p.pad for p in pieces):
             return ""
         tokens, longest = sum(p.end - p.start for p in pieces), max(p.end for p in pieces)
+        decode_only = all(p.end - p.start == 1 for p in pieces)
+        if decode_only and not media and self.graphs is not None and self.graphs.fits(tokens, longest):
+            return "rows"
+        if self.packed is not None and self.packed.fits(tokens, len(pieces), longest):
+            return "packed"
         prefill_key_reads = sum((p.end - p.start) * p.end for p in pieces if p.end - p.start > 1)
         if (self.graphs is not None and not media and prefill_key_reads <= MAX_GRAPH_PREFILL_KEY_READS
                 and self.graphs.fits(tokens, longest)):
             return "rows"
-        if self.packed is not None and self.packed.fits(tokens, len(pieces), longest):
-            return "packed"
         return ""
 
     # -- every rank: running the payload ---------------------------------------------------------

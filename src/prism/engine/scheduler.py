@@ -11,10 +11,10 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
   down to the span start; a span larger than the whole budget is rejected with a reason.
 - Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
   yet has them encoded in a step that computes no prefill (`media_ahead`) and is admitted in a later one.
-  With `interleave_prefill_tokens`, a step encodes ahead only as many media tokens as a chunk may prefill
-  (at least one item), so the encoding is spread over several steps too. Each item is sent ahead once (if
-  its features are evicted meanwhile, the prefill encodes it): a request is held back at most once per item.
-  The decoders wait for the vision encoder and for a prefill in different steps.
+  Each item is sent ahead once (if its features are evicted meanwhile, the prefill encodes it): a request is
+  held back at most once per item. The decoders wait for the vision encoder and for a prefill in different
+  steps. (Spreading one request's items over several steps under interleaving was measured and dropped:
+  bench/NOTES.md, session 4.)
 Nothing here touches tensors: the result is a list of slices plus the KV manager's transfer plan.
 """
 
@@ -159,25 +159,13 @@ class Scheduler:
     def _media_to_encode_ahead(self, request: Request, hit_tokens: int) -> list:
         """The media items of `request` to encode this step, ahead of its admission: those its prefill will read
         (tokens past the prefix hit) that the encoder has not seen and that were not sent ahead already (once
-        each: if the features are evicted meanwhile, the prefill encodes them), while others are decoding.
-        With interleaving, only the first items within a chunk's token limit (at least one)."""
+        each: if the features are evicted meanwhile, the prefill encodes them), while others are decoding."""
         if not self.config.encode_media_ahead or not self._decoding or self.is_media_encoded is None:
             return []
-        items = list({item.digest: item for item in request.prompt.media  # an image shown twice: encoded once
-                      if any(start + length > hit_tokens for start, length in item.spans)
-                      and item.digest not in request.media_sent_ahead
-                      and not self.is_media_encoded(item.digest)}.values())
-        limit = self.config.interleave_prefill_tokens
-        if limit is None:
-            return items
-        taken, tokens = [], 0
-        for item in items:
-            size = sum(length for _, length in item.spans)
-            if taken and tokens + size > limit:
-                break
-            taken.append(item)
-            tokens += size
-        return taken
+        return list({item.digest: item for item in request.prompt.media  # an image shown twice: encoded once
+                     if any(start + length > hit_tokens for start, length in item.spans)
+                     and item.digest not in request.media_sent_ahead
+                     and not self.is_media_encoded(item.digest)}.values())
 
     @staticmethod
     def _encodes_ahead_in(step_prefills: bool) -> bool:
