@@ -292,6 +292,13 @@ def test_decide_endpoint(live):
     second = httpx.post(live.url + "/v1/decide", json=body, timeout=60).json()
     assert second["usage"]["cached_tokens"] > 0, "a second decide over the same material must hit the cache"
     assert [a["answer"] for a in second["answers"]] == [a["answer"] for a in answers]
+    named = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, "uuid": "decide-21"},
+                                          {"type": "text", "text": "Look at this picture."}]}]
+    assert httpx.post(live.url + "/v1/decide", json={**body, "material": named}, timeout=60).status_code == 200
+    named[0]["content"][0]["image_url"] = None  # the material's image by its uuid alone
+    by_name = httpx.post(live.url + "/v1/decide", json={**body, "material": named}, timeout=60)
+    assert by_name.status_code == 200, by_name.text
+    assert [a["answer"] for a in by_name.json()["answers"]] == [a["answer"] for a in answers]
     thinking = httpx.post(live.url + "/v1/decide", json={**body, "thinking": {"gate": 1.0, "max_tokens": 6}}, timeout=60)
     assert thinking.status_code == 200, thinking.text
     assert all(a["thought"] and 0 < a["thinking_tokens"] <= 6 for a in thinking.json()["answers"])
