@@ -624,3 +624,25 @@ def test_image_names_are_bounded_and_forget_the_least_recently_used():
     assert names.resolve("b") == (key, b"9")
     with pytest.raises(ValueError):
         ImageNames(max_names=0)
+
+
+def test_a_uuid_may_name_an_image_a_later_part_of_the_same_prompt_sends(ckpt):
+    proc = InputProcessor(ckpt, model_id="tiny-uuid-order", cache_bytes=2**26)
+    (a,) = random_images([(64, 48)], seed=13)
+    prompt = proc.prepare_chat([{"role": "user", "content": [
+        {"type": "image", "image": None, "uuid": "later"}, {"type": "image", "image": a, "uuid": "later"},
+        {"type": "text", "text": "Twice?"}]}])
+    assert prompt.media[0].digest == prompt.media[1].digest
+
+
+def test_a_name_follows_its_image_sent_again_as_other_bytes(ckpt):
+    """Sent as PNG bytes, evicted, sent again as the same pixels in another form (another cache key): the name
+    follows the key that holds the pixels now instead of pointing at the evicted one for good."""
+    from prism.engine.image_names import ImageNames
+    from prism.media.cache import CacheKey
+
+    names = ImageNames()
+    old, new = CacheKey(b"o" * 32, "ns"), CacheKey(b"n" * 32, "ns")
+    names.bind("x", old, b"same")
+    names.bind("x", new, b"same")
+    assert names.resolve("x") == (new, b"same")

@@ -38,7 +38,7 @@ def run(monkeypatch: pytest.MonkeyPatch, kernels: str, graph_rows: bool = False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or not HAVE_TRITON, reason="the CPU interpreter run")
-@pytest.mark.parametrize("graph_rows", [False, True], ids=["packed", "graph-rows"])
+@pytest.mark.parametrize("graph_rows", [False, True], ids=["eager", "graphs"])
 def test_engine_with_every_kernel_matches_the_references(monkeypatch, graph_rows):
     """graph-rows: decodes and the question after the hit run as the CUDA graphs' one-token rows through the
     decode kernel (eagerly: no graphs on the CPU)."""

@@ -36,6 +36,7 @@ def test_shipped_configs_load(path):
         ({"dtype": "float64"}, "dtype must be"),
         ({"encode_media_ahead": "false"}, "encode_media_ahead must be true or false"),
         ({"cuda_graphs": 0}, "cuda_graphs must be true or false"),
+        ({"cuda_graph_max_packed_tokens": 8}, "0 \\(off\\) or an integer >= 32"),
         ([1, 2], "must be a JSON object"),
     ],
 )
@@ -96,6 +97,13 @@ def test_add_request_errors(engine):
     (big,) = random_images([(320, 320)])
     with pytest.raises(RequestError, match="visual span of 100 tokens"):
         engine.add_request("wide", [{"role": "user", "content": [{"type": "image", "image": big}]}])
+    import dataclasses
+
+    prepared = engine.inputs.prepare_prompt("a hand-built prompt")
+    vocab = engine.runner.model.config.text.vocab_size
+    for bad in ([-3], [vocab]):  # an id anywhere in the prompt, not only in the detokenizer's context window
+        with pytest.raises(RequestError, match="token ids must be integers"):
+            engine.add_request("bad-ids", dataclasses.replace(prepared, token_ids=bad + prepared.token_ids[1:] * 4))
     while engine.has_unfinished_requests():
         engine.step()
 

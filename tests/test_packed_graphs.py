@@ -124,3 +124,38 @@ def test_steps_that_do_not_fit_are_refused(model):
         graphs.run(PackedStep.from_pieces(five, [], PAGE), None)
     assert PackedGraphs(model, pool, SCRATCH, max_tokens=100, max_seqs=4, max_model_len=SCRATCH * PAGE).buckets \
         == tuple(b for b in pg.BUCKETS if b < 100) + (100,)
+
+
+def test_the_captured_form_with_the_triton_kernels_equals_the_eager_step(model, monkeypatch):  # noqa: F811
+    """What the GPU replays: the buffers filled by `_fill`, then the forward with the *placeholder* host lengths
+    (one sequence of `bucket` tokens at the longest context), through the Triton kernels (interpreter), which
+    read the real lengths, block list and split count from the buffers. Mixed, media, and after-media steps."""
+    from prism.ops.kv_write import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        pytest.skip("triton not installed")
+    original = pg.PagedKVBackend
+    monkeypatch.setattr(pg, "PagedKVBackend", lambda *a, **k: original(*a, use_triton=True, **k))
+    pool, _, tokens, (a_pages, b_pages, c_pages) = setup(model)
+    # A long max_model_len: the buckets' fixed key splits assume the longest context, so they split the keys.
+    graphs = PackedGraphs(model, pool, SCRATCH, max_tokens=32, max_seqs=4, max_model_len=4096)
+    assert graphs.splits(32) > 1, "the bucket's fixed key split must be exercised"
+
+    def captured(step, media=None):
+        bucket, _ = graphs._fill(step, media)
+        with torch.inference_mode():
+            return graphs._forward(bucket, None)[: len(step.sample_rows)].float()
+
+    cases = [
+        ([piece(tokens(1), 7, b_pages), piece(tokens(5), 10, a_pages), piece(tokens(1), 3, c_pages)], None, []),
+        ([piece(tokens(5), 10, a_pages), piece(tokens(1), 7, b_pages)], [1, 2, 3], [MediaSlice(1, b"x", 0, 3)]),
+        ([piece(tokens(1), 15, a_pages), piece(tokens(3), 8, b_pages + [30])], None, []),
+    ]
+    for pieces, rows, slices in cases:
+        media = media_for(model, rows, seed=2) if rows else None
+        saved = snapshot(pool)
+        expected = eager(model, pool, pieces, media)
+        restore(pool, saved)
+        got = captured(PackedStep.from_pieces(pieces, slices, PAGE), media)
+        restore(pool, saved)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -59,29 +59,25 @@ def test_bad_shapes_and_dtypes_are_refused():
         vr.vision_rope(q, k[:2], cos, sin)
 
 
-def test_encoder_blocks_use_it_with_the_same_result():
-    """The encoder's attention rotates through `vision_rope`: replacing it by the reference changes nothing."""
+@needs_triton
+def test_an_encoder_block_through_the_kernel_equals_the_block_through_the_reference(monkeypatch):
+    """The encoder's attention rotates through `vision_rope`: a block run with the kernels forced on (the
+    interpreter) gives the block's reference result, and a kernel rotating the wrong way would not."""
     from prism.model import vision
+    from prism.model.config import VisionConfig
 
-    q, k, cos, sin = _inputs(6, 2, 16, torch.float32, seed=3)
-    calls = []
-    original = vision.vision_rope
-
-    def spy(*a, **kw):
-        calls.append(a[0].shape)
-        return original(*a, **kw)
-
-    vision.vision_rope = spy
-    try:
-        from prism.model.config import VisionConfig
-
-        cfg = VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=32,
-                           deepstack_visual_indexes=(), num_position_embeddings=16, patch_size=2,
-                           temporal_patch_size=2, spatial_merge_size=2)
-        blk = vision.VisionBlock(cfg).to(DEV)
-        x = torch.randn(6, 32, device=DEV)
-        out = blk(x, cos, sin, [6])
-    finally:
-        vision.vision_rope = original
-    assert calls, "VisionBlock.attention did not call vision_rope"
-    assert out.shape == x.shape and torch.isfinite(out).all()
+    cfg = VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=32,
+                       deepstack_visual_indexes=(), num_position_embeddings=16, patch_size=2,
+                       temporal_patch_size=2, spatial_merge_size=2)
+    torch.manual_seed(0)
+    blk = vision.VisionBlock(cfg).to(DEV)
+    x = torch.randn(6, 32, device=DEV)
+    _, _, cos, sin = _inputs(6, 2, 16, torch.float32, seed=3)
+    with torch.inference_mode():
+        reference = blk(x, cos, sin, [6])
+        monkeypatch.setenv("PRISM_KERNELS", "triton")
+        kernel = blk(x, cos, sin, [6])
+        monkeypatch.setattr(vision, "vision_rope", lambda q, k, c, s: vr.vision_rope(q, k, c, -s))
+        wrong = blk(x, cos, sin, [6])
+    torch.testing.assert_close(kernel, reference, rtol=1e-6, atol=1e-6)
+    assert (wrong - reference).abs().max() > 1e-3

@@ -54,7 +54,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
     # Tokens of the largest captured packed step (prefill chunks, questions, media tokens, beside decodes); larger
-    # steps run eagerly. 0: no packed graphs.
+    # steps run eagerly. 0: no packed graphs. Their padding writes scratch KV pages for this many tokens, allocated
+    # beside kv_memory_bytes (8B shapes, FP8: ~75 MB for 1024).
     cuda_graph_max_packed_tokens: int = 1024
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
@@ -81,8 +82,8 @@ class EngineConfig:
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         packed = self.cuda_graph_max_packed_tokens
-        if not isinstance(packed, int) or isinstance(packed, bool) or packed < 0:
-            raise ConfigError(f"cuda_graph_max_packed_tokens must be a non-negative integer, got {packed!r}")
+        if not isinstance(packed, int) or isinstance(packed, bool) or packed < 0 or 0 < packed < 32:
+            raise ConfigError(f"cuda_graph_max_packed_tokens must be 0 (off) or an integer >= 32, got {packed!r}")
         if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
             raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
         if self.kv_dtype not in KV_DTYPES:

@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..decision.questions import readout
@@ -109,6 +110,10 @@ class Engine:
         n = len(prompt.token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
+        ids = np.asarray(prompt.token_ids)
+        vocab = self.runner.model.config.text.vocab_size
+        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         if n >= self.max_model_len:
             raise RequestError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
         widest = max((length for m in prompt.media for _, length in m.spans), default=0)

@@ -5,6 +5,8 @@ with the same uuid is refused. A name is bound to the image's key in the preproc
 digest), not to the prepared pixels: the pixels may be evicted (naming the uuid then asks the client to send
 the image again, which re-fills them under the same name) while the binding, a few dozen bytes, stays. Only
 past `max_names` bindings is the least recently used one forgotten; a forgotten name may then be bound anew.
+Names are one namespace for every client of a server (as in vLLM): clients that do not trust each other should
+use unguessable uuids (a random 128-bit value, or a hash of the image).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import OrderedDict
 
 from ..media.cache import CacheKey
 
-DEFAULT_MAX_NAMES = 1_000_000
+DEFAULT_MAX_NAMES = 100_000  # ~30 MB of bindings
 
 
 class ImageNameConflict(ValueError):
@@ -34,12 +36,12 @@ class ImageNames:
         names an image of another digest."""
         with self._lock:
             known = self._names.get(uuid)
-            if known is not None:
-                if known[1] != digest:
-                    raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
-                self._names.move_to_end(uuid)
-                return
+            if known is not None and known[1] != digest:
+                raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
+            # The same image may come back as other bytes (another encoding) under another cache key: the name
+            # follows the key that was filled last, which holds its pixels.
             self._names[uuid] = (key, digest)
+            self._names.move_to_end(uuid)
             if len(self._names) > self.max_names:
                 self._names.popitem(last=False)
 

@@ -202,6 +202,7 @@ class InputProcessor:
         self._max_prompt_tokens = max_prompt_tokens
         self._absorb = absorb_video_vision_tokens
         self._image_ns = json.dumps([self.model_id, self.image_config.fingerprint(), "rgb8"])
+        self._bytes_ns = media_namespace(self.model_id, self.image_config)  # prepare_image's, for encoded bytes
         self._video_ns = json.dumps([self.model_id, self.video_config.fingerprint(), "video-frames"])
 
     # ---------------------------------------------------------------------------------- tokenizer
@@ -387,16 +388,10 @@ class InputProcessor:
         done = list(self._media_threads.map(self._image, todo)) if len(todo) > 1 else [self._image(d) for d in todo]
         for data, prepared in zip(todo, done, strict=True):
             memo[id(data)] = (data, prepared)
-        out = []
-        for im in images:
-            if im.data is None:
-                out.append(self._image_by_uuid(im.uuid))
-                continue
-            prepared = memo[id(im.data)][1]
-            if im.uuid is not None:
-                self._name_image(im.uuid, im.data, prepared)
-            out.append(prepared)
-        return out
+        for im in images:  # names first, so a part may name an image a later part of the same prompt sends
+            if im.data is not None and im.uuid is not None:
+                self._name_image(im.uuid, im.data, memo[id(im.data)][1])
+        return [memo[id(im.data)][1] if im.data is not None else self._image_by_uuid(im.uuid) for im in images]
 
     def _check_names_usable(self) -> None:
         if self._cache is None:
@@ -420,7 +415,7 @@ class InputProcessor:
         self._check_names_usable()
         assert self._cache is not None
         if isinstance(data, (bytes, bytearray, memoryview)):
-            key = CacheKey(prepared.raw_digest, media_namespace(self.model_id, self.image_config))
+            key = CacheKey(prepared.raw_digest, self._bytes_ns)
         else:
             key = CacheKey(prepared.raw_digest, self._image_ns)
         if key not in self._cache:  # make sure the name's pixels are findable (a memo may have skipped the cache)

@@ -102,8 +102,11 @@ class ModelRunner:
         self.publish: Callable[[StepPayload], None] | None = None
         # graph_rows_without_cuda: off CUDA, run the steps the graphs would replay as the same rows, eagerly
         # (how the CPU tests put that path through the whole engine).
+        # The graphs are captured with placeholder host lengths that only the Triton kernels ignore (they read the
+        # real ones on the device): with the torch reference attention forced on CUDA, nothing is captured.
         use_graphs = (cuda_graph_max_batch is not None and not deterministic
-                      and (self.device.type == "cuda" or graph_rows_without_cuda))
+                      and (self.device.type == "cuda" and kernels_override() != "reference"
+                           or graph_rows_without_cuda))
         use_packed = use_graphs and bool(packed_graph_max_tokens)
         # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
         scratch_rows = max(cuda_graph_max_batch or 0, packed_graph_max_tokens or 0) if use_graphs else 0
