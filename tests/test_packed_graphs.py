@@ -126,6 +126,8 @@ def test_steps_that_do_not_fit_are_refused(model):
         == tuple(b for b in pg.BUCKETS if b < 100) + (100,)
 
 
+# The Triton interpreter's own `int(array)` on loaded scalars (triton/runtime/interpreter.py), ~4,600 times here.
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 def test_the_captured_form_with_the_triton_kernels_equals_the_eager_step(model, monkeypatch):  # noqa: F811
     """What the GPU replays: the buffers filled by `_fill`, then the forward with the *placeholder* host lengths
     (one sequence of `bucket` tokens at the longest context), through the Triton kernels (interpreter), which
