@@ -21,6 +21,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernel_timing import random_fp8_pool, us_per_call_in_graph  # noqa: E402
 
 from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
 from prism.ops import paged_attention as pa  # noqa: E402
@@ -53,21 +56,7 @@ def time_config(q, pool, meta, splits: int) -> float:
     def call():
         paged_decode_attention(q, pool, 3, meta, num_splits=splits, use_triton=True)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 100  # us per call
+    return us_per_call_in_graph(call)
 
 
 def main() -> None:
@@ -75,11 +64,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_decode_attention.txt")
     args = parser.parse_args()
     layout = KVLayout(36, HKV, D, PAGE, 32 * 7 + 8, "fp8")
-    pool = KVPool.allocate(layout, "cuda")
-    sign = torch.randint(0, 2, pool.payload.shape, device="cuda", dtype=torch.uint8) << 7
-    pool.payload.view(torch.uint8).copy_(torch.randint(0, 0x70, pool.payload.shape, device="cuda",
-                                                       dtype=torch.uint8) | sign)
-    pool.scales.uniform_(0.001, 0.01)
+    pool = random_fp8_pool(layout)
     lines = []
     defaults = (pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS)
     for name in ("b1", "rows16", "b32"):

@@ -20,8 +20,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
+from kernel_timing import random_fp8_pool, us_per_call_in_graph  # noqa: E402
+
+from prism.kv.fp8 import KVLayout  # noqa: E402
 from prism.ops import paged_prefill as pp  # noqa: E402
 from prism.ops.paged_attention import PagedAttentionMetadata  # noqa: E402
 
@@ -35,21 +38,7 @@ def time_config(q, pool, meta, splits: int) -> float:
     def call():
         pp.paged_prefill_attention(q, pool, 3, meta, launch=launch, num_splits=splits, use_triton=True)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 100  # us per call
+    return us_per_call_in_graph(call)
 
 
 def main() -> None:
@@ -57,11 +46,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_prefill_attention.txt")
     args = parser.parse_args()
     layout = KVLayout(36, HKV, D, PAGE, 16, "fp8")
-    pool = KVPool.allocate(layout, "cuda")
-    sign = torch.randint(0, 2, pool.payload.shape, device="cuda", dtype=torch.uint8) << 7
-    pool.payload.view(torch.uint8).copy_(torch.randint(0, 0x70, pool.payload.shape, device="cuda",
-                                                       dtype=torch.uint8) | sign)
-    pool.scales.uniform_(0.001, 0.01)
+    pool = random_fp8_pool(layout)
     lines = []
     defaults = (pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS)
     for name, (new, ctx) in CASES.items():
