@@ -85,9 +85,8 @@ class GraphRows:
             if p.pad:
                 raise ValueError("padded (deterministic) pieces do not run as graph rows")
             pos = np.arange(p.start, p.end, dtype=np.int64)
-            pages = np.asarray(p.pages, dtype=np.int64)
             ids.append(np.asarray(p.token_ids, dtype=np.int64))
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            slots.append(p.slots(page_size))
             ctx.append(pos + 1)
             owner.append(np.full(len(pos), i, dtype=np.int64))
             positions.append(p.positions)

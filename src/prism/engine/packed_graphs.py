@@ -68,12 +68,10 @@ class PackedStep:
         for p in pieces:
             if p.pad:
                 raise ValueError("padded (deterministic) pieces do not run in the packed graphs")
-            pos = np.arange(p.start, p.end, dtype=np.int64)
-            pages = np.asarray(p.pages, dtype=np.int64)
             ids.append(np.asarray(p.token_ids, dtype=np.int64))
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            slots.append(p.slots(page_size))
             positions.append(p.positions.numpy())
-            offset += len(pos)
+            offset += p.end - p.start
             if p.sample:
                 sample.append(offset - 1)
         media_rows = [np.arange(m.row, m.row + m.length, dtype=np.int64) for m in media]

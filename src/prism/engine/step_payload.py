@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..distributed.encoder_dp import assign_media
@@ -37,6 +38,12 @@ class PieceInput:
     @property
     def num_rows(self) -> int:
         return self.end + self.pad - self.start
+
+    def slots(self, page_size: int) -> np.ndarray:
+        """int64 KV slot of each real position [start, end): its page's slot base plus its row in the page."""
+        pos = np.arange(self.start, self.end, dtype=np.int64)
+        pages = np.asarray(self.pages, dtype=np.int64)
+        return pages[pos // page_size] * page_size + pos % page_size
 
 
 @dataclass(frozen=True)
