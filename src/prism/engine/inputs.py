@@ -77,9 +77,9 @@ class PromptTooLongError(InputError):
 
 _U64 = struct.Struct("<Q")
 _MEDIA_THREADS = max(1, min(8, os.cpu_count() or 1))
-_SPAN_SCHEME = b"prism.video-span.v2"
-_RGB_SCHEME = b"prism.rgb8.v2"
-_FRAMES_SCHEME = b"prism.video-frames.v2"
+_SPAN_SCHEME = b"prism.video-span.v3"
+_RGB_SCHEME = b"prism.rgb8.v3"
+_FRAMES_SCHEME = b"prism.video-frames.v3"
 
 
 def video_span_digest(video_digest_: bytes, temporal_index: int) -> bytes:
