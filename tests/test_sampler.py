@@ -129,7 +129,10 @@ def test_greedy_is_fp32_argmax_with_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -3.0, -0.5]])
     res = sample(logits, [SamplingParams.greedy()] * 3, [None] * 3)
     assert res.token_ids.tolist() == [1, 0, 3]
-    assert res.token_ids.dtype == torch.int64 and res.logprobs.dtype == torch.float32
+    assert res.token_ids.dtype == torch.int64
+    assert res.logprobs is None and res.top_token_ids is None  # nobody asked: no vocabulary-wide log-softmax
+    with_logprobs = sample(logits, [SamplingParams.greedy(logprobs=0)] * 3, [None] * 3)
+    assert torch.equal(with_logprobs.token_ids, res.token_ids) and with_logprobs.logprobs.dtype == torch.float32
     # bf16 input is compared in fp32 and greedy ignores a generator and the filters.
     gen = torch.Generator().manual_seed(1)
     bf = logits.to(torch.bfloat16)
