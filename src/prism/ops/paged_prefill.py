@@ -50,8 +50,9 @@ _BLOCK_N = 128  # keys per tile
 _NUM_WARPS = 4
 _NUM_STAGES = 1  # software pipelining of the key loop
 _TARGET_PROGRAMS = 512  # below this many (block, KV head) programs, split the keys too
-_MAX_SPLITS = 16
+_MAX_SPLITS = 8  # a packed graph's fixed grid: W2's question in bucket 32 took 25.8 us at 16 splits, 22.1 at 8
 _MAX_PARTIAL_BYTES = 16 * 2**20
+_V_WITH_K = False  # see `paged_attention._attend_keys`: with 64-row tiles it was slower (1,600-token prefill 134 -> 140 us)
 
 
 def prefill_num_splits(num_tokens: int, num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -89,7 +90,7 @@ if HAVE_TRITON:
                         KIND: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        NATIVE_FP8: tl.constexpr):
+                        NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
         # grid = (blocks, KV heads, splits). Row r of the tile is token r // GROUP of the block, query head
         # r % GROUP. With several splits, each takes a share of the block's keys (whole tiles) and writes a
         # partial softmax that `_decode_reduce_kernel` merges per (token, head).
@@ -100,6 +101,8 @@ if HAVE_TRITON:
         first_row = tl.load(blocks_ptr + blk * 4 + 1)
         first_pos = tl.load(blocks_ptr + blk * 4 + 2)
         count = tl.load(blocks_ptr + blk * 4 + 3)
+        if count == 0:  # an unused entry of a packed graph's fixed grid: it owns no row, so nothing to write
+            return
         ctx = tl.load(ctx_ptr + seq)
         r = tl.arange(0, BLOCK_M)
         tok = r // GROUP
@@ -121,7 +124,7 @@ if HAVE_TRITON:
         m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES, NATIVE_FP8)
+                                     NUM_STAGES, NATIVE_FP8, V_WITH_K)
         _store_attention(m_i, l_i, acc, q_rows, head, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
                          part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -187,7 +190,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
             OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(pool.device),
-            num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(n, hq)](
