@@ -41,37 +41,48 @@ def time_config(q, pool, meta, splits: int) -> float:
     return us_per_call_in_graph(call)
 
 
+# --focused: around the current defaults, with the V load issued beside the K load (`V_WITH_K`).
+FULL = {"rows": (64, 128), "block_n": (64, 128), "stages": (1, 2), "warps": (4, 8), "v_with_k": (False,),
+        "splits": {"w1": (1,), "chunk256": (1, 2), "w2": (4, 8, 16)}}
+FOCUSED = {"rows": (64,), "block_n": (128,), "stages": (1, 2), "warps": (4, 8), "v_with_k": (False, True),
+           "splits": {"w1": (1,), "chunk256": (1, 2), "w2": (8, 16)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/tune_prefill_attention.txt")
+    parser.add_argument("--focused", action="store_true", help="the narrower grid with V_WITH_K (see FOCUSED)")
     args = parser.parse_args()
+    grid = FOCUSED if args.focused else FULL
     layout = KVLayout(36, HKV, D, PAGE, 16, "fp8")
     pool = random_fp8_pool(layout)
     lines = []
-    defaults = (pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS)
+    defaults = (pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS, pp._V_WITH_K)
     for name, (new, ctx) in CASES.items():
         meta = PagedAttentionMetadata.build([new], [ctx], [list(range(-(-ctx // PAGE)))], PAGE, "cuda")
         q = torch.randn(new, HQ, D, dtype=torch.bfloat16, device="cuda")
         blocks = -(-new // (pp._BLOCK_ROWS // (HQ // HKV)))
         default_splits = pp.prefill_num_splits(new, blocks, HQ, HKV, D, ctx)
         results = []
-        for rows, block_n, stages, warps in itertools.product((64, 128), (64, 128), (1, 2), (4, 8)):
-            pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS = rows, block_n, stages, warps
-            for splits in {"w1": (1,), "chunk256": (1, 2), "w2": (4, 8, 16)}[name]:
+        for rows, block_n, stages, warps, v_with_k in itertools.product(
+                grid["rows"], grid["block_n"], grid["stages"], grid["warps"], grid["v_with_k"]):
+            pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS, pp._V_WITH_K = (rows, block_n, stages,
+                                                                                        warps, v_with_k)
+            for splits in sorted({*grid["splits"][name], default_splits}):
                 try:
                     us = time_config(q, pool, meta, splits)
                 except Exception as error:  # a configuration the compiler refuses (shared memory...)
-                    print(f"{name} {rows} {block_n} {stages} {warps} {splits}: {type(error).__name__}")
+                    print(f"{name} {rows} {block_n} {stages} {warps} {v_with_k} {splits}: {type(error).__name__}")
                     continue
-                results.append((us, rows, block_n, stages, warps, splits))
-        pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS = defaults
+                results.append((us, rows, block_n, stages, warps, v_with_k, splits))
+        pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS, pp._V_WITH_K = defaults
         current = next((r for r in results if r[1:] == (*defaults, default_splits)), (float("nan"),))
         results.sort()
         lines.append(f"== {name} ({new} new tokens, context {ctx}): current defaults (rows {defaults[0]}, "
-                     f"BLOCK_N {defaults[1]}, stages {defaults[2]}, warps {defaults[3]}, splits {default_splits}): "
-                     f"{current[0]:.1f} us")
-        lines += [f"  {us:7.1f} us  rows {r:3d} BLOCK_N {bn:3d} stages {st} warps {w} splits {sp:2d}"
-                  for us, r, bn, st, w, sp in results[:12]]
+                     f"BLOCK_N {defaults[1]}, stages {defaults[2]}, warps {defaults[3]}, V with K {defaults[4]}, "
+                     f"splits {default_splits}): {current[0]:.1f} us")
+        lines += [f"  {us:7.1f} us  rows {r:3d} BLOCK_N {bn:3d} stages {st} warps {w} V with K {vk!s:5} splits {sp:2d}"
+                  for us, r, bn, st, w, vk, sp in results[:12]]
         print("\n".join(lines[-13:]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

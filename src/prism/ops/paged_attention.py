@@ -53,7 +53,11 @@ _MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 128
 _TARGET_PROGRAMS = 192
 _NUM_WARPS = 4
-_NUM_STAGES = 1  # software pipelining did not help: each tile's addresses wait on its page lookup
+# A tile's V load issued beside its K load (see `_attend_keys`), then two pipeline stages (alone, pipelining did
+# not help). H200 sweep (`bench/tune_decode_attention.py --focused`), us per layer: batch 32 at 1,700 tokens
+# 70.3 -> 55.5, 16 rows of one sequence 29.0 -> 24.8, batch 1 6.9 -> 7.0.
+_NUM_STAGES = 2
+_V_WITH_K = True
 
 
 # -------------------------------------------------------------------------------------------- metadata
@@ -297,9 +301,12 @@ if HAVE_TRITON:
                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
         """Online softmax of the query rows `q` (pre-scaled, log2 units) over keys [lo, hi) of one sequence's
-        pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc)."""
+        pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc).
+        `V_WITH_K`: issue a tile's V load beside its K load, so the two memory latencies overlap instead of
+        following each other (the decode kernel waits on memory; the prefill kernel's larger tiles need the
+        registers)."""
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -311,6 +318,10 @@ if HAVE_TRITON:
             k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
                                    sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
                                    NATIVE_FP8)
+            if V_WITH_K:
+                v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row,
+                                       stride_slot, sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
+                                       NATIVE_FP8)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
             s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -318,9 +329,10 @@ if HAVE_TRITON:
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
-                                   NATIVE_FP8)
+            if not V_WITH_K:
+                v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row,
+                                       stride_slot, sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
+                                       NATIVE_FP8)
             pv = (p * v_f[None, :]).to(DOT_DTYPE)
             acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             m_i = m_new
@@ -354,7 +366,7 @@ if HAVE_TRITON:
                        KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
         # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
         # The GQA group's query heads are the rows of two tl.dot per key tile (padded to BLOCK_G >= 16).
         # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
@@ -380,7 +392,7 @@ if HAVE_TRITON:
         m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES, NATIVE_FP8)
+                                     NUM_STAGES, NATIVE_FP8, V_WITH_K)
         _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
                          stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -478,7 +490,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
             lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-            NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), num_warps=_NUM_WARPS,
+            NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(bsz, hq)](
