@@ -89,10 +89,16 @@ class TextAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = qk_norm_rope(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
-                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = backend.attend(layer_idx, q, k, v)
+        attend_unrotated = getattr(backend, "attend_unrotated", None)  # norm + rope + K/V write fused (paged KV)
+        if attend_unrotated is not None:
+            out = attend_unrotated(layer_idx, q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                   cos, sin)
+        else:
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+            out = backend.attend(layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.q_size))
 
 

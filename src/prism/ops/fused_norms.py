@@ -111,6 +111,17 @@ if HAVE_TRITON:
     def _norm_rope_heads(src, stride_h, w_ptr, cos_ptr, sin_ptr, dst, num_heads, eps,
                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr):
         """Every head of one token: [BLOCK_H, HALF] halves, per-head RMSNorm, then rope, stored contiguous."""
+        o1, o2, h, j = norm_rope_values(src, stride_h, w_ptr, cos_ptr, sin_ptr, num_heads, eps, HALF, BLOCK_H, DTYPE)
+        hmask = (h < num_heads)[:, None]
+        out = dst + h[:, None].to(tl.int64) * (2 * HALF)
+        tl.store(out + j[None, :], o1.to(DTYPE), mask=hmask)
+        tl.store(out + HALF + j[None, :], o2.to(DTYPE), mask=hmask)
+
+    @triton.jit
+    def norm_rope_values(src, stride_h, w_ptr, cos_ptr, sin_ptr, num_heads, eps,
+                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr):
+        """Every head of one token, normed and rotated, in registers: (first halves, second halves) [BLOCK_H,
+        HALF] in fp32 holding activation-dtype values (what `_norm_rope_heads` stores), head and column ids."""
         h = tl.arange(0, BLOCK_H)
         j = tl.arange(0, HALF)
         hmask = (h < num_heads)[:, None]
@@ -127,11 +138,9 @@ if HAVE_TRITON:
         c2 = tl.load(cos_ptr + HALF + j).to(tl.float32)[None, :]
         s1 = tl.load(sin_ptr + j).to(tl.float32)[None, :]
         s2 = tl.load(sin_ptr + HALF + j).to(tl.float32)[None, :]
-        o1 = _round(n1 * c1, DTYPE) + _round(-n2 * s1, DTYPE)
-        o2 = _round(n2 * c2, DTYPE) + _round(n1 * s2, DTYPE)
-        out = dst + h[:, None].to(tl.int64) * (2 * HALF)
-        tl.store(out + j[None, :], o1.to(DTYPE), mask=hmask)
-        tl.store(out + HALF + j[None, :], o2.to(DTYPE), mask=hmask)
+        o1 = _round(_round(n1 * c1, DTYPE) + _round(-n2 * s1, DTYPE), DTYPE)
+        o2 = _round(_round(n2 * c2, DTYPE) + _round(n1 * s2, DTYPE), DTYPE)
+        return o1, o2, h, j
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,

@@ -144,6 +144,24 @@ if HAVE_TRITON:
         return ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((u >> 16) & 0x8000)
 
     @triton.jit
+    def _store_values(x, scale, dst, mask, KIND: tl.constexpr):
+        """fp32 values [heads, columns] -> payload elements at `dst`; fp8 divides by the heads' `scale` [heads]."""
+        if KIND == 0:
+            y = tl.math.div_rn(x, scale[:, None])
+            y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
+            tl.store(dst, e4m3_bits(y).to(tl.uint8), mask=mask)
+        elif KIND == 1:
+            tl.store(dst, bf16_bits(x).to(tl.int16), mask=mask)
+        elif KIND == 2:
+            tl.store(dst, x.to(tl.float16), mask=mask)
+        else:
+            tl.store(dst, x, mask=mask)
+
+    @triton.jit
+    def _fp8_scale(amax):
+        return tl.maximum(tl.math.div_rn(amax, _E4M3_MAX), _SCALE_EPS)
+
+    @triton.jit
     def _write_one(src_ptr, s_t, s_h, s_d, pay_ptr, sc_ptr, t, slot, ok, row, h, d, H, D,
                    stride_row, stride_slot, sc_stride_row,
                    KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
@@ -152,20 +170,24 @@ if HAVE_TRITON:
         x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         inner = h[:, None] * D + d[None, :]
         dst = pay_ptr + slot_offset(row, slot, inner, stride_row, stride_slot, OFFSET_DTYPE)
+        scale = _fp8_scale(tl.max(tl.abs(x), axis=1))
+        _store_values(x, scale, dst, mask, KIND)
         if KIND == 0:
-            amax = tl.max(tl.abs(x), axis=1)
-            scale = tl.maximum(tl.math.div_rn(amax, _E4M3_MAX), _SCALE_EPS)
-            y = tl.math.div_rn(x, scale[:, None])
-            y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
-            tl.store(dst, e4m3_bits(y).to(tl.uint8), mask=mask)
-            sc = sc_ptr + slot_offset(row, slot, h, sc_stride_row, H, OFFSET_DTYPE)
-            tl.store(sc, scale, mask=(h < H) & ok)
-        elif KIND == 1:
-            tl.store(dst, bf16_bits(x).to(tl.int16), mask=mask)
-        elif KIND == 2:
-            tl.store(dst, x.to(tl.float16), mask=mask)
-        else:
-            tl.store(dst, x, mask=mask)
+            tl.store(sc_ptr + slot_offset(row, slot, h, sc_stride_row, H, OFFSET_DTYPE), scale, mask=(h < H) & ok)
+
+    @triton.jit
+    def write_head_halves(x1, x2, pay_ptr, sc_ptr, slot, ok, row, h, j, H, HALF: tl.constexpr,
+                          stride_row, stride_slot, sc_stride_row, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+        """One token's heads given as halves [heads, HALF] in registers (what rope produces) -> `slot` of pool
+        row `row`: the same bytes `_write_one` stores for the concatenated heads (one scale per head)."""
+        mask = (h < H)[:, None] & (j < HALF)[None, :] & ok
+        dst = pay_ptr + slot_offset(row, slot, h[:, None] * (2 * HALF) + j[None, :], stride_row, stride_slot,
+                                    OFFSET_DTYPE)
+        scale = _fp8_scale(tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1)))
+        _store_values(x1, scale, dst, mask, KIND)
+        _store_values(x2, scale, dst + HALF, mask, KIND)
+        if KIND == 0:
+            tl.store(sc_ptr + slot_offset(row, slot, h, sc_stride_row, H, OFFSET_DTYPE), scale, mask=(h < H) & ok)
 
     @triton.jit(do_not_specialize=["row_k", "row_v"])  # one variant for every layer
     def _write_kv_kernel(k_ptr, v_ptr, slots_ptr, pay_ptr, sc_ptr,

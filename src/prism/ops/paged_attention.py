@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from ..kv import fp8
 from ..kv.fp8 import KVPool
 from . import kv_write
+from .fused_norms import qk_norm_rope
 from .kv_write import HAVE_TRITON, _check_layer, _want_triton, device_context, write_kv
+from .qk_norm_rope_kv import qk_norm_rope_write_kv
 
 if HAVE_TRITON:
     import triton
@@ -525,6 +527,23 @@ class PagedKVBackend:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         _check_attention_inputs(q, self.pool, layer_idx, self.meta)  # before anything is written
         write_kv(self.pool, layer_idx, self.meta.slot_mapping, k, v, use_triton=self.use_triton)
+        return self._attend_written(layer_idx, q)
+
+    def attend_unrotated(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor) -> torch.Tensor:
+        """`attend` for q and k before their per-head RMSNorm and rope: with the Triton kernels the norm, the rope
+        and the K/V write are one launch (`qk_norm_rope_write_kv`, the same bytes as the two it replaces)."""
+        if not _want_triton(self.pool.device, self.use_triton):
+            q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+            return self.attend(layer_idx, q, k, v)
+        _check_attention_inputs(q, self.pool, layer_idx, self.meta)
+        q = qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, cos, sin, self.pool, layer_idx,
+                                  self.meta.slot_mapping)
+        return self._attend_written(layer_idx, q)
+
+    def _attend_written(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the step's rotated q once its K/V are in the pool."""
         kernels = _want_triton(self.pool.device, self.use_triton)
         if self.meta.is_decode and kernels:
             return paged_decode_attention(q, self.pool, layer_idx, self.meta, self.scale, use_triton=True)
