@@ -79,6 +79,8 @@ class GraphRows:
     @classmethod
     def from_pieces(cls, pieces, page_size: int) -> GraphRows:
         """Rows of `pieces` (`step_payload.PieceInput` without padding): positions [start, end) of each."""
+        if all(p.end - p.start == 1 and not p.pad for p in pieces):
+            return cls._from_decodes(pieces, page_size)
         ids, slots, ctx, owner, sample, positions = [], [], [], [], [], []
         offset = 0
         for i, p in enumerate(pieces):
@@ -96,6 +98,17 @@ class GraphRows:
         cat = np.concatenate
         return cls(cat(ids), torch.cat(positions, dim=1), cat(slots), cat(ctx), [p.pages for p in pieces],
                    cat(owner), sample)
+
+    @classmethod
+    def _from_decodes(cls, pieces, page_size: int) -> GraphRows:
+        """`from_pieces` when every piece is one token (a decode step: one row per sequence, no per-piece arrays)."""
+        n = len(pieces)
+        starts = np.fromiter((p.start for p in pieces), np.int64, n)
+        pages = np.fromiter((p.pages[p.start // page_size] for p in pieces), np.int64, n)
+        return cls(np.fromiter((p.token_ids[0] for p in pieces), np.int64, n),
+                   torch.cat([p.positions for p in pieces], dim=1), pages * page_size + starts % page_size,
+                   starts + 1, [p.pages for p in pieces], np.arange(n, dtype=np.int64),
+                   [i for i, p in enumerate(pieces) if p.sample])
 
     def block_table(self, width: int) -> np.ndarray:
         """[n, width] int64: each row's piece's pages (columns past a context are never read)."""

@@ -127,6 +127,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return list(self.prompt.token_ids) + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list (a decode step asks for one id per sequence)."""
+        prompt = self.prompt.token_ids
+        n = len(prompt)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return list(prompt[start:end]) + self.output_token_ids[: max(0, end - n)]
+
     @property
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED

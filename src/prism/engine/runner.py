@@ -164,7 +164,7 @@ class ModelRunner:
         for group in groups:
             pieces = [
                 PieceInput(
-                    s.request.all_token_ids[start:end],
+                    s.request.token_ids_between(start, end),
                     token_positions(s.request, start, end + pad),
                     start,
                     end,

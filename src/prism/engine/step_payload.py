@@ -99,6 +99,9 @@ def media_slices(pieces: Sequence[PieceInput], requests: Sequence) -> tuple[list
     slices, items = [], {}
     row = 0
     for p, request in zip(pieces, requests, strict=True):
+        if p.start >= len(request.prompt.token_ids):  # generated tokens only (decodes): media live in the prompt
+            row += p.num_rows
+            continue
         for item in request.prompt.media:
             item_offset = 0
             for span_start, span_len in item.spans:

@@ -48,6 +48,9 @@ class SeqContent:
 
     tokens: list[int]
     media: tuple[MediaSpan, ...] = field(default_factory=tuple)
+    # The last media_runs answer, keyed by its range clipped to the media (every decode step of a sequence asks
+    # for its partial page's runs; they stop changing once the page's range passes the last span).
+    _last_runs: tuple[tuple[int, int], tuple[MediaRun, ...]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.media = tuple(sorted(self.media, key=lambda m: m.start))
@@ -68,15 +71,23 @@ class SeqContent:
 
     def media_runs(self, start: int, end: int) -> tuple[MediaRun, ...]:
         """The media inside positions [start, end), as runs with rows relative to `start`."""
+        if not self.media or start >= self.media[-1].end:  # decode positions: past every span (sorted, disjoint)
+            return ()
+        key = (start, min(end, self.media[-1].end))
+        if self._last_runs is not None and self._last_runs[0] == key:
+            return self._last_runs[1]
         runs: list[MediaRun] = []
         for span in self.media:
             lo, hi = max(start, span.start), min(end, span.end)
             if lo < hi:
                 runs.append(MediaRun(lo - start, hi - lo, span.digest, lo - span.start))
-        return tuple(runs)
+        self._last_runs = (key, tuple(runs))
+        return self._last_runs[1]
 
     def span_containing(self, position: int) -> MediaSpan | None:
         """The media span with start < position < end (a boundary strictly inside it), if any."""
+        if not self.media or position >= self.media[-1].end:
+            return None
         for span in self.media:
             if span.start < position < span.end:
                 return span
