@@ -345,3 +345,44 @@ def test_an_image_uuid_re_pointed_at_another_image_is_caught(monkeypatch: pytest
         run_state_machine_as_test(ImageUuidMachine, settings=settings(
             max_examples=60, stateful_step_count=25, deadline=None, phases=[Phase.generate], database=None,
             derandomize=True))
+
+
+def test_tail_codes_without_the_media_offset_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vectorized tail search must code a media row by its offset in the item too: planted, rows of one
+    image at different offsets look equal, so a tail shifted against the image is taken as a longer match."""
+    import numpy as np
+
+    from prism.kv import tail_sources
+    from specs import spec_tail_sources
+
+    def codes_without_offset(tokens, media):
+        codes = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+        for run in media:
+            codes[run.row : min(run.row + run.length, len(tokens))] = -1 - (tail_sources._media_base(run.digest) & 0xFFFF)
+        return codes
+
+    monkeypatch.setattr(tail_sources, "row_codes", codes_without_offset)
+    monkeypatch.setattr(prefix, "row_codes", codes_without_offset)
+    monkeypatch.setattr(spec_tail_sources, "row_codes", codes_without_offset)
+    _spec_fails(spec_tail_sources.spec_vectorized_tail_search_equals_row_by_row, "vectorized tail search")
+
+
+def test_tail_search_reading_freed_rows_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the search ignores how many rows each matrix row holds, so a forgotten page's stale codes (or a
+    shorter record's leftovers) still match."""
+    import numpy as np
+
+    from prism.kv import tail_sources
+    from specs import spec_tail_sources
+
+    def best_ignoring_lengths(self, query):
+        n = len(query)
+        if n == 0 or not self._row_of:
+            return None, 0
+        differs = self._codes[:, :n] != query
+        rows = np.where(differs.any(axis=1), differs.argmax(axis=1), n)
+        most = int(rows.max())
+        return (int(self._pages[rows == most].min()), most) if most else (None, 0)
+
+    monkeypatch.setattr(tail_sources.TailSources, "best", best_ignoring_lengths)
+    _spec_fails(spec_tail_sources.spec_vectorized_tail_search_equals_row_by_row, "vectorized tail search")

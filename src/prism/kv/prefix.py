@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from .content import MediaRun, SeqContent
 from .keys import page_key
+from .tail_sources import TailSources, row_codes
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class PrefixIndex:
         self.page_size = page_size
         self._by_key: dict[bytes, PageRecord] = {}
         self._by_page: dict[int, PageRecord] = {}
-        self._children: dict[bytes, set[int]] = {}
+        self._children: dict[bytes, TailSources] = {}  # parent key -> the pages recorded after it
 
     def __len__(self) -> int:
         return len(self._by_page)
@@ -126,12 +127,19 @@ class PrefixIndex:
         old = self._by_page.get(page)
         if old is not None and (old.key is not None or old.parent != parent or len(old.tokens) >= len(tokens)):
             return
+        if old is not None:  # the same page, grown by the rows computed since (its earlier rows are unchanged)
+            self._by_page[page] = PageRecord(page, parent, tokens, media, None)
+            self._children[parent].put(page, tokens, media, known_rows=len(old.tokens))
+            return
         self.forget_page(page)
         self._add(PageRecord(page, parent, tokens, media, None))
 
     def _add(self, record: PageRecord) -> None:
         self._by_page[record.page] = record
-        self._children.setdefault(record.parent, set()).add(record.page)
+        siblings = self._children.get(record.parent)
+        if siblings is None:
+            siblings = self._children[record.parent] = TailSources(self.page_size)
+        siblings.put(record.page, record.tokens, record.media)
 
     def forget_page(self, page: int) -> None:
         """The page's contents are about to be overwritten (pool reuse): drop every record of it."""
@@ -142,14 +150,25 @@ class PrefixIndex:
             del self._by_key[record.key]
         siblings = self._children.get(record.parent)
         if siblings is not None:
-            siblings.discard(page)
-            if not siblings:
+            siblings.remove(page)
+            if not len(siblings):
                 del self._children[record.parent]
 
     @staticmethod
     def _verified(record: PageRecord, parent: bytes, tokens: tuple[int, ...], media: tuple[MediaRun, ...]) -> bool:
         """A key match is trusted only if the stored parent, tokens and media match too."""
         return (record.parent, record.tokens, record.media) == (parent, tokens, media)
+
+    def _best_tail_by_rows(self, siblings: TailSources, content: SeqContent, start: int, limit: int
+                           ) -> tuple[int | None, int]:
+        """The exact, row-by-row tail search (what `TailSources.best` computes from codes): the page with the
+        most leading rows equal to `content` from `start`, the lowest page id among equals."""
+        tail_page, tail_rows = None, 0
+        for page in siblings.pages():
+            rows = common_rows(self._by_page[page], content, start, limit)
+            if rows > tail_rows:
+                tail_page, tail_rows = page, rows
+        return tail_page, tail_rows
 
     # -- lookup --------------------------------------------------------------------------------------
     def lookup(self, content: SeqContent, root: bytes, max_tokens: int) -> PrefixHit:
@@ -173,11 +192,12 @@ class PrefixIndex:
         start = len(pages) * size
         tail_page, tail_rows = None, 0
         limit = min(size, max_tokens - start)
-        if limit > 0:
-            for page in sorted(self._children.get(parent, ())):
-                rows = common_rows(self._by_page[page], content, start, limit)
-                if rows > tail_rows:
-                    tail_page, tail_rows = page, rows
+        siblings = self._children.get(parent)
+        if limit > 0 and siblings is not None:
+            query = row_codes(content.tokens[start : start + limit], content.media_runs(start, start + limit))
+            tail_page, tail_rows = siblings.best(query)
+            if tail_page is not None and common_rows(self._by_page[tail_page], content, start, limit) != tail_rows:
+                tail_page, tail_rows = self._best_tail_by_rows(siblings, content, start, limit)  # a code collision
 
         hit = start + tail_rows
         span = content.span_containing(hit)

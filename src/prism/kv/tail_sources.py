@@ -1,0 +1,115 @@
+"""The tail-source search of the prefix index: which child of a page chain shares the most leading rows with a
+query, in one vectorized pass whatever the number of children.
+
+Why: every request about the same images leaves one more page under the images' last full page (its question's
+tail), and each lookup looks for the best tail among all of them. Compared row by row in Python, the lookup grew
+with every question asked (W2 after 35 questions: ~50 siblings, most of a lookup's ~1 ms; thousands of questions
+would cost tens of milliseconds per request). Here the children of one parent are rows of a matrix of row codes,
+and the longest common prefix with every child is one NumPy comparison.
+
+A row code is the token id for a text row and a 63-bit negative code of (token, media digest, offset in the
+item) for a media row: equal rows always get equal codes, so the search never misses a tail the row-by-row
+comparison would find. Different media rows could share a code (a 39-bit hash): the prefix index verifies the
+chosen tail with the exact comparison and falls back to it on a mismatch, so a collision costs time, never a
+wrong hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from .content import MediaRun
+
+_OFFSET_BITS = 23
+_BASE_BITS = 39
+_GOLDEN = 0x9E3779B1
+
+
+def _media_base(digest: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(digest, digest_size=5).digest(), "little")  # 40 bits, masked below
+
+
+def row_codes(tokens: Sequence[int], media: tuple[MediaRun, ...]) -> np.ndarray:
+    """int64 code of each row of a page (or page prefix) holding `tokens`, with `media` runs at their rows."""
+    codes = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    for run in media:
+        lo, hi = run.row, min(run.row + run.length, len(tokens))
+        if lo >= hi:
+            continue
+        if run.offset + (hi - lo) >= 1 << _OFFSET_BITS:
+            raise ValueError(f"a media item of more than {1 << _OFFSET_BITS} tokens")
+        mixed = (_media_base(run.digest) ^ (codes[lo:hi] * _GOLDEN)) & ((1 << _BASE_BITS) - 1)
+        codes[lo:hi] = -1 - ((mixed << _OFFSET_BITS) | (run.offset + np.arange(hi - lo, dtype=np.int64)))
+    return codes
+
+
+class TailSources:
+    """The pages recorded under one parent key, as rows of a code matrix (a page's row: its records' codes)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._codes = np.zeros((4, page_size), dtype=np.int64)
+        self._lengths = np.zeros(4, dtype=np.int64)  # rows of each matrix row that hold codes (0: free)
+        self._pages = np.full(4, -1, dtype=np.int64)
+        self._row_of: dict[int, int] = {}
+        self._free = [3, 2, 1, 0]
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def pages(self) -> list[int]:
+        return sorted(self._row_of)
+
+    def put(self, page: int, tokens: Sequence[int], media: tuple[MediaRun, ...], known_rows: int = 0) -> None:
+        """Record `page` holding `tokens` (with `media`). `known_rows`: leading rows already recorded for this page
+        and unchanged (a partial page that grew): only the rows after them are coded."""
+        row = self._row_of.get(page)
+        if row is None:
+            row, known_rows = self._allocate(page), 0
+        n = len(tokens)
+        if known_rows < n:
+            window = []  # the media runs over rows [known_rows, n), as runs of that window
+            for r in media:
+                lo, hi = max(r.row, known_rows), min(r.row + r.length, n)
+                if lo < hi:
+                    window.append(MediaRun(lo - known_rows, hi - lo, r.digest, r.offset + lo - r.row))
+            if window:
+                self._codes[row, known_rows:n] = row_codes(tokens[known_rows:n], tuple(window))
+            else:  # text rows (a decode step's): the codes are the token ids
+                self._codes[row, known_rows:n] = tokens[known_rows:n]
+        self._lengths[row] = n
+
+    def remove(self, page: int) -> None:
+        row = self._row_of.pop(page)
+        self._pages[row] = -1
+        self._lengths[row] = 0
+        self._free.append(row)
+
+    def best(self, query: np.ndarray) -> tuple[int | None, int]:
+        """(page, rows): the recorded page whose leading rows match the most leading rows of `query` (codes of at
+        most page_size rows), the lowest page id among equals; (None, 0) if none matches a row."""
+        n = len(query)
+        if n == 0 or not self._row_of:
+            return None, 0
+        differs = self._codes[:, :n] != query
+        first = np.where(differs.any(axis=1), differs.argmax(axis=1), n)
+        rows = np.minimum(first, self._lengths)  # free rows have length 0
+        most = int(rows.max())
+        if most == 0:
+            return None, 0
+        return int(self._pages[rows == most].min()), most
+
+    def _allocate(self, page: int) -> int:
+        if not self._free:
+            size = len(self._pages)
+            self._codes = np.concatenate([self._codes, np.zeros_like(self._codes)])
+            self._lengths = np.concatenate([self._lengths, np.zeros(size, dtype=np.int64)])
+            self._pages = np.concatenate([self._pages, np.full(size, -1, dtype=np.int64)])
+            self._free = list(range(2 * size - 1, size - 1, -1))
+        row = self._free.pop()
+        self._row_of[page] = row
+        self._pages[row] = page
+        return row
