@@ -47,6 +47,9 @@ _LOG2E = 1.4426950408889634
 # question over 1,630 cached tokens 16 instead of 30 (128-row programs and 8 warps were slower in every case).
 _BLOCK_ROWS = 64  # rows (token, head) of one program
 _BLOCK_N = 128  # keys per tile
+# fp32 queries on the GPU (exact "ieee" products, unrolled into FMAs): LLVM did not finish emitting PTX for the
+# 64-row x 128-key tile over a bf16 pool within minutes (H200, triton 3.6); half the keys per tile compile.
+_BLOCK_N_IEEE_CUDA = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 1  # software pipelining of the key loop
 _TARGET_PROGRAMS = 512  # below this many (block, KV head) programs, split the keys too
@@ -169,6 +172,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
     sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dot, precision = dot_dtype(q.dtype, lay.kv_dtype)
+    block_n = _BLOCK_N_IEEE_CUDA if precision == "ieee" and pool.device.type == "cuda" else _BLOCK_N
     num_blocks = launch.blocks.shape[0]
     n, hq = q.shape[0], q.shape[1]
     if num_splits is None:
@@ -187,7 +191,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             layer, lay.num_layers + layer, lay.num_slots * lay.num_kv_heads * dim, lay.num_kv_heads * dim,
             lay.num_slots * lay.num_kv_heads, lay.page_size, sm_scale * _LOG2E,
             part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
-            KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+            KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
             OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(pool.device),
             V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
