@@ -51,11 +51,12 @@ class TailSources:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self._codes = np.zeros((4, page_size), dtype=np.int64)
-        self._lengths = np.zeros(4, dtype=np.int64)  # rows of each matrix row that hold codes (0: free)
-        self._pages = np.full(4, -1, dtype=np.int64)
+        # One matrix row to start (most parents have one child), doubled when full: 8 bytes per recorded token.
+        self._codes = np.zeros((1, page_size), dtype=np.int64)
+        self._lengths = np.zeros(1, dtype=np.int64)  # rows of each matrix row that hold codes (0: free)
+        self._pages = np.full(1, -1, dtype=np.int64)
         self._row_of: dict[int, int] = {}
-        self._free = [3, 2, 1, 0]
+        self._free = [0]
 
     def __len__(self) -> int:
         return len(self._row_of)
