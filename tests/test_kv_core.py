@@ -144,3 +144,16 @@ def test_fork_and_swap_refuse_sequences_with_pending_writes() -> None:
     world.step()
     world.manager.fork(2, 3)
     world.check_all()
+
+
+def test_a_partial_page_republished_with_other_rows_is_searched_by_its_new_rows():
+    """The tail search codes only the new rows of a page that grew; a page whose recorded rows changed (not a
+    growth) is recoded whole (found in review: the growth path trusted the old rows)."""
+    from prism.kv.prefix import PrefixIndex
+
+    index, root = PrefixIndex(4), b"r" * 16
+    index.publish_partial(7, root, (1,), ())
+    index.publish_partial(7, root, (2, 3), ())  # not (1, ...): other rows, the same page
+    hit = index.lookup(SeqContent([2, 3, 9, 9], ()), root, 3)
+    assert (hit.tail_source, hit.tail_rows) == (7, 2)
+    assert index.lookup(SeqContent([1, 5, 9, 9], ()), root, 3).tail_rows == 0

@@ -131,6 +131,8 @@ class Request:
         """`all_token_ids[start:end]` without building the whole list (a decode step asks for one id per sequence)."""
         prompt = self.prompt.token_ids
         n = len(prompt)
+        if end <= start:
+            return []
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return list(prompt[start:end]) + self.output_token_ids[: max(0, end - n)]

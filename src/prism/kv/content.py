@@ -50,7 +50,8 @@ class SeqContent:
     media: tuple[MediaSpan, ...] = field(default_factory=tuple)
     # The last media_runs answer, keyed by its range clipped to the media (every decode step of a sequence asks
     # for its partial page's runs; they stop changing once the page's range passes the last span).
-    _last_runs: tuple[tuple[int, int], tuple[MediaRun, ...]] | None = field(default=None, repr=False, compare=False)
+    _last_runs: tuple[tuple[int, int], tuple[MediaRun, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.media = tuple(sorted(self.media, key=lambda m: m.start))

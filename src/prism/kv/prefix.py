@@ -127,7 +127,8 @@ class PrefixIndex:
         old = self._by_page.get(page)
         if old is not None and (old.key is not None or old.parent != parent or len(old.tokens) >= len(tokens)):
             return
-        if old is not None:  # the same page, grown by the rows computed since (its earlier rows are unchanged)
+        # The same page grown by the rows computed since (its recorded rows unchanged): code only the new rows.
+        if old is not None and tokens[: len(old.tokens)] == old.tokens and all(run in media for run in old.media):
             self._by_page[page] = PageRecord(page, parent, tokens, media, None)
             self._children[parent].put(page, tokens, media, known_rows=len(old.tokens))
             return
