@@ -1,7 +1,12 @@
-"""Shared by the kernel sweeps (`tune_*_attention.py`): a scaled-FP8 pool of random finite payloads, and the time
-of one launch measured inside a CUDA graph, so launch overhead does not hide the kernel."""
+"""Shared by the kernel sweeps (`tune_*_attention.py`): a scaled-FP8 pool of random finite payloads, the time of
+one launch measured inside a CUDA graph (so launch overhead does not hide the kernel), and the sweep over a kernel
+module's launch knobs with its report."""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from types import ModuleType
 
 import torch
 
@@ -36,3 +41,36 @@ def us_per_call_in_graph(call, calls: int = 20, replays: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+
+def sweep_knobs(module: ModuleType, knobs: dict[str, tuple], splits: Iterable[int], default_splits: int,
+                time_splits: Callable[[int], float], title: str) -> list[str]:
+    """Time `time_splits(n)` for every combination of `module`'s launch knobs (attribute name -> values) and every
+    split count n (`splits` and `default_splits`), the module's own values restored afterwards. Returns the
+    report: the time of the current defaults, then the 12 fastest configurations."""
+    names = list(knobs)
+    defaults = tuple(getattr(module, name) for name in names)
+
+    def describe(values) -> str:
+        return " ".join(f"{name.strip('_')} {value!s:5}" for name, value in zip(names, values, strict=True))
+
+    results = []
+    try:
+        for values in itertools.product(*knobs.values()):
+            for name, value in zip(names, values, strict=True):
+                setattr(module, name, value)
+            for n in sorted({*splits, default_splits}):
+                try:
+                    us = time_splits(n)
+                except Exception as error:  # a configuration the compiler refuses (shared memory...)
+                    print(f"{title}: {describe(values)} splits {n}: {type(error).__name__}")
+                    continue
+                results.append((us, values, n))
+    finally:
+        for name, value in zip(names, defaults, strict=True):
+            setattr(module, name, value)
+    current = next((us for us, values, n in results if (values, n) == (defaults, default_splits)), float("nan"))
+    results.sort(key=lambda r: r[0])
+    return [f"== {title}: current defaults ({describe(defaults)} splits {default_splits}): {current:.1f} us"] + [
+        f"  {us:7.1f} us  {describe(values)} splits {n:2d}" for us, values, n in results[:12]]

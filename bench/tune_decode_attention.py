@@ -13,7 +13,6 @@ configurations per case and the current defaults' time; writes the table to --ou
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel_timing import random_fp8_pool, us_per_call_in_graph  # noqa: E402
+from kernel_timing import random_fp8_pool, sweep_knobs, us_per_call_in_graph  # noqa: E402
 
 from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
 from prism.ops import paged_attention as pa  # noqa: E402
@@ -61,10 +60,10 @@ def time_config(q, pool, meta, splits: int) -> float:
 
 # --focused: the knobs session 3's full sweep left open, with the V load issued beside the K load or after the
 # scores (`_attend_keys`'s V_WITH_K); splits around each case's best.
-FULL = {"block_n": (32, 64, 128), "stages": (1, 3), "warps": (4, 8), "v_with_k": (False,),
-        "splits": {"b1": (1, 2, 4, 8, 16, 32, 64), "rows16": (1, 2, 4, 8, 16, 32, 64), "b32": (1, 2, 4, 8, 16, 32, 64)}}
-FOCUSED = {"block_n": (128,), "stages": (1, 2, 3), "warps": (4, 8), "v_with_k": (False, True),
-           "splits": {"b1": (16, 32), "rows16": (2, 4), "b32": (1, 2)}}
+FULL = {"_BLOCK_N": (32, 64, 128), "_NUM_STAGES": (1, 3), "_NUM_WARPS": (4, 8), "_V_WITH_K": (False,)}
+FOCUSED = {"_BLOCK_N": (128,), "_NUM_STAGES": (1, 2, 3), "_NUM_WARPS": (4, 8), "_V_WITH_K": (False, True)}
+SPLITS = {"full": dict.fromkeys(("b1", "rows16", "b32"), (1, 2, 4, 8, 16, 32, 64)),
+          "focused": {"b1": (16, 32), "rows16": (2, 4), "b32": (1, 2)}}
 
 
 def main() -> None:
@@ -72,33 +71,16 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_decode_attention.txt")
     parser.add_argument("--focused", action="store_true", help="the narrower grid with V_WITH_K (see FOCUSED)")
     args = parser.parse_args()
-    grid = FOCUSED if args.focused else FULL
-    layout = KVLayout(36, HKV, D, PAGE, 32 * 7 + 8, "fp8")
-    pool = random_fp8_pool(layout)
+    knobs, splits = (FOCUSED, SPLITS["focused"]) if args.focused else (FULL, SPLITS["full"])
+    pool = random_fp8_pool(KVLayout(36, HKV, D, PAGE, 32 * 7 + 8, "fp8"))
     lines = []
-    defaults = (pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS, pa._V_WITH_K)
     for name in ("b1", "rows16", "b32"):
         q, meta = case(name, pool)
         default_splits = pa.decode_num_splits(len(meta.query_lens), HKV, 32768)
-        results = []
-        for block_n, stages, warps, v_with_k in itertools.product(grid["block_n"], grid["stages"], grid["warps"],
-                                                                  grid["v_with_k"]):
-            pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS, pa._V_WITH_K = block_n, stages, warps, v_with_k
-            for splits in sorted({*grid["splits"][name], default_splits}):
-                try:
-                    us = time_config(q, pool, meta, splits)
-                except Exception as error:  # a configuration the compiler refuses (shared memory...)
-                    print(f"{name} {block_n} {stages} {warps} {v_with_k} {splits}: {type(error).__name__}")
-                    continue
-                results.append((us, block_n, stages, warps, v_with_k, splits))
-        pa._BLOCK_N, pa._NUM_STAGES, pa._NUM_WARPS, pa._V_WITH_K = defaults
-        current = next((r for r in results if r[1:] == (*defaults, default_splits)), (float("nan"),))
-        results.sort()
-        lines.append(f"== {name}: current defaults (BLOCK_N {defaults[0]}, stages {defaults[1]}, warps "
-                     f"{defaults[2]}, V with K {defaults[3]}, splits {default_splits}): {current[0]:.1f} us")
-        lines += [f"  {us:7.1f} us  BLOCK_N {bn:3d} stages {st} warps {w} V with K {vk!s:5} splits {sp:2d}"
-                  for us, bn, st, w, vk, sp in results[:12]]
-        print("\n".join(lines[-13:]), flush=True)
+        report = sweep_knobs(pa, knobs, splits[name], default_splits,
+                             lambda n, q=q, meta=meta: time_config(q, pool, meta, n), name)
+        lines += report
+        print("\n".join(report), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
 

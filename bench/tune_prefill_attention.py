@@ -12,7 +12,6 @@ current defaults' time; writes the table to --out.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel_timing import random_fp8_pool, us_per_call_in_graph  # noqa: E402
+from kernel_timing import random_fp8_pool, sweep_knobs, us_per_call_in_graph  # noqa: E402
 
 from prism.kv.fp8 import KVLayout  # noqa: E402
 from prism.ops import paged_prefill as pp  # noqa: E402
@@ -42,10 +41,12 @@ def time_config(q, pool, meta, splits: int) -> float:
 
 
 # --focused: around the current defaults, with the V load issued beside the K load (`V_WITH_K`).
-FULL = {"rows": (64, 128), "block_n": (64, 128), "stages": (1, 2), "warps": (4, 8), "v_with_k": (False,),
-        "splits": {"w1": (1,), "chunk256": (1, 2), "w2": (4, 8, 16)}}
-FOCUSED = {"rows": (64,), "block_n": (128,), "stages": (1, 2), "warps": (4, 8), "v_with_k": (False, True),
-           "splits": {"w1": (1,), "chunk256": (1, 2), "w2": (8, 16)}}
+FULL = {"_BLOCK_ROWS": (64, 128), "_BLOCK_N": (64, 128), "_NUM_STAGES": (1, 2), "_NUM_WARPS": (4, 8),
+        "_V_WITH_K": (False,)}
+FOCUSED = {"_BLOCK_ROWS": (64,), "_BLOCK_N": (128,), "_NUM_STAGES": (1, 2), "_NUM_WARPS": (4, 8),
+           "_V_WITH_K": (False, True)}
+SPLITS = {"full": {"w1": (1,), "chunk256": (1, 2), "w2": (4, 8, 16)},
+          "focused": {"w1": (1,), "chunk256": (1, 2), "w2": (8, 16)}}
 
 
 def main() -> None:
@@ -53,37 +54,19 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_prefill_attention.txt")
     parser.add_argument("--focused", action="store_true", help="the narrower grid with V_WITH_K (see FOCUSED)")
     args = parser.parse_args()
-    grid = FOCUSED if args.focused else FULL
-    layout = KVLayout(36, HKV, D, PAGE, 16, "fp8")
-    pool = random_fp8_pool(layout)
+    knobs, splits = (FOCUSED, SPLITS["focused"]) if args.focused else (FULL, SPLITS["full"])
+    pool = random_fp8_pool(KVLayout(36, HKV, D, PAGE, 16, "fp8"))
     lines = []
-    defaults = (pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS, pp._V_WITH_K)
     for name, (new, ctx) in CASES.items():
         meta = PagedAttentionMetadata.build([new], [ctx], [list(range(-(-ctx // PAGE)))], PAGE, "cuda")
         q = torch.randn(new, HQ, D, dtype=torch.bfloat16, device="cuda")
         blocks = -(-new // (pp._BLOCK_ROWS // (HQ // HKV)))
         default_splits = pp.prefill_num_splits(new, blocks, HQ, HKV, D, ctx)
-        results = []
-        for rows, block_n, stages, warps, v_with_k in itertools.product(
-                grid["rows"], grid["block_n"], grid["stages"], grid["warps"], grid["v_with_k"]):
-            pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS, pp._V_WITH_K = (rows, block_n, stages,
-                                                                                        warps, v_with_k)
-            for splits in sorted({*grid["splits"][name], default_splits}):
-                try:
-                    us = time_config(q, pool, meta, splits)
-                except Exception as error:  # a configuration the compiler refuses (shared memory...)
-                    print(f"{name} {rows} {block_n} {stages} {warps} {v_with_k} {splits}: {type(error).__name__}")
-                    continue
-                results.append((us, rows, block_n, stages, warps, v_with_k, splits))
-        pp._BLOCK_ROWS, pp._BLOCK_N, pp._NUM_STAGES, pp._NUM_WARPS, pp._V_WITH_K = defaults
-        current = next((r for r in results if r[1:] == (*defaults, default_splits)), (float("nan"),))
-        results.sort()
-        lines.append(f"== {name} ({new} new tokens, context {ctx}): current defaults (rows {defaults[0]}, "
-                     f"BLOCK_N {defaults[1]}, stages {defaults[2]}, warps {defaults[3]}, V with K {defaults[4]}, "
-                     f"splits {default_splits}): {current[0]:.1f} us")
-        lines += [f"  {us:7.1f} us  rows {r:3d} BLOCK_N {bn:3d} stages {st} warps {w} V with K {vk!s:5} splits {sp:2d}"
-                  for us, r, bn, st, w, vk, sp in results[:12]]
-        print("\n".join(lines[-13:]), flush=True)
+        report = sweep_knobs(pp, knobs, splits[name], default_splits,
+                             lambda n, q=q, meta=meta: time_config(q, pool, meta, n),
+                             f"{name} ({new} new tokens, context {ctx})")
+        lines += report
+        print("\n".join(report), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
 
