@@ -32,17 +32,20 @@ def _media_base(digest: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(digest, digest_size=5).digest(), "little")  # 40 bits, masked below
 
 
-def row_codes(tokens: Sequence[int], media: tuple[MediaRun, ...]) -> np.ndarray:
-    """int64 code of each row of a page (or page prefix) holding `tokens`, with `media` runs at their rows."""
-    codes = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+def row_codes(tokens: Sequence[int], media: tuple[MediaRun, ...], first: int = 0) -> np.ndarray:
+    """int64 code of rows [first, len(tokens)) of a page (or page prefix) holding `tokens`, with `media` runs at
+    their rows."""
+    codes = np.fromiter(tokens[first:], dtype=np.int64, count=len(tokens) - first)
     for run in media:
-        lo, hi = run.row, min(run.row + run.length, len(tokens))
+        lo, hi = max(run.row, first), min(run.row + run.length, len(tokens))
         if lo >= hi:
             continue
-        if run.offset + (hi - lo) >= 1 << _OFFSET_BITS:
+        offset = run.offset + lo - run.row
+        if offset + (hi - lo) >= 1 << _OFFSET_BITS:
             raise ValueError(f"a media item of more than {1 << _OFFSET_BITS} tokens")
-        mixed = (_media_base(run.digest) ^ (codes[lo:hi] * _GOLDEN)) & ((1 << _BASE_BITS) - 1)
-        codes[lo:hi] = -1 - ((mixed << _OFFSET_BITS) | (run.offset + np.arange(hi - lo, dtype=np.int64)))
+        rows = slice(lo - first, hi - first)
+        mixed = (_media_base(run.digest) ^ (codes[rows] * _GOLDEN)) & ((1 << _BASE_BITS) - 1)
+        codes[rows] = -1 - ((mixed << _OFFSET_BITS) | (offset + np.arange(hi - lo, dtype=np.int64)))
     return codes
 
 
@@ -70,18 +73,9 @@ class TailSources:
         row = self._row_of.get(page)
         if row is None:
             row, known_rows = self._allocate(page), 0
-        n = len(tokens)
-        if known_rows < n:
-            window = []  # the media runs over rows [known_rows, n), as runs of that window
-            for r in media:
-                lo, hi = max(r.row, known_rows), min(r.row + r.length, n)
-                if lo < hi:
-                    window.append(MediaRun(lo - known_rows, hi - lo, r.digest, r.offset + lo - r.row))
-            if window:
-                self._codes[row, known_rows:n] = row_codes(tokens[known_rows:n], tuple(window))
-            else:  # text rows (a decode step's): the codes are the token ids
-                self._codes[row, known_rows:n] = tokens[known_rows:n]
-        self._lengths[row] = n
+        if known_rows < len(tokens):
+            self._codes[row, known_rows : len(tokens)] = row_codes(tokens, media, first=known_rows)
+        self._lengths[row] = len(tokens)
 
     def remove(self, page: int) -> None:
         row = self._row_of.pop(page)
