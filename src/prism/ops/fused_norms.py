@@ -215,6 +215,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out.view(x.shape), summed.view(x.shape)
 
 
+def check_rope_heads(op: str, *heads: torch.Tensor) -> None:
+    """The Triton norm/rope kernels read [N, H, D] heads with unit stride along D, in halves of a power-of-two size."""
+    d = heads[0].shape[2]
+    if any(t.stride(2) != 1 for t in heads) or d % 2 or (d // 2) & (d // 2 - 1):
+        raise ValueError(f"{op} needs unit-stride heads of a power-of-two half dim, got D={d}")
+
+
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, *, use_triton: bool | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,8 +231,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)
     n, hq, d = q.shape
     hkv = k.shape[1]
-    if q.stride(2) != 1 or k.stride(2) != 1 or d % 2 or (d // 2) & (d // 2 - 1):
-        raise ValueError(f"qk_norm_rope needs unit-stride heads of a power-of-two half dim, got D={d}")
+    check_rope_heads("qk_norm_rope", q, k)
     cos, sin = cos.contiguous(), sin.contiguous()
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((n, hkv, d), dtype=k.dtype, device=k.device)

@@ -75,6 +75,19 @@ def _check_write_inputs(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.
             raise ValueError("slots must be distinct (two tokens written to one slot in one step)")
 
 
+def row_strides(layout: fp8.KVLayout) -> tuple[int, int, int]:
+    """(stride_row, stride_slot, sc_stride_row): the strides of the pool's row view `[2*L, P*S, X]` (see the module
+    docstring) that every kernel's `slot_offset` takes, for the payload rows, its slots and the scale rows."""
+    return (layout.num_slots * layout.num_kv_heads * layout.head_dim, layout.num_kv_heads * layout.head_dim,
+            layout.num_slots * layout.num_kv_heads)
+
+
+def store_operands(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload as the view the write kernels store into, and the scales (the payload when unscaled: unused)."""
+    pay = pool.payload.view(_STORE_VIEW[pool.layout.kv_dtype])
+    return pay, pool.scales if pool.scales is not None else pay
+
+
 def _row_view(t: torch.Tensor, layout: fp8.KVLayout) -> torch.Tensor:
     """[2, L, P, S, H(, D)] -> [2, L, P*S, X] (a view of the contiguous pool)."""
     return t.view(2, layout.num_layers, layout.num_slots, -1)
@@ -236,17 +249,14 @@ def write_kv(pool: KVPool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: 
     lay = pool.layout
     if slots.device != pool.device:
         slots = slots.to(pool.device)
-    pay = pool.payload.view(_STORE_VIEW[lay.kv_dtype])
-    sc = pool.scales if pool.scales is not None else pay  # placeholder, unused unless KIND == fp8
+    pay, sc = store_operands(pool)
     block_d = triton.next_power_of_2(lay.head_dim)
     block_h = min(triton.next_power_of_2(lay.num_kv_heads), max(1, _TILE_ELEMS // block_d))
     grid = (n, 2, triton.cdiv(lay.num_kv_heads, block_h))
-    stride_row = lay.num_slots * lay.num_kv_heads * lay.head_dim
     with device_context(pool.device):
         _write_kv_kernel[grid](
             k, v, slots, pay, sc,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            layer, lay.num_layers + layer, lay.num_slots, lay.num_kv_heads, lay.head_dim,
-            stride_row, lay.num_kv_heads * lay.head_dim, lay.num_slots * lay.num_kv_heads,
+            layer, lay.num_layers + layer, lay.num_slots, lay.num_kv_heads, lay.head_dim, *row_strides(lay),
             KIND=_KINDS[lay.kv_dtype], BLOCK_H=block_h, BLOCK_D=block_d, OFFSET_DTYPE=_OFFSET_DTYPE,
         )

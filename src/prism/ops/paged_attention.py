@@ -487,8 +487,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
         _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
             q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-            layer, lay.num_layers + layer, lay.num_slots * lay.num_kv_heads * dim, lay.num_kv_heads * dim,
-            lay.num_slots * lay.num_kv_heads, lay.page_size, sm_scale * _LOG2E,
+            layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
             lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,

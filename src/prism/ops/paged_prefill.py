@@ -188,8 +188,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
         _prefill_kernel[(num_blocks, lay.num_kv_heads, num_splits)](
             q, out, pay, sc, meta.block_table, meta.context_lens, launch.blocks,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-            layer, lay.num_layers + layer, lay.num_slots * lay.num_kv_heads * dim, lay.num_kv_heads * dim,
-            lay.num_slots * lay.num_kv_heads, lay.page_size, sm_scale * _LOG2E,
+            layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
             part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,

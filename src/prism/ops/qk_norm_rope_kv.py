@@ -14,6 +14,7 @@ import torch
 
 from ..kv.fp8 import KVPool
 from . import kv_write
+from .fused_norms import check_rope_heads
 from .kv_write import HAVE_TRITON, device_context
 
 if HAVE_TRITON:
@@ -62,8 +63,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w
     kv_write._check_write_inputs(pool, layer, slots, k, v)
     n, hq, d = q.shape
     hkv = k.shape[1]
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or d % 2 or (d // 2) & (d // 2 - 1):
-        raise ValueError(f"qk_norm_rope_write_kv needs unit-stride heads of a power-of-two half dim, got D={d}")
+    check_rope_heads("qk_norm_rope_write_kv", q, k, v)
     q_out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
     if n == 0:
         return q_out
@@ -71,15 +71,12 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w
     if slots.device != pool.device:
         slots = slots.to(pool.device)
     cos, sin = cos.contiguous(), sin.contiguous()
-    pay = pool.payload.view(kv_write._STORE_VIEW[lay.kv_dtype])
-    sc = pool.scales if pool.scales is not None else pay  # placeholder, unused unless KIND == fp8
+    pay, sc = kv_write.store_operands(pool)
     with device_context(q.device):
         _qk_norm_rope_write_kv_kernel[(n, 3)](
             q, k, v, q_weight, k_weight, cos, sin, q_out, slots, pay, sc,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            hq, hkv, eps, layer, lay.num_layers + layer, lay.num_slots,
-            lay.num_slots * lay.num_kv_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim,
-            lay.num_slots * lay.num_kv_heads,
+            hq, hkv, eps, layer, lay.num_layers + layer, lay.num_slots, *kv_write.row_strides(lay),
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
             DTYPE=_TL_DTYPE[q.dtype], KIND=kv_write._KINDS[lay.kv_dtype], OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
             num_warps=4,
