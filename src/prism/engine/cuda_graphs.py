@@ -29,6 +29,14 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _ID, _POS, _SLOT, _CTX = 0, slice(1, 4), 4, 5
 
 
+def page_table(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """[len(tables), width] int64: each sequence's physical pages in logical order, zero-padded."""
+    table = np.zeros((len(tables), width), dtype=np.int64)
+    for i, pages in enumerate(tables):
+        table[i, : len(pages)] = pages
+    return table
+
+
 @torch.inference_mode()
 def capture_buckets(device: torch.device, buckets, forward, prepare=None) -> tuple[dict, dict]:
     """`forward(b)` of every bucket captured in a CUDA graph (largest first, sharing one memory pool), each
@@ -112,10 +120,7 @@ class GraphRows:
 
     def block_table(self, width: int) -> np.ndarray:
         """[n, width] int64: each row's piece's pages (columns past a context are never read)."""
-        tables = np.zeros((len(self.tables), width), dtype=np.int64)
-        for i, pages in enumerate(self.tables):
-            tables[i, : len(pages)] = pages
-        return tables[self.row_piece]
+        return page_table(self.tables, width)[self.row_piece]
 
 
 class RowGraphs:

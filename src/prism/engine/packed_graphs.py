@@ -34,7 +34,7 @@ from ..kv.fp8 import KVPool
 from ..model.qwen3_vl import DenseMultimodal, MultimodalEmbeddings, Qwen3VLModel
 from ..ops import paged_prefill
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
-from .cuda_graphs import capture_buckets
+from .cuda_graphs import capture_buckets, page_table
 
 BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 # Rows of the packed per-token host inputs: token id, 3 M-RoPE positions, slot, is-a-media-token.
@@ -179,9 +179,7 @@ class PackedGraphs:
             query_lens, context_lens = (*query_lens, pad), (*context_lens, pad)
             tables.append(self.scratch_pages)
         seqs = len(query_lens)
-        table = np.zeros((seqs, self.max_pages), dtype=np.int64)
-        for i, pages in enumerate(tables):
-            table[i, : len(pages)] = pages
+        table = page_table(tables, self.max_pages)
         blocks = np.zeros((self.num_blocks(b), 4), dtype=np.int64)  # entries of zero tokens do nothing
         real_blocks = paged_prefill.prefill_blocks(query_lens, context_lens, self.tokens_per_block).numpy()
         blocks[: len(real_blocks)] = real_blocks
