@@ -10,8 +10,8 @@ the CPU preprocessing cache).
 
 Hash: BLAKE3 with a 256-bit output (collision resistant, so a client cannot make its picture take another's
 cached KV; vLLM keys its multimodal cache the same way). It is the hot path's largest cost when a client sends
-pixels again (8 images of 448x448 are 4.8 MB): on the H200's host SHA-256 hashed them in ~2.5 ms, BLAKE3's
-SIMD tree hashes about 3x faster on one core. Never truncated below 128 bits by callers (`DIGEST_SIZE`).
+pixels again (8 images of 448x448 are 4.8 MB): on the H200's host SHA-256 hashed them in ~2.5 ms; on the CPU
+machine BLAKE3 hashes one such image 3.4x faster than SHA-256 (0.10 vs 0.33 ms, one core). Never truncated below 128 bits by callers (`DIGEST_SIZE`).
 
 Framing (explicit, so no two different field lists can produce the same byte stream; a peer's collision
 bug came from hashing unframed concatenations). The hash input is a sequence of fields, each encoded as
