@@ -47,7 +47,8 @@ GRAPHS = st.sampled_from(["off", "rows", "packed"])  # "packed": the rows and th
 def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tensor], list[int]]:
     """Each prompt alone, in order: the logits row of every generated token, and its cached-token count."""
     llm.engine.kv.clear_cache()
-    execute = llm.engine.runner.execute
+    runner = llm.engine.runner
+    execute, execute_decode_rows = runner.execute, runner.execute_decode_rows
     rows: list[torch.Tensor] = []
 
     def capture(slices, kv, *rest):
@@ -55,7 +56,12 @@ def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tens
         rows.extend(logits[i].clone() for i, _ in enumerate([s for s in slices if s.sample]))
         return logits
 
-    llm.engine.runner.execute = capture
+    def capture_decode_rows(slices, kv, token_ids):  # async scheduling's steps: every row samples
+        logits = execute_decode_rows(slices, kv, token_ids)
+        rows.extend(row.clone() for row in logits)
+        return logits
+
+    runner.execute, runner.execute_decode_rows = capture, capture_decode_rows
     try:
         out, cached = [], []
         for prompt in prompts:
@@ -65,7 +71,7 @@ def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tens
             cached.append(completion.cached_tokens)
         return out, cached
     finally:
-        llm.engine.runner.execute = execute
+        runner.execute, runner.execute_decode_rows = execute, execute_decode_rows
 
 
 # Shared text after the images: a page-aligned hit (deterministic mode) can end there, past the last image.

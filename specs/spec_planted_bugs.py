@@ -386,3 +386,36 @@ def test_tail_search_reading_freed_rows_is_caught(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(tail_sources.TailSources, "best", best_ignoring_lengths)
     _spec_fails(spec_tail_sources.spec_vectorized_tail_search_equals_row_by_row, "vectorized tail search")
+
+
+def test_continuation_fed_another_rows_tokens_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: a decode step launched on the previous step's device tokens must take each sequence's
+    own token. Planted: the rows' tokens in reverse order."""
+    from prism.engine.inflight import InflightStep
+    from specs import spec_async_scheduling
+
+    device_tokens_of = InflightStep.device_tokens_of
+
+    def reversed_rows(self, rows):
+        return device_tokens_of(self, rows).flip(0)
+
+    monkeypatch.setattr(InflightStep, "device_tokens_of", reversed_rows)
+    _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
+                "async scheduling changed the tokens")
+
+
+def test_pending_token_appended_instead_of_filled_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: the token the host reads replaces its sequence's pending placeholder. Planted: it is
+    appended after it, so the placeholder stays in the content (and would reach a page key)."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from specs.spec_async_scheduling import AsyncSchedulingMachine
+
+    def appended(self, seq_id, token):
+        self.append_tokens(seq_id, [token])
+
+    monkeypatch.setattr(KVCacheManager, "fill_pending", appended)
+    with pytest.raises((AssertionError, SequenceError), match="not what the host read|has not read yet"):
+        run_state_machine_as_test(AsyncSchedulingMachine, settings=settings(
+            max_examples=40, stateful_step_count=20, deadline=None, phases=[Phase.generate], database=None,
+            derandomize=True))

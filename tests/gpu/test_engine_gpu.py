@@ -171,3 +171,21 @@ def test_encoding_ahead_with_graph_decodes_changes_no_token(ckpt_8b):
     for request_id in ("t0", "t1", "cold"):
         assert len(ahead[request_id].token_ids) == STEPS
         assert_same_or_near_tie(ahead[request_id], plain[request_id])
+
+
+def test_async_scheduling_changes_no_token(ckpt_8b):
+    """Decode steps launched on the device's sampled tokens before the host reads them (async scheduling, the
+    default) give the tokens of steps scheduled one at a time, with sequences ending at different steps; and
+    the steps are launched ahead, through the CUDA graphs."""
+    prompts = [chat(IMAGES[0], "Describe it."), chat("Count to ten."), chat(IMAGES[1], IMAGES[2], "Compare.")]
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True, logprobs=5) for n in (5, 9, STEPS)]
+    out = {}
+    for on in (False, True):
+        llm = engine(ckpt_8b, "fp8", async_scheduling=on)
+        out[on] = llm.generate(prompts, params)
+        if on:
+            assert llm.engine.stats.async_steps >= STEPS - 2, llm.engine.stats
+        del llm
+        release_gpu_memory()
+    for ours, ref in zip(out[True], out[False], strict=True):
+        assert_same_or_near_tie(ours, ref)

@@ -57,6 +57,10 @@ class EngineConfig:
     # steps run eagerly. 0: no packed graphs. Their padding writes scratch KV pages for this many tokens, allocated
     # beside kv_memory_bytes (8B shapes, FP8: ~75 MB for 1024).
     cuda_graph_max_packed_tokens: int = 1024
+    # Async scheduling: while a step runs, its sampled tokens stay on the device and the next decode step of the same
+    # sequences is launched on them (when nothing else needs scheduling), so the host's work between steps
+    # (committing tokens, streaming, building the next inputs) overlaps the device's. Needs the CUDA graphs' rows.
+    async_scheduling: bool = True
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False

@@ -158,6 +158,7 @@ class RowGraphs:
         self.block_table = torch.tensor(self._idle_table, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=i64, device=dev)
         self.logits_index = torch.arange(max_batch, dtype=i64, device=dev)
+        self._staging = HostStaging(max_batch, self.max_pages, dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -186,22 +187,28 @@ class RowGraphs:
         return 0 < num_rows <= self.max_batch and max_context <= self.max_context
 
     @torch.inference_mode()
-    def run(self, rows: GraphRows) -> torch.Tensor:
-        """One step over `rows`; logits [len(rows.sample_rows), vocab] in fp32."""
+    def run(self, rows: GraphRows, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over `rows`; logits [len(rows.sample_rows), vocab] in fp32. `token_ids` ([num_rows], on the
+        device) replaces the rows' host token ids: async scheduling feeds the previous step's sampled tokens
+        straight in, before the host has read them."""
         n = rows.num_rows
         if not self.fits(n, rows.max_context):
             raise ValueError(f"{n} rows up to context {rows.max_context} do not fit the captured graphs")
+        if token_ids is not None and tuple(token_ids.shape) != (n,):
+            raise ValueError(f"{tuple(token_ids.shape)} device token ids for {n} rows")
         b = next(size for size in self.buckets if size >= n)
         # Rows n..b-1 are padding: their scratch state is restored (an earlier, larger step may have used them).
-        host = self._idle_rows[:, :b].copy()
+        host, table = self._staging.take(b)
+        host[:] = self._idle_rows[:, :b]
         host[_ID, :n] = rows.token_ids
         host[_POS, :n] = rows.positions.numpy()
         host[_SLOT, :n] = rows.slots
         host[_CTX, :n] = rows.context_lens
-        table = self._idle_table[:b].copy()
+        table[:] = self._idle_table[:b]
         table[:n] = rows.block_table(self.max_pages)
-        self.row_inputs[:, :b].copy_(torch.from_numpy(host), non_blocking=True)
-        self.block_table[:b].copy_(torch.from_numpy(table), non_blocking=True)
+        self._staging.copy_to(self.row_inputs[:, :b], self.block_table[:b])
+        if token_ids is not None:
+            self.input_ids[:n].copy_(token_ids)
         if b in self._graphs:
             self._graphs[b].replay()
             self.replays += 1
@@ -215,3 +222,43 @@ class RowGraphs:
             return logits[sample[0] : sample[-1] + 1].float()
         index = torch.tensor(sample, dtype=torch.int64).to(logits.device, non_blocking=True)
         return logits.index_select(0, index).float()
+
+
+class HostStaging:
+    """Host images of the graphs' row inputs and block table, copied to the device without blocking the host.
+
+    On CUDA two pinned buffers alternate: a pageable copy may wait for the work queued before it, which under
+    async scheduling is the whole step still running; a buffer is written again only once the copy that read
+    it (two steps ago) is done. Off CUDA one plain buffer (the copy is immediate)."""
+
+    def __init__(self, max_batch: int, max_pages: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self._buffers = [(torch.empty(6 * max_batch, dtype=torch.int64, pin_memory=pinned),
+                          torch.empty(max_batch * max_pages, dtype=torch.int64, pin_memory=pinned))
+                         for _ in range(2 if pinned else 1)]
+        self._done = [None] * len(self._buffers)  # CUDA events: the last copy out of each buffer finished
+        self._max_pages = max_pages
+        self._turn = 0
+        self._current: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def take(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next buffer as writable [6, b] row inputs and [b, max_pages] table (NumPy views)."""
+        self._turn = (self._turn + 1) % len(self._buffers)
+        done = self._done[self._turn]
+        if done is not None:
+            done.synchronize()
+        rows, table = self._buffers[self._turn]
+        self._current = (rows[: 6 * b].view(6, b), table[: b * self._max_pages].view(b, self._max_pages))
+        return self._current[0].numpy(), self._current[1].numpy()
+
+    def copy_to(self, row_inputs: torch.Tensor, block_table: torch.Tensor) -> None:
+        """Copy the buffer `take` returned into the device buffers."""
+        assert self._current is not None
+        rows, table = self._current
+        row_inputs.copy_(rows, non_blocking=True)
+        block_table.copy_(table, non_blocking=True)
+        if row_inputs.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._done[self._turn] = event
+        self._current = None

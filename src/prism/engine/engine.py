@@ -4,6 +4,11 @@ Every step is plan -> execute -> commit: the scheduler and KV manager decide the
 the runner executes them, and only then are the computed slices published to the prefix index, the
 sampled tokens appended, and events emitted. Owns *exactly one terminal event per accepted request*
 (invariant 9): finishing goes through `_finish`, which releases the request's KV and emits it.
+
+Async scheduling (`EngineConfig.async_scheduling`): a step's sampled tokens stay on the device
+(`inflight.InflightStep`) while, when nothing else needs scheduling, the next decode step of the same
+sequences is launched on them; the host then reads and commits the first step's tokens while the second
+runs. A sequence that stopped on the token the host just read has one wasted row, dropped.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
 from .config import EngineConfig
 from .detokenize import TextStream
+from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
 from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
-from .sampler import make_generator, sample
+from .sampler import make_generator, sample, to_device
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledSlice, Scheduler
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,7 @@ class RequestError(ValueError):
 class EngineStats:
     requests_finished: int = 0
     preemptions: int = 0
+    async_steps: int = 0  # decode steps launched before the host read the previous step's tokens
 
 
 class Engine:
@@ -86,6 +93,7 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._events: list[RequestOutput] = []
         self._arrivals = 0
+        self._inflight: InflightStep | None = None  # sampled on the device, not yet read by the host
         self.stats = EngineStats()
         log.info("engine ready: %s, KV %s x %d pages of %d tokens, tensor parallel %d", self.model_dir,
                  layout.kv_dtype, layout.num_pages, layout.page_size, group.world_size)
@@ -150,7 +158,18 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, commit. Returns the events of this step (including earlier aborts)."""
+        """Schedule, execute, commit. Returns the events of this step (including earlier aborts). With a step in
+        flight, launch the next decode step first when nothing else needs scheduling (async scheduling)."""
+        if self._inflight is not None:
+            self._advance_inflight()
+        if self._inflight is None:
+            self._scheduled_step()
+        if self.config.check_invariants:
+            self.kv.check_invariants()
+        events, self._events = self._events, []
+        return events
+
+    def _scheduled_step(self) -> None:
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         for request, reason in out.failed:
@@ -171,14 +190,14 @@ class Engine:
                 # The request whose media were encoded ahead fails with the step: its media may be the cause,
                 # and its own prefill must not fail another step's requests the same way.
                 failed = [s.request for s in out.slices] + [r for r in (out.media_ahead_for,) if r is not None]
-                for request in failed:
-                    self._finish(request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
+                self._fail(failed, error)
             else:
                 self._commit(out.slices, logits)
-        if self.config.check_invariants:
-            self.kv.check_invariants()
-        events, self._events = self._events, []
-        return events
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        for request in requests:
+            if not request.is_finished:
+                self._finish(request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
 
     def _commit(self, slices, logits: torch.Tensor) -> None:
         for s in slices:
@@ -198,16 +217,82 @@ class Engine:
         if not sampling:
             return
         if len(sampling_rows) != len(rows):
-            logits = logits[torch.tensor(sampling_rows, device=logits.device)]
-        result = sample(
-            logits,
-            [s.request.params for s in sampling],
-            [self._generators.get(s.request.request_id) for s in sampling],
-        )
+            logits = logits.index_select(0, to_device(sampling_rows, torch.int64, logits.device))
+        self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
+        self._advance_inflight()
+
+    def _sample(self, slices, logits: torch.Tensor):
+        return sample(logits, [s.request.params for s in slices],
+                      [self._generators.get(s.request.request_id) for s in slices])
+
+    # -- async scheduling --------------------------------------------------------------------------
+    def _advance_inflight(self) -> None:
+        """Launch the next decode step of the in-flight step's sequences when nothing else needs scheduling,
+        then commit the in-flight step's tokens (waiting for them, not for the launch); the launched step
+        becomes the one in flight."""
+        current, self._inflight = self._inflight, None
+        assert current is not None
+        continuation = self._continuation_of(current)
+        logits = None
+        if continuation:
+            slices = [s for _, s in continuation]
+            try:
+                logits = self.runner.execute_decode_rows(
+                    slices, self.kv, current.device_tokens_of([row for row, _ in continuation]))
+                self.stats.async_steps += 1
+            except Exception as error:
+                log.exception("step failed")
+                self._fail([s.request for s in slices], error)
+                continuation = []
+        self._accept_tokens(current, {s.request.request_id for _, s in continuation})
+        live = [(i, s) for i, (_, s) in enumerate(continuation) if not s.request.is_finished]
+        if not live:
+            return
+        for _, s in live:
+            self.kv.publish_computed(s.request.request_id, s.start, s.end)
+        if len(live) != len(continuation):
+            logits = logits.index_select(0, to_device([i for i, _ in live], torch.int64, logits.device))
+        slices = [s for _, s in live]
+        self._inflight = InflightStep.launch(slices, self._sample(slices, logits))
+
+    def _continuation_of(self, current: InflightStep) -> list[tuple[int, ScheduledSlice]]:
+        """The next decode step of `current`'s sequences, as (sampling row of `current`, slice), with each
+        position reserved as a pending token; [] when the step must be scheduled normally instead: async
+        scheduling off, several ranks, requests waiting that could be admitted, swapped or not decoding, a
+        pending transfer, a page that needs copying or preempting, a step the graphs do not replay."""
+        scheduler = self.scheduler
+        if not self.config.async_scheduling or self._followers is not None or scheduler.swapped:
+            return []
+        if scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs:
+            return []
+        rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+        if len(rows) != len(scheduler.running) or not self.kv.plan.is_empty():
+            return []  # someone running is not decoding in this step
+        rows = [(i, r) for i, r in rows if not self._stops_by_length_after_next(r)]
+        if not rows:
+            return []
+        seqs = [self.kv.seqs[r.request_id] for _, r in rows]
+        if not self.runner.replays_decode_rows(len(rows), max(len(seq.content) for seq in seqs) + 1):
+            return []
+        if not self.kv.reserve_pending([r.request_id for _, r in rows]):
+            return []
+        return [(i, ScheduledSlice(r, seq.num_computed, seq.num_computed + 1)) for (i, r), seq in zip(rows, seqs, strict=True)]
+
+    def _stops_by_length_after_next(self, request: Request) -> bool:
+        """Whether the token in flight ends `request` by length (no next step to launch for it)."""
+        n = len(request.output_token_ids) + 1
+        return n >= request.params.max_tokens or request.num_prompt_tokens + n >= self.max_model_len
+
+    def _accept_tokens(self, step: InflightStep, pending: set[str]) -> None:
+        """Commit `step`'s sampled tokens: append (or fill the pending slot of a continued sequence), stream,
+        finish. A request that finished while the step was in flight (aborted) is skipped."""
+        result = step.host_result()
         token_ids = result.token_ids.tolist()
         now = time.perf_counter()
-        for i, s in enumerate(sampling):
+        for i, s in enumerate(step.sampled):
             request = s.request
+            if request.is_finished:
+                continue
             token = token_ids[i]
             request.output_token_ids.append(token)
             if request.times.first_token is None:
@@ -217,7 +302,10 @@ class Engine:
             logprobs = self._logprobs(result, i, token) if request.params.logprobs is not None else None
             reason = self._finish_reason(request, token, stopped_by_text)
             if reason is None:
-                self.kv.append_tokens(request.request_id, [token])
+                if request.request_id in pending:
+                    self.kv.fill_pending(request.request_id, token)
+                else:
+                    self.kv.append_tokens(request.request_id, [token])
                 self._events.append(self._event(request, [token], delta, logprobs))
             else:
                 self._finish(request, reason, new_tokens=[token], new_text=delta, logprobs=logprobs)

@@ -266,10 +266,34 @@ class ModelRunner:
         self.stats.tokens_computed += offset
         return logits.float()
 
-    def _graph_step(self, forward: ForwardInput) -> torch.Tensor:
+    def replays_decode_rows(self, num_rows: int, max_context: int) -> bool:
+        """Whether `execute_decode_rows` takes a decode step of `num_rows` sequences up to `max_context`."""
+        return self.graphs is not None and self.publish is None and self.graphs.fits(num_rows, max_context)
+
+    @torch.inference_mode()
+    def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager,
+                            token_ids: torch.Tensor) -> torch.Tensor:
+        """Async scheduling: a decode step whose input tokens the host has not seen. Slice i computes position
+        `start` of its sequence with input `token_ids[i]` (on the device: sampled by the step still running),
+        replayed as graph rows. One rank only (the followers would need the tokens too). fp32 logits, one row
+        per slice. The KV manager holds a pending token at each position and no transfer."""
+        if self.graphs is None or self.publish is not None:
+            raise RuntimeError("decode rows with device tokens need the CUDA graphs and a single rank")
+        if not kv.plan.is_empty():
+            raise RuntimeError("a decode step with device tokens cannot run a transfer plan")
+        pieces = [
+            PieceInput([0], token_positions(s.request, s.start, s.end), s.start, s.end, 0,
+                       [page for _, page in kv.seqs[s.request.request_id].pages], True)
+            for s in slices
+        ]
+        if any(p.end - p.start != 1 for p in pieces) or self._graph_for(pieces, []) != "rows":
+            raise ValueError("only one-token decode rows that fit the captured graphs take device tokens")
+        return self._graph_step(ForwardInput(pieces, [], graph="rows"), token_ids)
+
+    def _graph_step(self, forward: ForwardInput, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.graphs is not None
         rows = GraphRows.from_pieces(forward.pieces, self.page_size)
-        logits = self.graphs.run(rows)
+        logits = self.graphs.run(rows, token_ids)
         self.stats.steps += 1
         self.stats.graph_steps += 1
         self.stats.tokens_computed += rows.num_rows

@@ -72,7 +72,7 @@ def sample(
     for rows, draw in ((plain, _sample_plain), (filtered, _sample_filtered)):
         if not rows:
             continue
-        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        idx = to_device(rows, torch.int64, device)
         chosen = draw(x.index_select(0, idx), [params[i] for i in rows], _uniforms(rows, gens, device))
         token_ids = token_ids.index_copy(0, idx, chosen)
 
@@ -121,12 +121,24 @@ def _needs_filter(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list (or host tensor) on `device` without waiting for the device: a blocking host-to-device
+    copy waits for all queued work, which under async scheduling is the whole step in flight."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One U[0, 1) per row: from the row's own generator, else from the global RNG (one batched draw)."""
-    out = torch.empty(len(rows), dtype=torch.float32, device=device)
     free = [j for j, r in enumerate(rows) if gens[r] is None]
+    if len(free) == len(rows):
+        return torch.rand(len(rows), dtype=torch.float32, device=device)
+    out = torch.empty(len(rows), dtype=torch.float32, device=device)
     if free:
-        out[free] = torch.rand(len(free), dtype=torch.float32, device=device)
+        out.index_copy_(0, to_device(free, torch.int64, device),
+                        torch.rand(len(free), dtype=torch.float32, device=device))
     # Group seeded draws by generator device so a CPU generator costs one host->device copy per step.
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for j, r in enumerate(rows):
@@ -136,12 +148,14 @@ def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch
             pos.append(j)
             vals.append(torch.rand(1, generator=g, dtype=torch.float32, device=g.device))
     for pos, vals in by_device.values():
-        out[pos] = torch.cat(vals).to(device)
+        drawn = torch.cat(vals)
+        drawn = to_device(drawn, torch.float32, device) if drawn.device.type == "cpu" else drawn.to(device)
+        out.index_copy_(0, to_device(pos, torch.int64, device), drawn)
     return out
 
 
 def _column(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=like.device).unsqueeze(1)
+    return to_device(values, dtype, like.device).unsqueeze(1)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

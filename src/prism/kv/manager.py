@@ -12,6 +12,10 @@ This is the only way pages change hands, so it is where the invariants meet:
 - *>= 1 computed token* (8): a lookup never covers the last prompt token.
 - *snapshot transfer plans* (5): moves go through `TransferPlan.add`, which refuses conflicts; a GPU page
   freed by a swap-out in this plan is not handed to a swap-in of the same plan (swap-in runs first).
+- *a pending token is never published* (async scheduling): `reserve_pending` makes room for a token the
+  device has sampled and the host not yet seen (`PENDING_TOKEN` in the content), `fill_pending` writes it once
+  known, and `publish_computed` refuses a range that still holds one: no page key, tail code or cache entry
+  is ever made of a placeholder.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ SeqId = int | str  # the engine uses request ids
 
 
 Reuse = Literal["all", "whole_pages", "none"]
+# The content entry of a token sampled on the device that the host has not read yet (async scheduling).
+PENDING_TOKEN = -1
+
 # What an admission may reuse, from most to least; each later one pins fewer pages.
 REUSE_FALLBACKS: tuple[Reuse, ...] = ("all", "whole_pages", "none")
 
@@ -204,11 +211,41 @@ class KVCacheManager:
             self.gpu.decref(src)
         seq.pages.extend(("gpu", p) for p in self._allocate_gpu(new))
 
+    def reserve_pending(self, seq_ids: list[SeqId]) -> bool:
+        """Async scheduling: each sequence, fully computed, gets a `PENDING_TOKEN` and a writable slot for it,
+        all of them or none. False (nothing changed) when a slot would need a copy-on-write (a transfer) or
+        the pages do not fit without preempting anyone: the caller then schedules the step normally."""
+        new_pages = 0
+        for seq_id in seq_ids:
+            seq = self._seq(seq_id)
+            n = len(seq.content)
+            if not seq.is_resident or seq.num_computed != n:  # (a pending token is never computed)
+                return False
+            if n >= len(seq.pages) * self.page_size:
+                new_pages += 1
+            elif self._is_shared(seq.pages[n // self.page_size][1]):
+                return False
+        if not self.can_allocate(new_pages):
+            return False
+        for seq_id in seq_ids:
+            self.seqs[seq_id].content.tokens.append(PENDING_TOKEN)
+            self.reserve(seq_id, 1)
+        return True
+
+    def fill_pending(self, seq_id: SeqId, token: int) -> None:
+        """The host has read the token `reserve_pending` made room for: it replaces the placeholder."""
+        tokens = self._seq(seq_id).content.tokens
+        if not tokens or tokens[-1] != PENDING_TOKEN:
+            raise SequenceError(f"sequence {seq_id} has no pending token to fill")
+        tokens[-1] = token
+
     def publish_computed(self, seq_id: SeqId, start: int, end: int) -> None:
         """A finished step computed exactly positions [start, end): publish what became complete."""
         seq = self._seq(seq_id)
         if start != seq.num_computed or not start < end <= len(seq.content):
             raise SequenceError(f"sequence {seq_id}: publish [{start}, {end}) but {seq.num_computed} computed")
+        if PENDING_TOKEN in seq.content.tokens[start:end]:
+            raise SequenceError(f"sequence {seq_id}: [{start}, {end}) holds a token the host has not read yet")
         if end > len(seq.pages) * self.page_size or not seq.is_resident:
             raise SequenceError(f"sequence {seq_id}: positions up to {end} have no resident page")
         written = range(start // self.page_size, self._pages_for(end))

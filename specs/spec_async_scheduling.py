@@ -1,0 +1,161 @@
+"""Spec of async scheduling (the next decode step launched on tokens the host has not read), on the real engine
+(tiny checkpoint, fp32, scaled-FP8 KV, CPU, the CUDA graphs' rows run eagerly on their buffers).
+
+A stateful machine adds requests (greedy, seeded sampling that stops on a tenth of the vocabulary, logprobs; some
+sharing an image, so later ones hit earlier ones' pages), steps, and aborts, over a small pool (continuations
+that do not fit fall back to scheduled steps) and fewer graph rows than sequences. Checked after every rule:
+- a live sequence's KV content is its prompt and the tokens the host has read: the pending token a launched step
+  reserved (`kv.manager.PENDING_TOKEN`; publishing one raises) is filled before `step` returns;
+- the KV manager's accounting is exact (`check_invariants` on every step);
+- each request's events are one stream: nothing after its terminal event, tokens that are its outputs.
+At the end: exactly one terminal event per request, finish reasons that match the tokens, nothing leaked.
+
+And with length-only stops and every request added up front the batches are the same either way, so the
+tokens must be exactly those of the engine with async scheduling off (a continuation fed the wrong row's
+token, or a pending slot filled at the wrong place, changes them); the continuation must actually run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prism.engine.llm import LLM
+from prism.engine.request import FinishReason
+from prism.engine.sampling import SamplingParams
+from prism.kv.manager import PENDING_TOKEN
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.hf_reference import random_images
+
+IMAGE = random_images([(64, 64)], seed=31)[0]
+TEXTS = ("Hi.", "Tell me a story about a cat.", "What is two plus two?", "Name three colours, please.")
+
+
+def chat(text: int, with_image: bool) -> list[dict]:
+    content = [{"type": "image", "image": IMAGE}] if with_image else []
+    return [{"role": "user", "content": [*content, {"type": "text", "text": TEXTS[text]}]}]
+
+
+@functools.cache
+def engine(async_scheduling: bool) -> LLM:
+    return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=16, num_gpu_pages=11, max_num_seqs=5,
+               max_num_batched_tokens=256, graph_rows_without_cuda=True, cuda_graph_max_batch=4,
+               cuda_graph_max_packed_tokens=0, async_scheduling=async_scheduling, check_invariants=True)
+
+
+def params_of(kind: str, max_tokens: int, seed: int, vocab: int) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams.greedy(max_tokens=max_tokens)
+    if kind == "stops":
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                              stop_token_ids=tuple(range(seed % 10, vocab, 10)))
+    return SamplingParams(temperature=0.7, seed=seed, max_tokens=max_tokens, logprobs=2)
+
+
+class AsyncSchedulingMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self) -> None:
+        self.llm = engine(True)
+        self.engine = self.llm.engine
+        self.engine.kv.clear_cache()
+        self.vocab = self.engine.runner.model.config.text.vocab_size
+        self.params: dict[str, SamplingParams] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.terminal: dict[str, list] = {}
+        self.count = 0
+
+    def _take(self, events) -> None:
+        for event in events:
+            rid = event.request_id
+            assert rid in self.params, f"an event for unknown request {rid}"
+            assert not self.terminal.get(rid), f"{rid}: an event after its terminal event"
+            self.tokens[rid] += event.new_token_ids
+            if event.finished:
+                self.terminal[rid] = [event]
+
+    @rule(text=st.integers(0, len(TEXTS) - 1), with_image=st.booleans(), max_tokens=st.integers(1, 30),
+          kind=st.sampled_from(["greedy", "stops", "logprobs"]), seed=st.integers(0, 99))
+    def add(self, text: int, with_image: bool, max_tokens: int, kind: str, seed: int) -> None:
+        rid = f"r{self.count}"
+        self.count += 1
+        params = params_of(kind, max_tokens, seed, self.vocab)
+        self.engine.add_request(rid, self.engine.inputs.prepare_chat(chat(text, with_image)), params)
+        self.params[rid], self.tokens[rid], self.terminal[rid] = params, [], []
+
+    @rule(times=st.integers(1, 4))
+    def step(self, times: int) -> None:
+        for _ in range(times):
+            self._take(self.engine.step())
+            self.content_is_what_the_host_read()
+
+    @precondition(lambda self: any(not t for t in getattr(self, "terminal", {}).values()))
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        live = sorted(rid for rid, t in self.terminal.items() if not t)
+        self.engine.abort(data.draw(st.sampled_from(live)))
+
+    @invariant()
+    def content_is_what_the_host_read(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        for rid, seq in self.engine.kv.seqs.items():
+            request = self.engine.requests[rid]
+            tokens = seq.content.tokens
+            read = list(request.prompt.kv_content().tokens) + request.output_token_ids
+            assert PENDING_TOKEN not in tokens, f"{rid}: a pending token outlived its step"
+            assert tokens == read, f"{rid}: KV content {tokens[-4:]} is not what the host read {read[-4:]}"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "engine"):
+            return
+        for _ in range(500):
+            if not self.engine.has_unfinished_requests():
+                break
+            self._take(self.engine.step())
+        assert not self.engine.has_unfinished_requests(), "requests still unfinished after 500 steps"
+        for rid, params in self.params.items():
+            assert len(self.terminal[rid]) == 1, f"{rid}: {len(self.terminal[rid])} terminal events"
+            event, tokens = self.terminal[rid][0], self.tokens[rid]
+            assert len(tokens) <= params.max_tokens, f"{rid}: {len(tokens)} tokens > max_tokens"
+            if event.finish_reason is FinishReason.LENGTH:
+                assert len(tokens) == params.max_tokens, f"{rid}: length stop after {len(tokens)} tokens"
+            if event.finish_reason is FinishReason.STOP and params.stop_token_ids and tokens:
+                stop = tokens[-1] in params.stop_token_ids or tokens[-1] in self.engine.inputs.eos_token_ids
+                assert stop, f"{rid}: stopped on {tokens[-1]}"
+            if event.finish_reason is not FinishReason.ABORT:
+                assert all(t not in params.stop_token_ids for t in tokens[:-1]), f"{rid}: ran past a stop token"
+        kv = self.engine.kv
+        assert not kv.seqs, f"sequences left in the KV manager: {list(kv.seqs)}"
+        kv.check_invariants()
+        held = {p for p in range(kv.gpu.num_pages) if kv.gpu.refcount[p]}
+        assert held <= set(kv.entries.entry_refs), "pages held by nothing but a finished request"
+
+
+AsyncSchedulingMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
+test_async_scheduling_commits_what_the_host_read = AsyncSchedulingMachine.TestCase
+
+
+def tokens_of(llm: LLM, prompts, params) -> list[list[int]]:
+    llm.engine.kv.clear_cache()
+    return [c.token_ids for c in llm.generate(prompts, params)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, len(TEXTS) - 1), st.booleans(), st.integers(1, 14),
+                                   st.sampled_from(["greedy", "seeded"]), st.integers(0, 99)),
+                         min_size=1, max_size=6))
+def spec_async_scheduling_gives_the_tokens_of_scheduled_steps(requests) -> None:
+    prompts = [chat(text, image) for text, image, *_ in requests]
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) if kind == "greedy"
+              else SamplingParams(temperature=0.9, seed=seed, max_tokens=n, ignore_eos=True)
+              for _, _, n, kind, seed in requests]
+    overlapped = engine(True)
+    before = overlapped.engine.stats.async_steps
+    got = tokens_of(overlapped, prompts, params)
+    want = tokens_of(engine(False), prompts, params)
+    assert got == want, f"async scheduling changed the tokens:\n{got}\nvs scheduled steps\n{want}"
+    if len(requests) <= 4 and max(n for _, _, n, _, _ in requests) > 2:  # the graphs take 4 rows
+        assert overlapped.engine.stats.async_steps > before, "no step was launched ahead"
