@@ -221,3 +221,31 @@ def test_interleaving_bounds_prefill_chunks_while_decoding_and_changes_no_token(
     for a, b in prefill:
         assert b - a <= limit or (a, b) in spans, f"chunk [{a}, {b}) exceeds {limit} and is not one whole span"
     assert any((a, b) in spans and b - a > limit for a, b in prefill), "the test needs a span longer than the limit"
+
+
+def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt):
+    """Async scheduling: while requests decode, each call launches the next decode step and returns the previous
+    step's tokens. When a new request arrives (the next step must be scheduled: it has a prefill), the call that
+    commits the step in flight returns its tokens at once; the scheduled step runs in the next call, so the
+    running streams' tokens are not held back behind it."""
+    llm = LLM(ckpt, kv_dtype="fp8", page_size=16, num_gpu_pages=64, graph_rows_without_cuda=True,
+              check_invariants=True)
+    engine = llm.engine
+    executed: list[int] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda *a: (executed.append(1), execute(*a))[1]
+    engine.add_request("a", "Count to twenty please.", SamplingParams.greedy(max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    launched = engine.stats.async_steps
+    assert launched > 0 and engine._inflight is not None, "decode steps must be launched ahead"
+    engine.add_request("b", "Hi.", SamplingParams.greedy(max_tokens=2, ignore_eos=True))
+    executed.clear()
+    events = engine.step()
+    assert [e.request_id for e in events] == ["a"] and not executed, "the step in flight commits alone"
+    assert engine.stats.async_steps == launched and engine._inflight is None
+    events = engine.step()
+    assert executed and {e.request_id for e in events} == {"a", "b"}, "then the step with b's prefill runs"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.kv.seqs

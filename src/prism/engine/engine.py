@@ -159,10 +159,12 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, commit. Returns the events of this step (including earlier aborts). With a step in
-        flight, launch the next decode step first when nothing else needs scheduling (async scheduling)."""
+        flight (async scheduling), launch the next decode step of its sequences when nothing else needs
+        scheduling, and commit it; its events return at once, before any step that must be scheduled (running
+        one first would hold them back behind it: a longer gap between tokens)."""
         if self._inflight is not None:
             self._advance_inflight()
-        if self._inflight is None:
+        else:
             self._scheduled_step()
         if self.config.check_invariants:
             self.kv.check_invariants()
