@@ -73,9 +73,6 @@ SPLITS = {"full": dict.fromkeys(("b1", "rows16", "b32"), (1, 2, 4, 8, 16, 32, 64
 # --shared: batch 32 over a shared prefix, where the kernel waits on latency rather than on HBM: more programs
 # (splits, fewer warps each) may hide it.
 SHARED = {"_BLOCK_N": (64, 128), "_NUM_STAGES": (1, 2), "_NUM_WARPS": (2, 4, 8), "_V_WITH_K": (True,)}
-# --shared-pages: the shared-pages kernel (`decode_shared_pages.py`, sequences per program; 0 = `_decode_kernel`)
-# on every case, each configuration's output checked against `_decode_kernel`'s.
-SHARED_PAGES = {"_SHARED_PAGES_SEQS": (0, 4, 8), "_NUM_WARPS": (4,), "_SHARED_PAGES_STAGES": (1,)}
 
 
 def main() -> None:
@@ -83,32 +80,18 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_decode_attention.txt")
     parser.add_argument("--focused", action="store_true", help="the narrower grid with V_WITH_K (see FOCUSED)")
     parser.add_argument("--shared", action="store_true", help="only batch 32 over a shared prefix (see SHARED)")
-    parser.add_argument("--shared-pages", action="store_true", help="the shared-pages kernel (see SHARED_PAGES)")
     args = parser.parse_args()
     knobs, splits = (FOCUSED, SPLITS["focused"]) if args.focused else (FULL, SPLITS["full"])
     cases = ("b1", "rows16", "b32")
     if args.shared:
         knobs, splits, cases = SHARED, {"b32shared": (1, 2, 4, 8)}, ("b32shared",)
-    if args.shared_pages:
-        knobs, cases = SHARED_PAGES, ("b32shared", "b32", "rows16")
-        splits = {"b32shared": (1, 2, 4), "b32": (1, 2), "rows16": (1, 2, 4)}
-        pa._SHARED_PAGES_MIN_BATCH = 1
     pool = random_fp8_pool(KVLayout(36, HKV, D, PAGE, 32 * 7 + 8, "fp8"))
     lines = []
     for name in cases:
         q, meta = case(name, pool)
         default_splits = pa.decode_num_splits(len(meta.query_lens), HKV, 32768)
-        want = paged_decode_attention(q, pool, 3, meta, use_triton=True, seqs_per_program=1).float()
-
-        def timed(n, q=q, meta=meta, want=want, name=name):
-            got = paged_decode_attention(q, pool, 3, meta, num_splits=n, use_triton=True).float()
-            err = (got - want).abs().max().item()
-            if not err < 2e-2:  # bf16 outputs of the same softmax: a wrong tile shows as O(1)
-                print(f"{name}: WRONG OUTPUT (max error {err:.3g}) with {pa._SHARED_PAGES_SEQS} sequences per "
-                      f"program, {n} splits", flush=True)
-            return time_config(q, pool, meta, n)
-
-        report = sweep_knobs(pa, knobs, splits[name], default_splits, timed, name)
+        report = sweep_knobs(pa, knobs, splits[name], default_splits,
+                             lambda n, q=q, meta=meta: time_config(q, pool, meta, n), name)
         lines += report
         print("\n".join(report), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -566,36 +566,3 @@ def test_compile_attention_variants_runs_every_split_count(page_size):
     launches = pp.compile_attention_variants(pool, 2, torch.float32)
     assert launches == 4 + 7  # prefill splits 1..8, decode splits 1..64, powers of two
     assert torch.equal(pool.payload, before)
-
-
-@needs_triton
-@pytest.mark.parametrize("block_n", [4, 128])  # 4: one page per key tile, so whole tiles are shared or not
-@pytest.mark.parametrize("seqs", [2, 4])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp32", "bf16"])
-def test_shared_pages_decode_kernel_matches_reference(kv_dtype, group, seqs, block_n, monkeypatch):
-    """The shared-pages decode kernel (several sequences per program, a key tile read once when every sequence
-    reaching it maps it to the same pages): sequences sharing a prefix of pages at different context lengths, one
-    sharing fewer pages, one sharing none, a last program with fewer sequences than it serves."""
-    monkeypatch.setattr(pa, "_BLOCK_N", block_n)
-    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=64, kv_dtype=kv_dtype)
-    pool = KVPool.allocate(lay, DEV)
-    g = torch.Generator().manual_seed(5 + group)
-    slots = torch.arange(lay.num_pages * lay.page_size, device=DEV)
-    kw.write_kv(pool, 1, slots, *(torch.randn(len(slots), 2, 16, generator=g).to(DEV) for _ in range(2)))
-    shared = [3, 7, 9]
-    tables = [shared + [20 + i, 30 + i] for i in range(5)] + [[40, 41, 42, 43], [3, 7, 50]]
-    meta = PagedAttentionMetadata.build([1] * 7, [18, 17, 19, 12, 20, 15, 10], tables, 4, DEV)
-    q = torch.randn(7, 2 * group, 16, generator=g).to(DEV)
-    ref = pa.paged_attention_reference(q, pool, 1, meta)
-    for splits in (1, 3):
-        out = pa.paged_decode_attention(q, pool, 1, meta, use_triton=True, num_splits=splits, seqs_per_program=seqs)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-
-
-def test_shared_pages_kernel_refuses_a_sequence_count_that_is_not_a_power_of_two():
-    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4, num_pages=4, kv_dtype="fp8")
-    meta = PagedAttentionMetadata.build([1], [3], [[1]], 4)
-    with pytest.raises(ValueError, match="power of two"):
-        pa.paged_decode_attention(torch.zeros(1, 1, 16), KVPool.allocate(lay), 0, meta, use_triton=True,
-                                  seqs_per_program=3)

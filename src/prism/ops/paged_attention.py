@@ -60,11 +60,6 @@ _NUM_WARPS = 4
 # 70.3 -> 55.5, 16 rows of one sequence 29.0 -> 24.8, batch 1 6.9 -> 7.0.
 _NUM_STAGES = 2
 _V_WITH_K = True
-# The shared-pages decode kernel (`decode_shared_pages.py`): sequences per program, used from this batch size on
-# (0: never), and its pipeline depth (its loads sit under a branch: 1, no software pipelining).
-_SHARED_PAGES_SEQS = 0
-_SHARED_PAGES_MIN_BATCH = 8
-_SHARED_PAGES_STAGES = 1
 
 
 # -------------------------------------------------------------------------------------------- metadata
@@ -459,13 +454,10 @@ def power_of_two_at_most(n: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
                            scale: float | None = None, *, use_triton: bool | None = None,
-                           num_splits: int | None = None, seqs_per_program: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence (q [B, H_q, D]) over its paged context; same result as
     `paged_attention_reference` up to fp32 rounding. Triton on CUDA, the reference on CPU unless forced.
-    `num_splits` (default `decode_num_splits`) splits each context across programs, merged by a second kernel.
-    `seqs_per_program` > 1 runs the shared-pages kernel (`decode_shared_pages.py`: a key tile that consecutive
-    sequences share is read once for all of them); default `_SHARED_PAGES_SEQS` from `_SHARED_PAGES_MIN_BATCH`
-    sequences on, else 1."""
+    `num_splits` (default `decode_num_splits`) splits each context across programs, merged by a second kernel."""
     if not meta.is_decode:
         raise ValueError(f"paged_decode_attention needs query_len == 1 for every sequence, got "
                          f"{meta.query_lens}")
@@ -475,14 +467,8 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     lay = pool.layout
     bsz, hq, dim = q.shape
     max_ctx = meta.max_context_len
-    if seqs_per_program is None:
-        seqs_per_program = _SHARED_PAGES_SEQS if _SHARED_PAGES_SEQS > 1 and bsz >= _SHARED_PAGES_MIN_BATCH else 1
-    if (not isinstance(seqs_per_program, int) or isinstance(seqs_per_program, bool) or seqs_per_program < 1
-            or seqs_per_program & (seqs_per_program - 1)):
-        raise ValueError(f"seqs_per_program must be a power of two >= 1, got {seqs_per_program!r}")
-    programs_per_head = _cdiv(bsz, seqs_per_program)
     if num_splits is None:
-        num_splits = decode_num_splits(programs_per_head, lay.num_kv_heads, max_ctx)
+        num_splits = decode_num_splits(bsz, lay.num_kv_heads, max_ctx)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
@@ -498,29 +484,15 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     else:
         part_acc = part_ml = out  # unused placeholders
     with device_context(dev):
-        if seqs_per_program > 1:
-            from . import decode_shared_pages as shared  # imports this module's kernels: bound at first use
-
-            shared._decode_shared_pages_kernel[(programs_per_head, lay.num_kv_heads, num_splits)](
-                q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-                layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
-                bsz, lay.num_kv_heads, hq, group, dim,
-                KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, SEQS=seqs_per_program,
-                BLOCK_R=shared.shared_pages_block_rows(seqs_per_program, group), BLOCK_N=block_n, BLOCK_D=block_d,
-                DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-                NATIVE_FP8=native_fp8(dev), num_warps=_NUM_WARPS, num_stages=_SHARED_PAGES_STAGES,
-            )
-        else:
-            _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
-                q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-                layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
-                lay.num_kv_heads, hq, group, dim,
-                KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
-                BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-                NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS,
-            )
+        _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
+            q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+            layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
+            lay.num_kv_heads, hq, group, dim,
+            KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
+            BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
+            NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS,
+        )
         if num_splits > 1:
             _decode_reduce_kernel[(bsz, hq)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
