@@ -55,6 +55,11 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Requests admitted against `max_in_flight`: taken by `_submit` on the event loop before the owner thread
+        # sees the request, given back by the owner thread (refused add, or terminal event). Counting streams
+        # instead let a burst of submissions all pass the check before the first was registered.
+        self._slots_taken = 0
+        self._slots_lock = threading.Lock()
         self._stopping = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prism-engine", daemon=True)
@@ -147,8 +152,10 @@ class AsyncEngine:
     async def _submit(self, request_ids: tuple[str, ...], submit: Callable[[Engine], object]) -> _Stream:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
-        if len(self._streams) + len(request_ids) > self.max_in_flight:
-            raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.max_in_flight}); retry later")
+        with self._slots_lock:
+            if self._slots_taken + len(request_ids) > self.max_in_flight:
+                raise Overloaded(f"{self._slots_taken} requests in flight (limit {self.max_in_flight}); retry later")
+            self._slots_taken += len(request_ids)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         accepted = loop.create_future()
@@ -193,14 +200,20 @@ class AsyncEngine:
             elif command[0] == "stop":
                 return True
 
+    def _give_back_slots(self, n: int) -> None:
+        with self._slots_lock:
+            self._slots_taken -= n
+
     def _add(self, command: _Add) -> None:
         loop = command.stream.loop
         if self._stopping:
+            self._give_back_slots(len(command.request_ids))
             loop.call_soon_threadsafe(_settle, command.accepted, ShuttingDown("the server is shutting down"))
             return
         try:
             command.submit(self.engine)
         except Exception as error:  # refused: the coroutine re-raises it as an HTTP error
+            self._give_back_slots(len(command.request_ids))
             loop.call_soon_threadsafe(_settle, command.accepted, error)
             return
         for request_id in command.request_ids:
@@ -222,6 +235,7 @@ class AsyncEngine:
                 continue
             if event.finished:
                 del self._streams[event.request_id]
+                self._give_back_slots(1)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
 
 
