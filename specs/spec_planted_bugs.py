@@ -419,3 +419,15 @@ def test_pending_token_appended_instead_of_filled_is_caught(monkeypatch: pytest.
         run_state_machine_as_test(AsyncSchedulingMachine, settings=settings(
             max_examples=40, stateful_step_count=20, deadline=None, phases=[Phase.generate], database=None,
             derandomize=True))
+
+
+def test_a_stopped_requests_logits_row_taken_for_another_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: when a request stops on the token the host just read, its row of the launched step is
+    dropped and the others' logits rows are picked out. Found by review: no spec covered it. Planted: the first
+    rows are taken instead of the live ones."""
+    from prism.engine import engine as engine_module
+    from specs import spec_async_scheduling
+
+    monkeypatch.setattr(engine_module, "logits_rows", lambda logits, rows: logits[: len(rows)])
+    _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
+                "async scheduling changed the")

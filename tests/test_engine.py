@@ -249,3 +249,27 @@ def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.kv.seqs
+
+
+def test_async_scheduling_commits_the_step_in_flight_when_the_launched_one_fails(ckpt):
+    """A launched decode step that fails ends its requests with an error, after the step in flight commits: the
+    token it sampled is streamed (found by review: it was dropped, and a request whose last token was a stop
+    ended in ERROR instead of STOP); nothing leaks."""
+    greedy = SamplingParams.greedy(max_tokens=12, ignore_eos=True)
+    kw = dict(kv_dtype="fp8", page_size=16, num_gpu_pages=64, graph_rows_without_cuda=True, check_invariants=True)
+    want = LLM(ckpt, async_scheduling=False, **kw).generate(["Count to twenty please."], greedy)[0].token_ids
+    llm = LLM(ckpt, **kw)
+    execute_decode_rows = llm.engine.runner.execute_decode_rows
+    calls = []
+
+    def third_fails(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted failure")
+        return execute_decode_rows(*args)
+
+    llm.engine.runner.execute_decode_rows = third_fails
+    (done,) = llm.generate(["Count to twenty please."], greedy)
+    assert done.finish_reason is FinishReason.ERROR and "planted failure" in done.error
+    assert done.token_ids == want[:3], "the tokens of the steps launched before the failure, the last one included"
+    assert not llm.engine.kv.seqs and not llm.engine.has_unfinished_requests()

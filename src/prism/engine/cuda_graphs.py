@@ -259,6 +259,6 @@ class HostStaging:
         block_table.copy_(table, non_blocking=True)
         if row_inputs.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(row_inputs.device))
             self._done[self._turn] = event
         self._current = None

@@ -40,6 +40,13 @@ from .tp_workers import Followers, TensorParallelFailure, launch_followers
 log = logging.getLogger(__name__)
 
 
+def logits_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits[rows]` without a blocking host-to-device copy (a launched step may be running)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, to_device(rows, torch.int64, logits.device))
+
+
 class RequestError(ValueError):
     """A request that cannot be accepted (bad id, empty or too long prompt...)."""
 
@@ -218,8 +225,7 @@ class Engine:
                 sampling_rows.append(row)
         if not sampling:
             return
-        if len(sampling_rows) != len(rows):
-            logits = logits.index_select(0, to_device(sampling_rows, torch.int64, logits.device))
+        logits = logits_rows(logits, sampling_rows)
         self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
         self._advance_inflight()
 
@@ -235,26 +241,26 @@ class Engine:
         current, self._inflight = self._inflight, None
         assert current is not None
         continuation = self._continuation_of(current)
-        logits = None
+        pending = {s.request.request_id for _, s in continuation}
+        try:
+            logits = self.runner.execute_decode_rows(
+                [s for _, s in continuation], self.kv, current.device_tokens_of([row for row, _ in continuation])
+            ) if continuation else None
+        except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
+            log.exception("step failed")
+            self._accept_tokens(current, pending)
+            self._fail([s.request for _, s in continuation], error)
+            return
         if continuation:
-            slices = [s for _, s in continuation]
-            try:
-                logits = self.runner.execute_decode_rows(
-                    slices, self.kv, current.device_tokens_of([row for row, _ in continuation]))
-                self.stats.async_steps += 1
-            except Exception as error:
-                log.exception("step failed")
-                self._fail([s.request for s in slices], error)
-                continuation = []
-        self._accept_tokens(current, {s.request.request_id for _, s in continuation})
+            self.stats.async_steps += 1
+        self._accept_tokens(current, pending)
         live = [(i, s) for i, (_, s) in enumerate(continuation) if not s.request.is_finished]
         if not live:
             return
         for _, s in live:
             self.kv.publish_computed(s.request.request_id, s.start, s.end)
-        if len(live) != len(continuation):
-            logits = logits.index_select(0, to_device([i for i, _ in live], torch.int64, logits.device))
         slices = [s for _, s in live]
+        logits = logits_rows(logits, [i for i, _ in live])
         self._inflight = InflightStep.launch(slices, self._sample(slices, logits))
 
     def _continuation_of(self, current: InflightStep) -> list[tuple[int, ScheduledSlice]]:

@@ -41,9 +41,10 @@ class InflightStep:
         host = SampleResult(*(_copy_to_host(t) for t in (result.token_ids, result.logprobs,
                                                          result.top_token_ids, result.top_logprobs)))
         ready = None
-        if result.token_ids.device.type == "cuda":
+        device = result.token_ids.device
+        if device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(device))  # the copies' stream, whatever the current device
         return cls(sampled, result, host, ready)
 
     def host_result(self) -> SampleResult:
