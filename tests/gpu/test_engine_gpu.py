@@ -189,3 +189,32 @@ def test_async_scheduling_changes_no_token(ckpt_8b):
         release_gpu_memory()
     for ours, ref in zip(out[True], out[False], strict=True):
         assert_same_or_near_tie(ours, ref)
+
+
+def test_async_scheduling_is_unchanged_by_a_slow_device(ckpt_8b):
+    """Async scheduling's hazards live on the device timeline (a pinned input buffer rewritten before its copy ran,
+    tokens read before their copy's event): with the stream held ~10 ms before every graph replay, so the host
+    runs far ahead, the tokens and logprobs are those of the undelayed run (same engine, cache cleared)."""
+    prompts = [chat("Count to ten."), chat(IMAGES[0], "Describe it.")]
+    params = [SamplingParams.greedy(max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=2)]
+    llm = engine(ckpt_8b, "fp8")
+    llm.engine.kv.clear_cache()
+    fast = llm.generate(prompts, params)
+    graphs = llm.engine.runner.graphs
+    run = graphs.run
+
+    def slow(rows, token_ids=None):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of spinning on the stream, ahead of this step's input copies
+        return run(rows, token_ids)
+
+    graphs.run = slow
+    launched = llm.engine.stats.async_steps
+    llm.engine.kv.clear_cache()
+    slowed = llm.generate(prompts, params)
+    assert llm.engine.stats.async_steps > launched
+    for a, b in zip(fast, slowed, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [(lp.token_id, lp.logprob) for lp in a.logprobs] == [(lp.token_id, lp.logprob) for lp in b.logprobs]
+    del llm
+    release_gpu_memory()
