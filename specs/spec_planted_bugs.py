@@ -428,6 +428,6 @@ def test_a_stopped_requests_logits_row_taken_for_another_is_caught(monkeypatch: 
     from prism.engine import engine as engine_module
     from specs import spec_async_scheduling
 
-    monkeypatch.setattr(engine_module, "logits_rows", lambda logits, rows: logits[: len(rows)])
+    monkeypatch.setattr(engine_module, "take_rows", lambda logits, rows: logits[: len(rows)])
     _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
                 "async scheduling changed the")

@@ -23,6 +23,7 @@ import torch
 from ..kv.fp8 import KVPool
 from ..model.qwen3_vl import Qwen3VLModel
 from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from .sampler import take_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Rows of the packed per-row host inputs: token id, 3 M-RoPE positions, slot, context length.
@@ -220,8 +221,7 @@ class RowGraphs:
             return logits[:0].float()
         if sample[-1] - sample[0] == len(sample) - 1:  # increasing rows without gaps: a slice, no index copy
             return logits[sample[0] : sample[-1] + 1].float()
-        index = torch.tensor(sample, dtype=torch.int64).to(logits.device, non_blocking=True)
-        return logits.index_select(0, index).float()
+        return take_rows(logits, sample).float()
 
 
 class HostStaging:

@@ -32,19 +32,12 @@ from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
 from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
-from .sampler import make_generator, sample, to_device
+from .sampler import make_generator, sample, take_rows
 from .sampling import SamplingParams
 from .scheduler import ScheduledSlice, Scheduler
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
 log = logging.getLogger(__name__)
-
-
-def logits_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """`logits[rows]` without a blocking host-to-device copy (a launched step may be running)."""
-    if rows == list(range(logits.shape[0])):
-        return logits
-    return logits.index_select(0, to_device(rows, torch.int64, logits.device))
 
 
 class RequestError(ValueError):
@@ -225,7 +218,7 @@ class Engine:
                 sampling_rows.append(row)
         if not sampling:
             return
-        logits = logits_rows(logits, sampling_rows)
+        logits = take_rows(logits, sampling_rows)
         self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
         self._advance_inflight()
 
@@ -260,7 +253,7 @@ class Engine:
         for _, s in live:
             self.kv.publish_computed(s.request.request_id, s.start, s.end)
         slices = [s for _, s in live]
-        logits = logits_rows(logits, [i for i, _ in live])
+        logits = take_rows(logits, [i for i, _ in live])
         self._inflight = InflightStep.launch(slices, self._sample(slices, logits))
 
     def _continuation_of(self, current: InflightStep) -> list[tuple[int, ScheduledSlice]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import SampleResult, to_device
+from .sampler import SampleResult, take_rows
 from .scheduler import ScheduledSlice
 
 
@@ -55,7 +55,4 @@ class InflightStep:
 
     def device_tokens_of(self, rows: list[int]) -> torch.Tensor:
         """The device token ids of sampling rows `rows`, in that order (a continuation's inputs)."""
-        tokens = self.result.token_ids
-        if rows == list(range(len(self.sampled))):
-            return tokens
-        return tokens.index_select(0, to_device(rows, torch.int64, tokens.device))
+        return take_rows(self.result.token_ids, rows)

@@ -130,6 +130,13 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t[rows]` (rows of a device tensor picked by a host list) without a blocking host-to-device copy."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, to_device(rows, torch.int64, t.device))
+
+
 def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One U[0, 1) per row: from the row's own generator, else from the global RNG (one batched draw)."""
     free = [j for j, r in enumerate(rows) if gens[r] is None]

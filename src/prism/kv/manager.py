@@ -221,7 +221,7 @@ class KVCacheManager:
             n = len(seq.content)
             if not seq.is_resident or seq.num_computed != n:  # (a pending token is never computed)
                 return False
-            if n >= len(seq.pages) * self.page_size:
+            if self._pages_for(n + 1) > len(seq.pages):
                 new_pages += 1
             elif self._is_shared(seq.pages[n // self.page_size][1]):
                 return False
