@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_engine import chat, cuda_time  # noqa: E402
+from bench_engine import chat, w3_step_seconds  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
@@ -44,8 +44,6 @@ def main() -> None:
     on, off = engine.config, engine.config.replace(async_scheduling=False)
     images = random_images([(448, 448)] * 8, seed=7)
     one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
-    tokens = 128
-    params = SamplingParams.greedy(max_tokens=tokens, ignore_eos=True)
     results: dict[str, dict[str, float]] = {}
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [engine.inputs.prepare_chat(chat(images, f"Decode test {batch}-{i}")) for i in range(batch)]
@@ -54,9 +52,7 @@ def main() -> None:
         for _ in range(args.reps):
             for mode, config in (("off", off), ("on", on)):
                 engine.config = config  # the engine reads the flag at every step
-                t_all = cuda_time(lambda ps=prompts: llm.generate(ps, params))
-                t_one = cuda_time(lambda ps=prompts: llm.generate(ps, one))
-                times[mode].append((t_all - t_one) / (tokens - 1) * 1e3)
+                times[mode].append(w3_step_seconds(llm, prompts) * 1e3)
         engine.config = on
         results[f"batch{batch}"] = {mode: statistics.median(v) for mode, v in times.items()}
         results[f"batch{batch}"]["samples"] = times

@@ -40,6 +40,14 @@ def cuda_time(fn) -> float:
     return time.perf_counter() - start
 
 
+def w3_step_seconds(llm, prompts, tokens: int = 128) -> float:
+    """W3's decode step: `tokens` greedy tokens of `prompts` (prefix cached) less one token, per step after the first."""
+    one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
+    t_all = cuda_time(lambda: llm.generate(prompts, SamplingParams.greedy(max_tokens=tokens, ignore_eos=True)))
+    t_one = cuda_time(lambda: llm.generate(prompts, one))
+    return (t_all - t_one) / (tokens - 1)
+
+
 def summary(samples: list[float]) -> dict:
     ordered = sorted(samples)
     return {
@@ -115,15 +123,12 @@ def main() -> None:
     w["W2_prism_fp8"] = summary([total for total, _ in hot])
     w["W2_prism_fp8_engine_only"] = summary([engine for _, engine in hot])
 
-    def tpot(llm_, batch: int, tokens: int = 128) -> float:
+    def tpot(llm_, batch: int) -> float:
         prompts = [inputs.prepare_chat(chat(hot_images, f"Decode test {batch}-{i}")) for i in range(batch)]
-        params = SamplingParams.greedy(max_tokens=tokens, ignore_eos=True)
         llm_.generate(prompts, SamplingParams.greedy(max_tokens=1, ignore_eos=True))  # cache the prefix
         # One untimed decode first: a fresh engine's first decode steps measured slower (BF16: 5.75 ms, then 4.89 warm).
         llm_.generate(prompts, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
-        t_all = cuda_time(lambda: llm_.generate(prompts, params))
-        t_one = cuda_time(lambda: llm_.generate(prompts, SamplingParams.greedy(max_tokens=1, ignore_eos=True)))
-        return (t_all - t_one) / (tokens - 1)
+        return w3_step_seconds(llm_, prompts)
 
     for batch in (1, 8, 32):
         w[f"W3_prism_fp8_batch{batch}_step_ms"] = tpot(llm, batch) * 1e3
