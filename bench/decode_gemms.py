@@ -20,25 +20,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel_timing import us_per_call_in_graph  # noqa: E402
+from kernel_timing import copy_bandwidth, us_per_call_in_graph  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
-
-
-def copy_bandwidth() -> float:
-    """Read + write bytes per second of an eager device copy (`profile_hot_paths.floors`' measure). Not in a CUDA
-    graph: captured, a device-to-device copy becomes a memcpy node that ran at 2.7 TB/s instead of 4.3."""
-    x = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    end.synchronize()
-    return 2 * x.numel() * 10 / (start.elapsed_time(end) * 1e-3)
 
 
 def main() -> None:

@@ -74,3 +74,19 @@ def sweep_knobs(module: ModuleType, knobs: dict[str, tuple], splits: Iterable[in
     results.sort(key=lambda r: r[0])
     return [f"== {title}: current defaults ({describe(defaults)} splits {default_splits}): {current:.1f} us"] + [
         f"  {us:7.1f} us  {describe(values)} splits {n:2d}" for us, values, n in results[:12]]
+
+
+def copy_bandwidth() -> float:
+    """Read + write bytes per second of an eager 4 GiB device copy: the decode floor's bandwidth
+    (`profile_hot_paths.floors`, `decode_gemms.py`). Not in a CUDA graph: captured, a device-to-device copy
+    becomes a memcpy node that ran at 2.7 TB/s instead of 4.3."""
+    x = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    return 2 * x.numel() * 10 / (start.elapsed_time(end) * 1e-3)

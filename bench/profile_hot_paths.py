@@ -19,6 +19,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from kernel_timing import copy_bandwidth  # noqa: E402
+
 from prism.engine import engine as engine_mod  # noqa: E402
 from prism.engine import runner as runner_mod  # noqa: E402
 from prism.engine.llm import LLM  # noqa: E402
@@ -44,17 +46,7 @@ def chat(images, question: str) -> list[dict]:
 
 
 def floors(out: Path) -> None:
-    x = torch.empty(4 * 2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write
-    del x, y
+    copy_bw = copy_bandwidth()  # read + write
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
