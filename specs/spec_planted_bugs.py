@@ -431,3 +431,42 @@ def test_a_stopped_requests_logits_row_taken_for_another_is_caught(monkeypatch: 
     monkeypatch.setattr(engine_module, "take_rows", lambda logits, rows: logits[: len(rows)])
     _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
                 "async scheduling changed the")
+
+
+def test_shared_prefix_reaching_the_new_tokens_page_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cascade attention: a row's shared prefix must stop before the page of its new token (that page may be the
+    one written this step, and the row's own pass must keep at least that token). Planted: the whole run of
+    pages equal to the leader's, uncut (rows of one question hold the same pages)."""
+    import numpy as np
+
+    from prism.ops import cascade_attention
+    from specs import spec_cascade_attention
+
+    def uncut(table, context_lens, page_size):
+        leader, prefix = plan(table, context_lens, page_size)
+        if not prefix.any():
+            return leader, prefix
+        same = np.logical_and.accumulate(table == table[leader], axis=1)
+        return leader, same.sum(axis=1) * page_size
+
+    plan = cascade_attention.plan_shared_prefix
+    monkeypatch.setattr(cascade_attention, "plan_shared_prefix", uncut)
+    _spec_fails(spec_cascade_attention.spec_shared_prefix_plan_claims_only_shared_whole_pages, "new token's page")
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_cascade_counting_the_shared_keys_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cascade attention: each row's own pass starts after its shared prefix. Planted: the decode kernel launched
+    without SKIP_PREFIX, so the shared keys are attended in both passes."""
+    from prism.ops import cascade_attention
+    from specs import spec_cascade_attention
+
+    kernel = cascade_attention._decode_kernel
+
+    class WithoutSkip:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: kernel[grid](*args, **{**kw, "SKIP_PREFIX": False})
+
+    monkeypatch.setattr(cascade_attention, "_decode_kernel", WithoutSkip())
+    _spec_fails(spec_cascade_attention.spec_cascade_attention_equals_per_sequence_attention,
+                "differs from per-sequence attention")

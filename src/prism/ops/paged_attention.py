@@ -80,6 +80,18 @@ def _ints(name: str, xs: Sequence[int]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Cascade attention's device facts for a decode step (`cascade_attention`): row r's first
+    `prefix_lens[r]` keys lie on the same pages as the first keys of row `leader[0]`, and are attended in one
+    pass for all such rows (0: none; else a multiple of the page size below the row's context).
+    `splits`: programs that share the prefix pass of one KV head and row block (a kernel constant)."""
+
+    prefix_lens: torch.Tensor  # [B] int64
+    leader: torch.Tensor  # [1] int64
+    splits: int
+
+
+@dataclass(frozen=True)
 class PagedAttentionMetadata:
     """Where this step's tokens sit in the pool. Device tensors for kernels, host copies so nothing syncs.
 
@@ -88,6 +100,7 @@ class PagedAttentionMetadata:
     block_table [B, max_pages]: physical page of logical page j (padding 0).
     slot_mapping [N]: slot (page * page_size + row) of each new token.
     All int64 on one device. `max_page` is the largest page id the block table holds (host int).
+    `shared_prefix`: a decode step's prefix shared by several rows (cascade attention), else None.
     """
 
     query_start_loc: torch.Tensor
@@ -98,6 +111,7 @@ class PagedAttentionMetadata:
     context_lens_host: tuple[int, ...]
     page_size: int
     max_page: int
+    shared_prefix: SharedPrefix | None = None
 
     def __post_init__(self) -> None:
         b = len(self.query_lens)
@@ -124,6 +138,18 @@ class PagedAttentionMetadata:
             raise ValueError(f"block_table has {bt.shape[1]} columns; the longest context needs {need} pages")
         if self.max_page < 0:
             raise ValueError(f"page ids must be >= 0, got max_page={self.max_page}")
+        if self.shared_prefix is not None:
+            self._check_shared_prefix(self.shared_prefix, dev)
+
+    def _check_shared_prefix(self, shared: SharedPrefix, dev: torch.device) -> None:
+        if not self.is_decode:
+            raise ValueError("a shared prefix (cascade attention) applies to decode steps only")
+        for name, t, shape in (("prefix_lens", shared.prefix_lens, (self.num_seqs,)), ("leader", shared.leader, (1,))):
+            if t.dtype != _INDEX or tuple(t.shape) != shape or t.device != dev:
+                raise ValueError(f"shared prefix {name} must be int64 {shape} on {dev}, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        if not isinstance(shared.splits, int) or isinstance(shared.splits, bool) or shared.splits < 1:
+            raise ValueError(f"shared prefix splits must be a positive int, got {shared.splits!r}")
 
     @classmethod
     def build(cls, query_lens: Sequence[int], context_lens: Sequence[int], page_tables: Sequence[Sequence[int]],
@@ -361,11 +387,12 @@ if HAVE_TRITON:
     # Not specialized: the block table's width (changes every step) and the layer's rows (one variant per
     # layer kind would compile, or load from Triton's disk cache, for 0.1-2 s in the middle of serving).
     @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])
-    def _decode_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, part_acc_ptr, part_ml_ptr,
+    def _decode_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, prefix_ptr, part_acc_ptr, part_ml_ptr,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                        row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
                        H, HQ, GROUP, HEAD_DIM,
-                       KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                       KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_SLOTS: tl.constexpr,
+                       SKIP_PREFIX: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
@@ -373,12 +400,17 @@ if HAVE_TRITON:
         # The GQA group's query heads are the rows of two tl.dot per key tile (padded to BLOCK_G >= 16).
         # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
         # captured for the longest context still gives a short context all its programs.
+        # SKIP_PREFIX (cascade attention): the first prefix_ptr[b] keys are attended by the shared-prefix pass,
+        # so the splits cover [prefix, ctx); the partials go to slots [0, NUM_SPLITS) of SPLIT_SLOTS per row.
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(ctx_ptr + b).to(tl.int32)
-        split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * split_len
+        start = 0
+        if SKIP_PREFIX:
+            start = tl.load(prefix_ptr + b).to(tl.int32)
+        split_len = tl.cdiv(tl.cdiv(ctx - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * split_len
         hi = tl.minimum(lo + split_len, ctx)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -396,7 +428,7 @@ if HAVE_TRITON:
                                      BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
                                      NUM_STAGES, NATIVE_FP8, V_WITH_K)
         _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
-                         stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
+                         stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, SPLIT_SLOTS)
 
     def dot_dtype(q_dtype: torch.dtype, kv_dtype: str):
         """The tl.dot operand dtype and precision. fp32 q: fp32 with exact products (the CPU tests). Else fp16,
@@ -421,7 +453,7 @@ if HAVE_TRITON:
         l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
                       other=0.0)
-        m_max = tl.max(m, axis=0)  # finite: split 0 always holds position 0
+        m_max = tl.max(m, axis=0)  # finite: split 0 always holds the row's first key it attends itself
         w = tl.exp2(m - m_max)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         optr = out_ptr + b.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
@@ -462,7 +494,11 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
         raise ValueError(f"paged_decode_attention needs query_len == 1 for every sequence, got "
                          f"{meta.query_lens}")
     if not _want_triton(pool.device, use_triton):
-        return paged_attention_reference(q, pool, layer, meta, scale)
+        return paged_attention_reference(q, pool, layer, meta, scale)  # the same attention, shared prefix or not
+    if meta.shared_prefix is not None:
+        from .cascade_attention import cascade_decode_attention  # imports this module's kernels
+
+        return cascade_decode_attention(q, pool, layer, meta, scale, num_splits=num_splits)
     group, pay, sc = kernel_operands(q, pool, layer, meta)
     lay = pool.layout
     bsz, hq, dim = q.shape
@@ -485,11 +521,12 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
         part_acc = part_ml = out  # unused placeholders
     with device_context(dev):
         _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
-            q, out, pay, sc, meta.block_table, meta.context_lens, part_acc, part_ml,
+            q, out, pay, sc, meta.block_table, meta.context_lens, meta.context_lens, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
             layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
             lay.num_kv_heads, hq, group, dim,
-            KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, BLOCK_G=block_g, BLOCK_N=block_n,
+            KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, SPLIT_SLOTS=num_splits, SKIP_PREFIX=False,
+            BLOCK_G=block_g, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
             NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS,
         )

@@ -1,0 +1,187 @@
+"""Cascade decode attention: the pages that many sequences share are read once for all of them.
+
+Owns "a shared prefix is read once per step". When many sequences continue the same cached prefix (the same
+images), the per-sequence decode kernel has every sequence's programs load and decode the same pages again:
+at batch 32 over an 8-image prefix that is most of a decode step's attention. Here a decode step runs in
+three launches:
+
+1. `_shared_prefix_kernel`: the keys that a row shares with the *leader* row (the same physical pages at the
+   start of both block tables) are attended by all such rows together, whose (sequence, query head) pairs are
+   the rows of the `tl.dot` tiles, so one tile load serves every sequence;
+2. the decode kernel with `SKIP_PREFIX`: each sequence's own remaining keys;
+3. the split reduce, which merges both kinds of partial softmax.
+
+It is the same attention as `paged_decode_attention`, rounded differently (like another split count). Which
+rows share what is decided on the host from the block tables (`plan_shared_prefix`); the device only reads
+`SharedPrefix`, so a CUDA graph captured once serves any sharing pattern (a row that shares nothing has prefix
+0 and attends all its keys in the decode kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..kv.fp8 import KVPool
+from . import kv_write
+from .kv_write import HAVE_TRITON, device_context
+from .paged_attention import (
+    _LOG2E,
+    PagedAttentionMetadata,
+    decode_num_splits,
+    kernel_operands,
+    native_fp8,
+)
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .paged_attention import (
+        _BLOCK_N,
+        _NUM_STAGES,
+        _NUM_WARPS,
+        _V_WITH_K,
+        _attend_keys,
+        _decode_kernel,
+        _decode_reduce_kernel,
+        _store_attention,
+        dot_dtype,
+    )
+
+# Shared pass knobs (`bench/tune_decode_attention.py --cascade` sweeps them on the GPU): (sequence, head) rows
+# per program, keys per tile, the programs that split one row block's shared keys, warps per program, pipeline
+# depth of the key loop, V loaded beside K (`paged_attention._attend_keys`).
+# H200 sweep (2026-11-29, 8B shapes, FP8 pages of 256, 6 shared pages + one own, `-tune-cascade.txt`), us per
+# layer against the plain decode kernel: batch 32 42.7 -> 24.4, batch 8 19.1 -> 14.8 (both at 16 splits).
+BLOCK_M = 64
+BLOCK_N = 128
+SPLITS = 16
+NUM_WARPS = 4
+NUM_STAGES = 2
+V_WITH_K = True
+# fp32 queries on the GPU (exact "ieee" products, the tests): the 128-key tiles' fp32 operands do not fit the
+# shared memory (as in `paged_prefill`), so smaller tiles without pipelining.
+BLOCK_N_IEEE_CUDA = 64
+# Fewer rows sharing a prefix than this and the step runs without a shared pass (nothing is read twice).
+MIN_SHARING_ROWS = 2
+
+
+def plan_shared_prefix(table: np.ndarray, context_lens: np.ndarray, page_size: int) -> tuple[int, np.ndarray]:
+    """(leader row, prefix_lens [n] int64) for a decode step's rows: `table` [n, width] their physical pages in
+    logical order, `context_lens` [n] their contexts including the new token.
+
+    The leader is, of the rows whose first page most rows share, the one with the most full pages. A row's prefix is the run of leading pages equal to
+    the leader's, in whole pages, cut before the page that holds its new token (and the leader's), so every
+    row keeps at least its new token for the decode kernel; the leader's own prefix is the longest any other
+    row shares. All zeros when fewer than `MIN_SHARING_ROWS`
+    rows would share a page: the shared pass then reads nothing."""
+    n = len(context_lens)
+    none = np.zeros(n, dtype=np.int64)
+    full = (np.asarray(context_lens, dtype=np.int64) - 1) // page_size  # full pages before the new token
+    eligible = np.flatnonzero(full > 0)
+    if len(eligible) < MIN_SHARING_ROWS:
+        return 0, none
+    firsts, counts = np.unique(table[eligible, 0], return_counts=True)
+    if counts.max() < MIN_SHARING_ROWS:
+        return 0, none
+    group = eligible[table[eligible, 0] == firsts[counts.argmax()]]
+    leader = int(group[full[group].argmax()])
+    width = int(full[leader])  # the leader's pages past this one are not full (or are padding)
+    same = np.logical_and.accumulate(table[:, :width] == table[leader, :width], axis=1)
+    pages = np.minimum(same.sum(axis=1), full)
+    pages[leader] = 0
+    pages[leader] = pages.max()  # the leader's own pages past what any other row shares stay in its own pass
+    return leader, pages * page_size
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])
+    def _shared_prefix_kernel(q_ptr, pay_ptr, sc_ptr, bt_ptr, prefix_ptr, leader_ptr, part_acc_ptr, part_ml_ptr,
+                              stride_qt, stride_qh, stride_bt, row_k, row_v, stride_row, stride_slot,
+                              sc_stride_row, page_size, qk_scale, B, H, HQ, GROUP, HEAD_DIM,
+                              KIND: tl.constexpr, SPLITS: tl.constexpr, FIRST_SLOT: tl.constexpr,
+                              SPLIT_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                              OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                              V_WITH_K: tl.constexpr):
+        # grid = (KV heads, row blocks, splits). Row r of a block is query head r % GROUP of KV head hk in
+        # sequence r // GROUP; it sees the leader's keys [0, prefix[seq]) (a row with prefix 0 sees none, and
+        # its partial is m = -inf, l = 0, which the reduce weighs 0). The splits divide the block's longest
+        # prefix in whole tiles; partials go to slots FIRST_SLOT + split of SPLIT_SLOTS per (token, head).
+        hk = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(2)
+        seq = r // GROUP
+        head = hk * GROUP + r % GROUP
+        rmask = seq < B
+        prefix = tl.load(prefix_ptr + seq, mask=rmask, other=0).to(tl.int32)
+        shared = tl.max(prefix, axis=0)
+        split_len = tl.cdiv(tl.cdiv(shared, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, shared)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        q = tl.load(q_ptr + seq[:, None].to(tl.int64) * stride_qt + head[:, None].to(tl.int64) * stride_qh
+                    + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
+        bt_row = bt_ptr + tl.load(leader_ptr) * stride_bt
+        m_i, l_i, acc = _attend_keys(q, prefix - 1, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+                                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
+                                     NUM_STAGES, NATIVE_FP8, V_WITH_K)
+        _store_attention(m_i, l_i, acc, seq, head, rmask, d, dmask, q_ptr, 0, 0, part_acc_ptr, part_ml_ptr,
+                         FIRST_SLOT + split, HQ, HEAD_DIM, SPLIT_SLOTS)
+
+
+def cascade_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
+                             scale: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+    """`paged_decode_attention` of a step whose `meta.shared_prefix` is set (Triton only). `num_splits`: the
+    decode kernel's splits of each row's own keys (default `decode_num_splits`)."""
+    shared = meta.shared_prefix
+    if shared is None or not meta.is_decode:
+        raise ValueError("cascade attention needs a decode step with a shared prefix")
+    group, pay, sc = kernel_operands(q, pool, layer, meta)
+    lay = pool.layout
+    bsz, hq, dim = q.shape
+    if num_splits is None:
+        num_splits = decode_num_splits(bsz, lay.num_kv_heads, meta.max_context_len)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    slots = num_splits + shared.splits
+    dev = pool.device
+    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    part_acc = torch.empty((bsz, hq, slots, dim), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((bsz, hq, slots, 2), dtype=torch.float32, device=dev)
+    dot, precision = dot_dtype(q.dtype, lay.kv_dtype)
+    block_d = triton.next_power_of_2(dim)
+    qk_scale = (1.0 / math.sqrt(dim) if scale is None else float(scale)) * _LOG2E
+    rows = kv_write.row_strides(lay)
+    common = dict(KIND=kv_write._KINDS[lay.kv_dtype], SPLIT_SLOTS=slots, BLOCK_D=block_d, DOT_DTYPE=dot,
+                  PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NATIVE_FP8=native_fp8(dev))
+    block_m = min(BLOCK_M, max(16, triton.next_power_of_2(bsz * group)))
+    ieee_cuda = precision == "ieee" and dev.type == "cuda"
+    block_n, stages = (BLOCK_N_IEEE_CUDA, 1) if ieee_cuda else (BLOCK_N, NUM_STAGES)
+    with device_context(dev):
+        _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
+            q, out, pay, sc, meta.block_table, meta.context_lens, shared.prefix_lens, part_acc, part_ml,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
+            layer, lay.num_layers + layer, *rows, lay.page_size, qk_scale, lay.num_kv_heads, hq, group, dim,
+            NUM_SPLITS=num_splits, SKIP_PREFIX=True, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=_BLOCK_N, NUM_STAGES=_NUM_STAGES, V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, **common,
+        )
+        _shared_prefix_kernel[(lay.num_kv_heads, triton.cdiv(bsz * group, block_m), shared.splits)](
+            q, pay, sc, meta.block_table, shared.prefix_lens, shared.leader, part_acc, part_ml,
+            q.stride(0), q.stride(1), meta.block_table.stride(0), layer, lay.num_layers + layer, *rows,
+            lay.page_size, qk_scale, bsz, lay.num_kv_heads, hq, group, dim,
+            SPLITS=shared.splits, FIRST_SLOT=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+            V_WITH_K=V_WITH_K, num_warps=NUM_WARPS, **common,
+        )
+        _decode_reduce_kernel[(bsz, hq)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
+            NUM_SPLITS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=block_d,
+        )
+    return out
