@@ -61,6 +61,10 @@ class EngineConfig:
     # sequences is launched on them (when nothing else needs scheduling), so the host's work between steps
     # (committing tokens, streaming, building the next inputs) overlaps the device's. Needs the CUDA graphs' rows.
     async_scheduling: bool = True
+    # Cascade attention: captured decode steps of at least this many rows read the pages that several rows share
+    # at the start of their contexts (the same images) once for all of them, then each row's own keys
+    # (`ops/cascade_attention.py`). 0: never. Smaller steps gain less than the extra launch costs.
+    cascade_attention_min_batch: int = 8
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False
@@ -88,6 +92,9 @@ class EngineConfig:
         packed = self.cuda_graph_max_packed_tokens
         if not isinstance(packed, int) or isinstance(packed, bool) or packed < 0 or 0 < packed < 32:
             raise ConfigError(f"cuda_graph_max_packed_tokens must be 0 (off) or an integer >= 32, got {packed!r}")
+        cascade = self.cascade_attention_min_batch
+        if not isinstance(cascade, int) or isinstance(cascade, bool) or cascade < 0:
+            raise ConfigError(f"cascade_attention_min_batch must be 0 (off) or a positive integer, got {cascade!r}")
         if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
             raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
         if self.kv_dtype not in KV_DTYPES:

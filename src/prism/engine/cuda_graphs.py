@@ -7,7 +7,11 @@ K/V are written before any row attends, so a prefill's later tokens see the earl
 step, exactly as the packed prefill kernel does. Every input (token ids, M-RoPE positions, slot mapping,
 context lengths, block table) lives in a static buffer refilled in place before replay, in two host-to-device
 copies; the attention metadata's host facts are fixed per bucket (all query lengths 1, the longest possible
-context, so the split-K shape never changes). A bucket larger than the step is padded with rows that write to
+context, so the split-K shape never changes). Buckets of at least `cascade_min_batch` rows are captured twice,
+the second time with cascade attention: each step the host finds the pages its rows share
+(`plan_shared_prefix`); if some do, that graph replays and the rows' buffers say which keys the shared pass
+reads for each row (a step that shares nothing keeps the plain graph: the shared pass and its merge would cost
+~9 us per layer at batch 32 for nothing). A bucket larger than the step is padded with rows that write to
 scratch KV slots no sequence owns and read only those; their logits are dropped. On a CPU pool nothing is
 captured and the same rows run eagerly on the same buffers (how the CPU tests check the row construction).
 """
@@ -22,12 +26,15 @@ import torch
 
 from ..kv.fp8 import KVPool
 from ..model.qwen3_vl import Qwen3VLModel
-from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from ..ops import cascade_attention
+from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend, SharedPrefix
 from .sampler import take_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# Rows of the packed per-row host inputs: token id, 3 M-RoPE positions, slot, context length.
-_ID, _POS, _SLOT, _CTX = 0, slice(1, 4), 4, 5
+# Rows of the packed per-row host inputs: token id, 3 M-RoPE positions, slot, context length, the keys of the
+# row's context that cascade attention's shared pass reads, the cascade's leader row (the same in every column).
+_ID, _POS, _SLOT, _CTX, _PREFIX, _LEADER = 0, slice(1, 4), 4, 5, 6, 7
+_INPUT_ROWS = 8
 
 
 def page_table(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
@@ -132,6 +139,7 @@ class RowGraphs:
         first_scratch_page: int,
         max_batch: int,
         max_model_len: int,
+        cascade_min_batch: int = 0,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -139,6 +147,7 @@ class RowGraphs:
         self.page_size = page_size
         self.buckets = tuple(b for b in BUCKETS if b < max_batch) + (max_batch,)
         self.max_batch = max_batch
+        self.cascade_min_batch = cascade_min_batch or max_batch + 1  # 0: no bucket
         self.max_pages = -(-max_model_len // page_size)
         self.max_context = self.max_pages * page_size
         dev = pool.device
@@ -146,7 +155,7 @@ class RowGraphs:
         # Padding row i of a bucket writes scratch slot i and reads one scratch slot (context length 1).
         self.scratch_slots = np.arange(max_batch, dtype=np.int64) + first_scratch_page * page_size
         # The host image of the buffers when every row is padding; a step overwrites its first rows.
-        self._idle_rows = np.zeros((6, max_batch), dtype=np.int64)
+        self._idle_rows = np.zeros((_INPUT_ROWS, max_batch), dtype=np.int64)
         self._idle_rows[_SLOT] = self.scratch_slots
         self._idle_rows[_CTX] = 1
         self._idle_table = np.repeat((self.scratch_slots // page_size)[:, None], self.max_pages, axis=1)
@@ -156,17 +165,25 @@ class RowGraphs:
         self.positions = self.row_inputs[_POS]
         self.slot_mapping = self.row_inputs[_SLOT]
         self.context_lens = self.row_inputs[_CTX]
+        self.prefix_lens = self.row_inputs[_PREFIX]
+        self.leader = self.row_inputs[_LEADER, :1]
         self.block_table = torch.tensor(self._idle_table, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=i64, device=dev)
         self.logits_index = torch.arange(max_batch, dtype=i64, device=dev)
         self._staging = HostStaging(max_batch, self.max_pages, dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.replays = 0
+        self.shared_prefix_steps = 0  # steps whose rows shared pages (cascade attention read them once)
 
-    def _forward(self, b: int, context_lens_host: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The step over the first b rows of the buffers. Captured: the host facts say every row may reach
-        the longest context (the kernels read the real lengths from `context_lens`); eager: the rows' own."""
+    def _forward(self, key: tuple[int, bool], context_lens_host: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The step over the first b rows of the buffers, key = (b, with cascade attention). Captured: the host
+        facts say every row may reach the longest context (the kernels read the real lengths from
+        `context_lens`); eager: the rows' own."""
+        b, cascade = key
+        shared = None
+        if cascade:
+            shared = SharedPrefix(self.prefix_lens[:b], self.leader, cascade_attention.SPLITS)
         meta = PagedAttentionMetadata(
             self.query_start_loc[: b + 1],
             self.context_lens[:b],
@@ -176,13 +193,15 @@ class RowGraphs:
             context_lens_host or (self.max_context,) * b,
             self.page_size,
             self.pool.layout.num_pages - 1,
+            shared,
         )
         backend = PagedKVBackend(self.pool, meta)
         return self.model(self.input_ids[:b], self.positions[:, :b], backend, logits_indices=self.logits_index[:b])
 
     def capture(self) -> None:
-        """Capture every bucket; nothing to capture on a CPU pool."""
-        self._graphs, self._outputs = capture_buckets(self.pool.device, self.buckets, self._forward)
+        """Capture every bucket, the cascade ones twice; nothing to capture on a CPU pool."""
+        keys = [(b, False) for b in self.buckets] + [(b, True) for b in self.buckets if b >= self.cascade_min_batch]
+        self._graphs, self._outputs = capture_buckets(self.pool.device, keys, self._forward)
 
     def fits(self, num_rows: int, max_context: int) -> bool:
         return 0 < num_rows <= self.max_batch and max_context <= self.max_context
@@ -207,15 +226,22 @@ class RowGraphs:
         host[_CTX, :n] = rows.context_lens
         table[:] = self._idle_table[:b]
         table[:n] = rows.block_table(self.max_pages)
+        cascade = False
+        if b >= self.cascade_min_batch:
+            leader, prefix_lens = cascade_attention.plan_shared_prefix(table[:n], rows.context_lens, self.page_size)
+            host[_LEADER], host[_PREFIX, :n] = leader, prefix_lens
+            cascade = bool(prefix_lens.any())
+            self.shared_prefix_steps += cascade
         self._staging.copy_to(self.row_inputs[:, :b], self.block_table[:b])
         if token_ids is not None:
             self.input_ids[:n].copy_(token_ids)
-        if b in self._graphs:
-            self._graphs[b].replay()
+        key = (b, cascade)
+        if key in self._graphs:
+            self._graphs[key].replay()
             self.replays += 1
-            logits = self._outputs[b]
+            logits = self._outputs[key]
         else:
-            logits = self._forward(b, tuple(host[_CTX].tolist()))
+            logits = self._forward(key, tuple(host[_CTX].tolist()))
         sample = rows.sample_rows
         if not sample:
             return logits[:0].float()
@@ -233,7 +259,7 @@ class HostStaging:
 
     def __init__(self, max_batch: int, max_pages: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
-        self._buffers = [(torch.empty(6 * max_batch, dtype=torch.int64, pin_memory=pinned),
+        self._buffers = [(torch.empty(_INPUT_ROWS * max_batch, dtype=torch.int64, pin_memory=pinned),
                           torch.empty(max_batch * max_pages, dtype=torch.int64, pin_memory=pinned))
                          for _ in range(2 if pinned else 1)]
         self._done = [None] * len(self._buffers)  # CUDA events: the last copy out of each buffer finished
@@ -242,13 +268,13 @@ class HostStaging:
         self._current: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def take(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next buffer as writable [6, b] row inputs and [b, max_pages] table (NumPy views)."""
+        """The next buffer as writable [_INPUT_ROWS, b] row inputs and [b, max_pages] table (NumPy views)."""
         self._turn = (self._turn + 1) % len(self._buffers)
         done = self._done[self._turn]
         if done is not None:
             done.synchronize()
         rows, table = self._buffers[self._turn]
-        self._current = (rows[: 6 * b].view(6, b), table[: b * self._max_pages].view(b, self._max_pages))
+        self._current = (rows[: _INPUT_ROWS * b].view(_INPUT_ROWS, b), table[: b * self._max_pages].view(b, self._max_pages))
         return self._current[0].numpy(), self._current[1].numpy()
 
     def copy_to(self, row_inputs: torch.Tensor, block_table: torch.Tensor) -> None:

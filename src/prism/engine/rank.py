@@ -50,5 +50,6 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         graph_rows_without_cuda=config.graph_rows_without_cuda,
         packed_graph_max_tokens=config.cuda_graph_max_packed_tokens,
         max_num_seqs=config.max_num_seqs,
+        cascade_min_batch=config.cascade_attention_min_batch,
     )
     return runner, max_model_len

@@ -92,6 +92,7 @@ class ModelRunner:
         graph_rows_without_cuda: bool = False,
         packed_graph_max_tokens: int | None = None,
         max_num_seqs: int = 64,
+        cascade_min_batch: int = 0,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -124,7 +125,8 @@ class ModelRunner:
             text = model.config.text
             compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
         if use_graphs:
-            self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len)
+            self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
+                                    cascade_min_batch=cascade_min_batch)
             self.graphs.capture()
         self.packed: PackedGraphs | None = None
         if use_packed:
