@@ -10,14 +10,19 @@
 For each case and each (keys per tile, pipeline stages, warps, splits) the kernel is captured 20 times in
 a CUDA graph and the replay timed, so launch overhead does not hide the kernel. Prints the best
 configurations per case and the current defaults' time; writes the table to --out.
+
+--cascade: cascade attention (`ops/cascade_attention.py`) on b32shared, b8shared (8 sequences) and b32 (nothing
+shared: the cost of the empty shared pass), its shared pass's knobs swept, beside the plain kernel's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +32,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kernel_timing import random_fp8_pool, sweep_knobs, us_per_call_in_graph  # noqa: E402
 
 from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
+from prism.ops import cascade_attention as ca  # noqa: E402
 from prism.ops import paged_attention as pa  # noqa: E402
-from prism.ops.paged_attention import PagedAttentionMetadata, paged_decode_attention  # noqa: E402
+from prism.ops.paged_attention import PagedAttentionMetadata, SharedPrefix, paged_decode_attention  # noqa: E402
 
 HQ, HKV, D, PAGE, CTX = 32, 8, 128, 256, 1700
 
@@ -39,10 +45,11 @@ def case(name: str, pool: KVPool):
         tables, ctx = [list(range(pages_per_seq))], [CTX]
     elif name == "rows16":
         tables, ctx = [list(range(pages_per_seq))] * 16, [CTX - 15 + i for i in range(16)]
-    elif name == "b32shared":
+    elif name in ("b32shared", "b8shared"):
+        n = 32 if name == "b32shared" else 8
         shared = list(range(pages_per_seq - 1))
-        tables = [shared + [pages_per_seq - 1 + i] for i in range(32)]
-        ctx = [CTX] * 32
+        tables = [shared + [pages_per_seq - 1 + i] for i in range(n)]
+        ctx = [CTX] * n
     else:
         tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(32)]
         ctx = [CTX] * 32
@@ -55,6 +62,14 @@ def case(name: str, pool: KVPool):
         (1,) * n, (32768,) * n, PAGE, pool.layout.num_pages - 1)
     q = torch.randn(n, HQ, D, dtype=torch.bfloat16, device="cuda")
     return q, meta
+
+
+def with_shared_prefix(meta: PagedAttentionMetadata, splits: int) -> PagedAttentionMetadata:
+    """`meta` with the shared prefix the CUDA graphs' rows would plan for it."""
+    table = meta.block_table.cpu().numpy()
+    leader, prefix = ca.plan_shared_prefix(table, np.array(meta.context_lens.tolist()), PAGE)
+    shared = SharedPrefix(torch.tensor(prefix, device="cuda"), torch.tensor([leader], device="cuda"), splits)
+    return dataclasses.replace(meta, shared_prefix=shared)
 
 
 def time_config(q, pool, meta, splits: int) -> float:
@@ -73,6 +88,24 @@ SPLITS = {"full": dict.fromkeys(("b1", "rows16", "b32"), (1, 2, 4, 8, 16, 32, 64
 # --shared: batch 32 over a shared prefix, where the kernel waits on latency rather than on HBM: more programs
 # (splits, fewer warps each) may hide it.
 SHARED = {"_BLOCK_N": (64, 128), "_NUM_STAGES": (1, 2), "_NUM_WARPS": (2, 4, 8), "_V_WITH_K": (True,)}
+# --cascade: the shared pass's knobs; "splits" are its programs per row block (SharedPrefix.splits).
+CASCADE = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "NUM_WARPS": (4, 8)}
+
+
+def cascade_sweep(pool: KVPool) -> list[str]:
+    lines = []
+    for name in ("b32shared", "b8shared", "b32"):
+        q, meta = case(name, pool)
+        plain = time_config(q, pool, meta, pa.decode_num_splits(len(meta.query_lens), HKV, 32768))
+        lines.append(f"== {name}: plain decode kernel (defaults) {plain:.1f} us")
+
+        def time_cascade(splits, q=q, meta=meta):
+            cascade = with_shared_prefix(meta, splits)
+            return us_per_call_in_graph(lambda: paged_decode_attention(q, pool, 3, cascade, use_triton=True))
+
+        lines += sweep_knobs(ca, CASCADE, (4, 8, 16), ca.SPLITS, time_cascade, f"{name} cascade")
+        print("\n".join(lines[-13:]), flush=True)
+    return lines
 
 
 def main() -> None:
@@ -80,13 +113,16 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/tune_decode_attention.txt")
     parser.add_argument("--focused", action="store_true", help="the narrower grid with V_WITH_K (see FOCUSED)")
     parser.add_argument("--shared", action="store_true", help="only batch 32 over a shared prefix (see SHARED)")
+    parser.add_argument("--cascade", action="store_true", help="cascade attention's shared pass (see CASCADE)")
     args = parser.parse_args()
     knobs, splits = (FOCUSED, SPLITS["focused"]) if args.focused else (FULL, SPLITS["full"])
     cases = ("b1", "rows16", "b32")
     if args.shared:
         knobs, splits, cases = SHARED, {"b32shared": (1, 2, 4, 8)}, ("b32shared",)
     pool = random_fp8_pool(KVLayout(36, HKV, D, PAGE, 32 * 7 + 8, "fp8"))
-    lines = []
+    lines = cascade_sweep(pool) if args.cascade else []
+    if args.cascade:
+        cases = ()
     for name in cases:
         q, meta = case(name, pool)
         default_splits = pa.decode_num_splits(len(meta.query_lens), HKV, 32768)

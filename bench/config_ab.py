@@ -1,0 +1,81 @@
+"""W3's decode step on two engines that differ in one EngineConfig field, alternating (not part of `nox -s bench`).
+
+`--field async_scheduling --values false,true` (session 6's A/B), `--field cascade_attention_min_batch
+--values 0,8`. Same checkpoint, prompts and measurement as `bench_engine.py`'s W3 (batch 1, 8, 32 over the same 8
+hot images, 128 greedy tokens, the step time without the first token); each batch is measured `--reps` times per
+engine, alternating, so both see the same GPU clocks. Both engines are loaded at once (8B: ~2 x 33 GB). Prints
+medians and writes them, with the samples, to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_engine import chat, w3_step_seconds  # noqa: E402
+
+from prism.engine.llm import LLM  # noqa: E402
+from prism.engine.sampling import SamplingParams  # noqa: E402
+from prism.testing.checkpoints import build_checkpoint  # noqa: E402
+from prism.testing.hf_reference import random_images  # noqa: E402
+
+
+def parse_value(text: str):
+    return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
+    parser.add_argument("--field", default="async_scheduling")
+    parser.add_argument("--values", default="false,true", help="the two values of --field, baseline first")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default="bench/results/config_ab.json")
+    parser.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
+    parser.add_argument("--batches", default="1,8,32")
+    args = parser.parse_args()
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "config.json").exists():
+        build_checkpoint("8b", ckpt, device="cuda", progress=True)
+    values = [parse_value(v) for v in args.values.split(",")]
+    labels = [f"{args.field}={v}" for v in values]
+    engines = {label: LLM(ckpt, kv_dtype=args.kv, kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
+                          max_num_batched_tokens=8192, **{args.field: value})
+               for label, value in zip(labels, values, strict=True)}
+    images = random_images([(448, 448)] * 8, seed=7)
+    one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
+    results: dict[str, dict] = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        prompts = {}
+        for label, llm in engines.items():
+            prompts[label] = [llm.engine.inputs.prepare_chat(chat(images, f"Decode test {batch}-{i}"))
+                              for i in range(batch)]
+            llm.generate(prompts[label], one)  # cache the prefix
+            llm.generate(prompts[label], SamplingParams.greedy(max_tokens=16, ignore_eos=True))  # warm
+        for _ in range(args.reps):
+            for label, llm in engines.items():
+                times[label].append(w3_step_seconds(llm, prompts[label]) * 1e3)
+        results[f"batch{batch}"] = {label: statistics.median(v) for label, v in times.items()}
+        results[f"batch{batch}"]["samples"] = times
+        print(f"W3 batch {batch}: " + ", ".join(f"{label} {results[f'batch{batch}'][label]:.2f} ms"
+                                                 for label in labels) + f" per step  {times}", flush=True)
+    if "batch1" in results and "batch32" in results:
+        b1, b32 = results["batch1"], results["batch32"]
+        print("batch 32 / batch 1: " + ", ".join(f"{label} {b32[label] / b1[label]:.3f}x" for label in labels))
+    results["device"] = torch.cuda.get_device_name()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
