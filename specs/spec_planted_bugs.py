@@ -470,3 +470,32 @@ def test_cascade_counting_the_shared_keys_twice_is_caught(monkeypatch: pytest.Mo
     monkeypatch.setattr(cascade_attention, "_decode_kernel", WithoutSkip())
     _spec_fails(spec_cascade_attention.spec_cascade_attention_equals_per_sequence_attention,
                 "differs from per-sequence attention")
+
+
+def test_cascade_leader_by_length_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cascade attention: the leader is the row whose shared pages spare the most reads. Found by review: the first
+    version took the row with the most full pages, so one long row sharing only a first page cut every other
+    row's prefix to that page. Planted: that choice."""
+    import numpy as np
+
+    from prism.ops import cascade_attention
+    from specs import spec_cascade_attention
+
+    def longest_row_leads(table, context_lens, page_size):
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        full = (ctx - 1) // page_size
+        if (full > 0).sum() < 2:
+            return 0, np.zeros(len(ctx), dtype=np.int64)
+        leader = int(full.argmax())
+        width = int(full[leader])
+        same = np.logical_and.accumulate(table[:, :width] == table[leader, :width], axis=1)
+        pages = np.minimum(same.sum(axis=1), full)
+        pages[leader] = 0
+        if pages.sum() * page_size < cascade_attention.MIN_SAVED_FRACTION * ctx.sum():
+            return 0, np.zeros(len(ctx), dtype=np.int64)
+        pages[leader] = pages.max()
+        return leader, pages * page_size
+
+    monkeypatch.setattr(cascade_attention, "plan_shared_prefix", longest_row_leads)
+    _spec_fails(spec_cascade_attention.spec_shared_prefix_plan_claims_only_shared_whole_pages,
+                "another row would spare|no shared pass, but")

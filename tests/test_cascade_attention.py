@@ -54,7 +54,7 @@ def test_plan_takes_the_longest_of_the_most_shared_first_pages_and_cuts_before_e
     assert prefix.tolist() == [20, 12, 24, 0, 0, 24]
 
 
-def test_plan_shares_nothing_below_two_rows():
+def test_plan_needs_two_rows():
     assert plan([ROWS[0], ROWS[3], ROWS[4]])[1].tolist() == [0, 0, 0]
     assert plan([(LEADER_PAGES[:2], 5), (LEADER_PAGES[:2], 8)])[1].tolist() == [4, 4]  # ctx 5: 1 full page
     assert plan([(LEADER_PAGES[:1], 4), (LEADER_PAGES[:1], 3)])[1].tolist() == [0, 0]  # no full page before
@@ -64,8 +64,23 @@ def test_plan_over_the_rows_of_one_question():
     """A short prefill's tokens are rows of one table (page 0 a real page), each cut below its own token's page."""
     leader, prefix = plan([([0, 1, 2], 8), ([0, 1, 2], 9), ([0, 1, 2], 12), ([0, 1, 2], 1)])
     assert prefix.tolist() == [4, 8, 8, 0] and leader in (1, 2)
-    _, prefix = plan([([5, 6], 8), ([5, 6, 0, 1], 16)])  # the leader keeps only what another row shares
-    assert prefix.tolist() == [4, 4]
+    # the leader (row 1, three full pages) keeps only the two that row 2 shares
+    leader, prefix = plan([([5, 6], 8), ([5, 6, 7, 9], 16), ([5, 6, 8], 10)])
+    assert leader == 1 and prefix.tolist() == [4, 8, 8]
+
+
+def test_plan_skips_a_pass_that_spares_little():
+    """One shared page of two 4-page contexts spares 12.5% of the key reads: below MIN_SAVED_FRACTION."""
+    assert plan([([5, 1, 2, 3], 16), ([5, 7, 8, 9], 16)])[1].tolist() == [0, 0]
+    assert plan([([5, 6, 2, 3], 16), ([5, 6, 8, 9], 16)])[1].tolist() == [8, 8]  # 2 of 8 pages: 25%
+
+
+def test_plan_leader_spares_the_most_not_the_longest():
+    """31 rows share 8 pages; a longer row shares only the first: the leader is one of the 31."""
+    rows = [(list(range(10, 18)) + [100 + i], 8 * PAGE + 1) for i in range(31)]
+    rows.append(([10] + list(range(200, 220)), 21 * PAGE))
+    leader, prefix = plan(rows)
+    assert leader < 31 and prefix.tolist() == [8 * PAGE] * 31 + [PAGE]
 
 
 def _pool_and_meta(kv_dtype: str, group: int, seed: int):
@@ -105,6 +120,33 @@ def test_cascade_over_several_row_blocks(monkeypatch):
     want = pa.paged_attention_reference(q, pool, 0, meta)
     torch.testing.assert_close(pa.paged_decode_attention(q, pool, 0, cascade, use_triton=True), want,
                                atol=1e-5, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("tail_splits,shared_splits", [(1, 1), (4, 3), (3, 16)])
+def test_cascade_with_several_working_splits(monkeypatch, tail_splits, shared_splits):
+    """16-key tiles over contexts of up to 118 keys, so later splits of both passes read keys (the default
+    128-key tiles would leave every split but the first empty at these sizes). From review."""
+    monkeypatch.setattr(ca, "_BLOCK_N", 16)
+    monkeypatch.setattr(ca, "BLOCK_N", 16)
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=PAGE, num_pages=80, kv_dtype="fp8")
+    pool = KVPool.allocate(lay, DEV)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.arange(lay.num_slots)
+    kw.write_kv_reference(pool, 0, slots.to(DEV), (torch.randn(len(slots), 2, 16, generator=g) * 3).to(DEV),
+                          torch.randn(len(slots), 2, 16, generator=g).to(DEV))
+    run = list(range(1, 21))  # 20 pages, 80 keys
+    rows = [(run + [30, 31, 32, 33, 34, 35], 20 * PAGE + 22), (run[:13] + [40, 41], 13 * PAGE + 6),
+            (run + list(range(50, 60)), 20 * PAGE + 38), (list(range(60, 69)), 33), ([70], 1)]
+    leader, prefix = plan(rows)
+    assert prefix.tolist() == [80, 52, 80, 0, 0] and leader in (0, 2)
+    meta = PagedAttentionMetadata.build([1] * len(rows), [c for _, c in rows], [t for t, _ in rows], PAGE, DEV)
+    cascade = dataclasses.replace(meta, shared_prefix=SharedPrefix(
+        torch.tensor(prefix, device=DEV), torch.tensor([leader], device=DEV), shared_splits))
+    q = torch.randn(len(rows), 4, 16, generator=g).to(DEV)
+    want = pa.paged_attention_reference(q, pool, 0, meta)
+    got = pa.paged_decode_attention(q, pool, 0, cascade, use_triton=True, num_splits=tail_splits)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_shared_prefix_metadata_is_checked():

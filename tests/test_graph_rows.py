@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism.engine.cuda_graphs import GraphRows, RowGraphs
+from prism.engine.cuda_graphs import _PREFIX, GraphRows, RowGraphs
 from prism.engine.step_payload import PieceInput
 from prism.kv.fp8 import KVLayout, KVPool
 from prism.model.loading import load_model
@@ -57,13 +57,14 @@ def restore(pool: KVPool, saved) -> None:
     pool.scales.copy_(saved[1])
 
 
-def setup(model):
+def setup(model, cascade_min_batch: int = 0):
     text = model.config.text
     layout = KVLayout(text.num_hidden_layers, text.num_key_value_heads, text.head_dim, PAGE, PAGES, "fp8")
     pool = KVPool.allocate(layout)
     pool.payload.zero_()
     pool.scales.zero_()
-    graphs = RowGraphs(model, pool, SCRATCH, max_batch=16, max_model_len=SCRATCH * PAGE)
+    graphs = RowGraphs(model, pool, SCRATCH, max_batch=16, max_model_len=SCRATCH * PAGE,
+                       cascade_min_batch=cascade_min_batch)
     graphs.capture()  # nothing on the CPU
     gen = torch.Generator().manual_seed(0)
     vocab = text.vocab_size
@@ -157,3 +158,26 @@ def test_padding_rows_write_only_scratch_slots_after_a_larger_step(model):
     changed[SCRATCH:] = False
     written = {(int(s) // PAGE, int(s) % PAGE) for s in rows.slots}
     assert {tuple(ix) for ix in changed.nonzero().tolist()} <= written, "a padding row wrote a sequence's page"
+
+
+def test_cascade_buffers_follow_each_steps_plan(model):
+    """Cascade attention's row buffers (from review): a step of a cascade bucket whose rows share pages gets each
+    row's prefix and the leader (padding rows 0); a later step of the same bucket sharing nothing leaves no stale
+    prefix; a step below the cascade buckets keeps zeros. Each step's logits are the packed forward's."""
+    pool, graphs, tokens, (a_pages, b_pages, c_pages) = setup(model, cascade_min_batch=4)
+    prefix_row = graphs.row_inputs[_PREFIX]
+    # three sequences forked from A's first two pages (positions 8 and 9 on pages of their own) beside A itself
+    shared = [piece(tokens(1), 10, a_pages), piece(tokens(1), 9, a_pages[:2] + [30]),
+              piece(tokens(1), 8, a_pages[:2] + [31]), piece(tokens(1), 8, a_pages[:2] + [29])]
+    saved = snapshot(pool)
+    want = packed_forward(model, pool, shared)
+    restore(pool, saved)
+    got = graphs.run(GraphRows.from_pieces(shared, PAGE))  # bucket 4, full
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert prefix_row[:4].tolist() == [8, 8, 8, 8] and int(graphs.leader[0]) in range(4)
+    assert graphs.shared_prefix_steps == 1
+    apart = [piece(tokens(1), 11, a_pages), piece(tokens(1), 7, b_pages), piece(tokens(1), 3, c_pages)]
+    graphs.run(GraphRows.from_pieces(apart, PAGE))  # bucket 4: three rows and a padding row
+    assert prefix_row[:4].tolist() == [0, 0, 0, 0] and graphs.shared_prefix_steps == 1
+    graphs.run(GraphRows.from_pieces(shared[2:], PAGE))  # two sharing rows, bucket 2: below the cascade buckets
+    assert prefix_row[:2].tolist() == [0, 0] and graphs.shared_prefix_steps == 1

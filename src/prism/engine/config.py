@@ -61,9 +61,11 @@ class EngineConfig:
     # sequences is launched on them (when nothing else needs scheduling), so the host's work between steps
     # (committing tokens, streaming, building the next inputs) overlaps the device's. Needs the CUDA graphs' rows.
     async_scheduling: bool = True
-    # Cascade attention: captured decode steps of at least this many rows read the pages that several rows share
-    # at the start of their contexts (the same images) once for all of them, then each row's own keys
-    # (`ops/cascade_attention.py`). 0: never. Smaller steps gain less than the extra launch costs.
+    # Cascade attention: captured decode steps whose graph bucket has at least this many rows read the pages that
+    # several rows share at the start of their contexts (the same images) once for all of them, then each row's
+    # own keys (`ops/cascade_attention.py`). 0: never. Smaller steps gain less than the extra launches cost. Those
+    # buckets are captured twice (with and without), which doubles their capture time and keeps a second logits
+    # buffer per bucket (bf16, rows x vocabulary: ~58 MB in all for the default 64 rows of Qwen3-VL).
     cascade_attention_min_batch: int = 8
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).

@@ -47,9 +47,10 @@ def page_table(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
 
 @torch.inference_mode()
 def capture_buckets(device: torch.device, buckets, forward, prepare=None) -> tuple[dict, dict]:
-    """`forward(b)` of every bucket captured in a CUDA graph (largest first, sharing one memory pool), each
-    after `prepare(b)` and two eager runs on a side stream, which compile the Triton kernels and settle the
-    allocations outside the capture. ({bucket: graph}, {bucket: output}); nothing is captured off CUDA."""
+    """`forward(key)` of every key (a bucket, or anything sortable naming one) captured in a CUDA graph (largest
+    first, sharing one memory pool), each after `prepare(key)` and two eager runs on a side stream, which compile
+    the Triton kernels and settle the allocations outside the capture. ({key: graph}, {key: output}); nothing is
+    captured off CUDA."""
     graphs, outputs = {}, {}
     if device.type != "cuda":
         return graphs, outputs
