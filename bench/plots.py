@@ -20,8 +20,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def newest_stem() -> str | None:
-    engine = [p for p in RESULTS.glob("*.json") if not p.stem.endswith(("-workloads", "-http", "-w7"))]
-    return max(engine, key=lambda p: p.stat().st_mtime).stem if engine else None
+    """The newest `bench_engine.py` result (other tools' JSON, such as `config_ab.py`'s, sits in the same folder)."""
+    for path in sorted(RESULTS.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        if path.stem.endswith(("-workloads", "-http", "-w7")):
+            continue
+        try:
+            if "workloads" in json.loads(path.read_text()):
+                return path.stem
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def plot_engine(stem: str, r: dict) -> list[Path]:
