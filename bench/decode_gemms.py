@@ -5,6 +5,10 @@ O and down at 73-85%. For each weight shape (bf16, [out, in]) and batch M this t
 calls: `F.linear` (what the model runs: cuBLASLt), and at M = 1 `torch.mv` (the cuBLAS GEMV path), printing
 microseconds per call and the fraction of the measured copy bandwidth the weight read reaches. Consecutive calls
 read different copies of the weight (at least 200 MB in all), so no call finds its weight in the L2 cache.
+
+--gemv: instead, a plain Triton GEMV (`gemv`: each program streams BLOCK_N weight rows in BLOCK_K columns) at M = 1
+for QKV, O and down, its knobs swept, against `F.linear`: whether a kernel of our own would reach the bandwidth
+cuBLAS does not there (an experiment; the model does not use it).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -26,12 +32,66 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
           "lm_head": (151936, 4096)}
 
 
+@triton.jit
+def _gemv_kernel(w_ptr, x_ptr, y_ptr, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    # y[rows] = W[rows, :] @ x in fp32, rows = this program's BLOCK_N; K a multiple of BLOCK_K.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (k0 + cols)[None, :])
+        x = tl.load(x_ptr + k0 + cols)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+
+
+def gemv(w: torch.Tensor, x: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int) -> torch.Tensor:
+    """W [N, K] @ x [K] -> [N] in x's dtype (N a multiple of block_n, K of block_k)."""
+    n, k = w.shape
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(n // block_n,)](w, x, y, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
+                                  num_warps=warps)
+    return y
+
+
+GEMV_KNOBS = {"block_n": (8, 16), "block_k": (512, 1024), "warps": (4, 8), "stages": (3,)}
+
+
+def gemv_sweep(bandwidth: float) -> list[str]:
+    lines = []
+    for name in ("qkv", "o", "down"):
+        n, k = SHAPES[name]
+        copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+                  for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
+        floor_us = n * k * 2 / bandwidth * 1e6
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        want = F.linear(x.float(), copies[0].float())[0]
+        ws = itertools.cycle(copies)
+        results = [(us_per_call_in_graph(lambda x=x, ws=ws: F.linear(x, next(ws))), "F.linear")]
+        for values in itertools.product(*GEMV_KNOBS.values()):
+            knobs = dict(zip(GEMV_KNOBS, values, strict=True))
+            err = float((gemv(copies[0], x[0], **knobs).float() - want).abs().max())
+            us = us_per_call_in_graph(lambda knobs=knobs, x=x, ws=ws: gemv(next(ws), x[0], **knobs))
+            results.append((us, f"gemv {knobs} max err {err:.1e}"))
+        for us, label in sorted(results):
+            lines.append(f"{name:5s} {n:6d}x{k:5d} M= 1 {us:7.1f} us ({floor_us / us:4.0%} of the copy bandwidth)  {label}")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/decode_gemms.txt")
+    parser.add_argument("--gemv", action="store_true", help="a Triton GEMV's knobs swept at M = 1 (see GEMV_KNOBS)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     lines = [f"copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s"]
+    if args.gemv:
+        lines += gemv_sweep(bandwidth)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        return
     for name, (n, k) in SHAPES.items():
         copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
                   for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
