@@ -6,9 +6,8 @@ calls: `F.linear` (what the model runs: cuBLASLt), and at M = 1 `torch.mv` (the 
 microseconds per call and the fraction of the measured copy bandwidth the weight read reaches. Consecutive calls
 read different copies of the weight (at least 200 MB in all), so no call finds its weight in the L2 cache.
 
---gemv: instead, a plain Triton GEMV (`gemv`: each program streams BLOCK_N weight rows in BLOCK_K columns) at M = 1
-for QKV, O and down, its knobs swept, against `F.linear`: whether a kernel of our own would reach the bandwidth
-cuBLAS does not there (an experiment; the model does not use it).
+--gemv: instead, the batch-1 GEMV of `prism.ops.gemv` (each program streams BLOCK_N weight rows in BLOCK_K columns)
+at M = 1 for QKV, O and down, its launch knobs swept, against `F.linear` (how its defaults were chosen).
 """
 
 from __future__ import annotations
@@ -20,39 +19,27 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kernel_timing import copy_bandwidth, us_per_call_in_graph  # noqa: E402
+
+from prism.ops import gemv as ops_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
 
 
-@triton.jit
-def _gemv_kernel(w_ptr, x_ptr, y_ptr, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
-    # y[rows] = W[rows, :] @ x in fp32, rows = this program's BLOCK_N; K a multiple of BLOCK_K.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + (k0 + cols)[None, :])
-        x = tl.load(x_ptr + k0 + cols)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
-
-
 def gemv(w: torch.Tensor, x: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int) -> torch.Tensor:
-    """W [N, K] @ x [K] -> [N] in x's dtype (N a multiple of block_n, K of block_k)."""
-    n, k = w.shape
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(n // block_n,)](w, x, y, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-                                  num_warps=warps)
-    return y
+    """`prism.ops.gemv.gemv` with these launch knobs (the module's own restored afterwards)."""
+    saved = ops_gemv.BLOCK_N, ops_gemv.BLOCK_K, ops_gemv.NUM_WARPS, ops_gemv.NUM_STAGES
+    ops_gemv.BLOCK_N, ops_gemv.BLOCK_K, ops_gemv.NUM_WARPS, ops_gemv.NUM_STAGES = block_n, block_k, warps, stages
+    try:
+        return ops_gemv.gemv(w, x)
+    finally:
+        ops_gemv.BLOCK_N, ops_gemv.BLOCK_K, ops_gemv.NUM_WARPS, ops_gemv.NUM_STAGES = saved
 
 
 GEMV_KNOBS = {"block_n": (8, 16), "block_k": (512, 1024), "warps": (4, 8), "stages": (3,)}

@@ -32,7 +32,8 @@ from torch import nn
 
 from ..model.config import TextConfig
 from ..model.qwen3_vl import Qwen3VLModel
-from ..model.text import TextAttention, TextMLP
+from ..model.text import DecodeLinear, TextAttention, TextMLP
+from ..ops import gemv
 
 
 class TensorParallelError(ValueError):
@@ -205,16 +206,19 @@ def plan_text_shard(cfg: TextConfig, rank: int, world_size: int) -> TextShard:
 
 # ---------------------------------------------------------------------------------- TP modules
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W_local^T) + b: the input's last dim is this rank's slice."""
+    """y = all_reduce(x_local @ W_local^T) + b: the input's last dim is this rank's slice. `batch1_gemv`: one-row
+    products through `ops.gemv` (as `model.text.DecodeLinear`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, batch1_gemv: bool = False):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = group
+        self.batch1_gemv = batch1_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce_sum(F.linear(x, self.weight))
+        local = gemv.linear(x, self.weight) if self.batch1_gemv else F.linear(x, self.weight)
+        y = self.tp.all_reduce_sum(local)
         return y if self.bias is None else y + self.bias
 
 
@@ -270,7 +274,7 @@ def _shard_attention(attn: TextAttention, shard: TextShard, group: TPGroup) -> N
         (q_size + kv_size + ka * d, q_size + kv_size + kb * d),
     )
     old = attn.qkv
-    qkv = nn.Linear(old.in_features, sum(b - a for a, b in blocks), bias=old.bias is not None)
+    qkv = DecodeLinear(old.in_features, sum(b - a for a, b in blocks), bias=old.bias is not None)
     qkv.weight = nn.Parameter(_rows(old.weight, *blocks), requires_grad=False)
     if old.bias is not None:
         qkv.bias = nn.Parameter(_rows(old.bias, *blocks), requires_grad=False)

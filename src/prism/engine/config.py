@@ -61,6 +61,9 @@ class EngineConfig:
     # sequences is launched on them (when nothing else needs scheduling), so the host's work between steps
     # (committing tokens, streaming, building the next inputs) overlaps the device's. Needs the CUDA graphs' rows.
     async_scheduling: bool = True
+    # One-row products of the decoder's QKV, O and down projections (a decode step of one sequence) as a Triton
+    # GEMV (`ops/gemv.py`), which reads those weights closer to the memory bandwidth than cuBLAS does there.
+    batch1_gemv: bool = True
     # Cascade attention: captured decode steps whose graph bucket has at least this many rows read the pages that
     # several rows share at the start of their contexts (the same images) once for all of them, then each row's
     # own keys (`ops/cascade_attention.py`). 0: never. Smaller steps gain less than the extra launches cost. Those

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops import gemv
 from ..ops.fused_norms import add_rms_norm, qk_norm_rope, rms_norm, rotate_half, silu_and_mul
 from ..ops.fused_norms import apply_rope_reference as apply_rope
 from .attention import AttentionBackend
@@ -33,6 +34,26 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class DecodeLinear(nn.Linear):
+    """`nn.Linear` whose one-row products (a decode step of one sequence) stream the weight through
+    `ops.gemv` when `batch1_gemv` is set (`set_batch1_gemv`; QKV, O and down, where cuBLAS is slow at batch 1)."""
+
+    batch1_gemv = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch1_gemv:
+            return gemv.linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def set_batch1_gemv(model: nn.Module, enabled: bool) -> int:
+    """Turn `ops.gemv` on or off for every layer of `model` that has it (`batch1_gemv`); returns how many."""
+    layers = [m for m in model.modules() if hasattr(m, "batch1_gemv")]
+    for m in layers:
+        m.batch1_gemv = enabled
+    return len(layers)
 
 
 class MRoPE:
@@ -79,8 +100,8 @@ class TextAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv = DecodeLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = DecodeLinear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -107,7 +128,7 @@ class TextMLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up(x)))
