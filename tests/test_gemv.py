@@ -12,6 +12,7 @@ from prism.ops import gemv
 from prism.ops import kv_write as kw
 from prism.ops.dispatch import KERNELS_ENV
 
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 TRITON_OK = kw.HAVE_TRITON and (kw._INTERPRETED or torch.cuda.is_available())
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1 at import")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,3 +70,16 @@ def test_decode_linear_is_switched_by_set_batch1_gemv(monkeypatch):
         on = model(x)
     assert len(calls) == 2
     torch.testing.assert_close(on, off, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 12288)])  # the 8B's QKV, O and down
+def test_gemv_matches_linear_8b_shapes_bf16(n, k):
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(k, device="cuda", generator=g, dtype=torch.bfloat16)
+    want = F.linear(x[None].float(), w.float())[0]
+    # both round the fp32 sum to bf16 once: within one bf16 ulp of the exact product
+    torch.testing.assert_close(gemv.gemv(w, x).float(), want, atol=1e-3, rtol=2**-7)
+    torch.testing.assert_close(F.linear(x[None], w)[0].float(), want, atol=1e-3, rtol=2**-7)
