@@ -223,3 +223,19 @@ def test_cascade_matches_the_reference_8b_shape(kv_dtype):
                 want = pa.paged_attention_reference(q.float(), pool, layer, meta)
                 got = pa.paged_decode_attention(q, pool, layer, cascade)
                 torch.testing.assert_close(got.float(), want, atol=tol, rtol=rtol)
+
+
+def test_plan_check_catches_bad_plans():
+    """`check_shared_prefix_plan` (run on every plan under check_invariants) against hand-made bad plans."""
+    tables = [t for t, _ in ROWS]
+    table, ctx = page_table(tables, 8), np.array([c for _, c in ROWS])
+    leader, prefix = plan(ROWS)
+    ca.check_shared_prefix_plan(table, ctx, PAGE, leader, prefix)
+    ca.check_shared_prefix_plan(table, ctx, PAGE, 0, np.zeros(len(ROWS), dtype=np.int64))
+    bad = {"whole pages": prefix + 1, "new tokens": np.where(np.arange(len(ROWS)) == 0, 24, prefix),
+           "does not hold": np.where(np.arange(len(ROWS)) == 3, 4, prefix)}
+    for msg, wrong in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            ca.check_shared_prefix_plan(table, ctx, PAGE, leader, wrong)
+    with pytest.raises(ValueError, match="leader"):
+        ca.check_shared_prefix_plan(table, ctx, PAGE, len(ROWS), prefix)

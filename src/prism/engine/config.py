@@ -76,7 +76,8 @@ class EngineConfig:
     # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
     deterministic: bool = False
-    check_invariants: bool = False  # run the KV manager's full accounting check after every step (tests)
+    # After every step, run the KV manager's full accounting check; check every cascade attention plan (tests).
+    check_invariants: bool = False
     # Ranks of one host (GPUs, or CPU processes over gloo): the text decoder is split over them (KV heads
     # too), the vision encoder runs data parallel. Rank 0 is this process; the engine spawns the others.
     tensor_parallel_size: int = 1

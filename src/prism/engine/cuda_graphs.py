@@ -141,8 +141,10 @@ class RowGraphs:
         max_batch: int,
         max_model_len: int,
         cascade_min_batch: int = 0,
+        check_plans: bool = False,
     ) -> None:
         self.model = model
+        self.check_plans = check_plans  # check every cascade plan on the host (`check_shared_prefix_plan`)
         self.pool = pool
         page_size = pool.layout.page_size
         self.page_size = page_size
@@ -230,6 +232,9 @@ class RowGraphs:
         cascade = False
         if b >= self.cascade_min_batch:
             leader, prefix_lens = cascade_attention.plan_shared_prefix(table[:n], rows.context_lens, self.page_size)
+            if self.check_plans:
+                cascade_attention.check_shared_prefix_plan(table[:n], rows.context_lens, self.page_size, leader,
+                                                           prefix_lens)
             host[_LEADER], host[_PREFIX, :n] = leader, prefix_lens
             cascade = bool(prefix_lens.any())
             self.shared_prefix_steps += cascade

@@ -53,5 +53,6 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         packed_graph_max_tokens=config.cuda_graph_max_packed_tokens,
         max_num_seqs=config.max_num_seqs,
         cascade_min_batch=config.cascade_attention_min_batch,
+        check_invariants=config.check_invariants,
     )
     return runner, max_model_len

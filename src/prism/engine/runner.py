@@ -93,6 +93,7 @@ class ModelRunner:
         packed_graph_max_tokens: int | None = None,
         max_num_seqs: int = 64,
         cascade_min_batch: int = 0,
+        check_invariants: bool = False,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -126,7 +127,7 @@ class ModelRunner:
             compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
         if use_graphs:
             self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
-                                    cascade_min_batch=cascade_min_batch)
+                                    cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
             self.graphs.capture()
         self.packed: PackedGraphs | None = None
         if use_packed:

@@ -105,6 +105,31 @@ def plan_shared_prefix(table: np.ndarray, context_lens: np.ndarray, page_size: i
     return leader, pages.astype(np.int64) * page_size
 
 
+def check_shared_prefix_plan(table: np.ndarray, context_lens: np.ndarray, page_size: int, leader: int,
+                             prefix_lens: np.ndarray) -> None:
+    """ValueError unless the plan claims, for each row, whole pages below its new token that its table and the
+    leader's hold alike (what makes the shared pass read exactly the keys the row would have read). The engine
+    runs it on every plan when `check_invariants` is set; the device cannot check it without a sync."""
+    n = len(context_lens)
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    if prefix.shape != (n,) or (prefix < 0).any() or (prefix % page_size).any():
+        raise ValueError(f"cascade plan: prefixes {prefix.tolist()} are not whole pages of {n} rows")
+    below = (np.asarray(context_lens, dtype=np.int64) - 1) // page_size * page_size
+    if (prefix > below).any():
+        raise ValueError(f"cascade plan: prefixes {prefix.tolist()} reach the pages of new tokens (contexts "
+                         f"{np.asarray(context_lens).tolist()})")
+    if not prefix.any():
+        return
+    if not 0 <= leader < n:
+        raise ValueError(f"cascade plan: leader {leader} is not one of the {n} rows")
+    width = int(prefix.max()) // page_size
+    claimed = np.arange(width)[None, :] < (prefix // page_size)[:, None]
+    differ = (table[:, :width] != table[leader, :width]) & claimed
+    if differ.any():
+        raise ValueError(f"cascade plan: row {int(differ.any(axis=1).argmax())} claims pages the leader "
+                         f"(row {leader}) does not hold")
+
+
 if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])
