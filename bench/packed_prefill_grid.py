@@ -23,7 +23,7 @@ from kernel_timing import random_fp8_pool, us_per_call_in_graph  # noqa: E402
 
 from prism.kv.fp8 import KVLayout  # noqa: E402
 from prism.ops import paged_prefill as pp  # noqa: E402
-from prism.ops.paged_attention import PagedAttentionMetadata  # noqa: E402
+from prism.ops.attention_metadata import PagedAttentionMetadata  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 256
 

@@ -34,7 +34,8 @@ from kernel_timing import random_fp8_pool, sweep_knobs, us_per_call_in_graph  # 
 from prism.kv.fp8 import KVLayout, KVPool  # noqa: E402
 from prism.ops import cascade_attention as ca  # noqa: E402
 from prism.ops import paged_attention as pa  # noqa: E402
-from prism.ops.paged_attention import PagedAttentionMetadata, SharedPrefix, paged_decode_attention  # noqa: E402
+from prism.ops.attention_metadata import PagedAttentionMetadata, SharedPrefix  # noqa: E402
+from prism.ops.paged_attention import paged_decode_attention  # noqa: E402
 
 HQ, HKV, D, PAGE, CTX = 32, 8, 128, 256, 1700
 

@@ -25,7 +25,7 @@ from kernel_timing import random_fp8_pool, sweep_knobs, us_per_call_in_graph  # 
 
 from prism.kv.fp8 import KVLayout  # noqa: E402
 from prism.ops import paged_prefill as pp  # noqa: E402
-from prism.ops.paged_attention import PagedAttentionMetadata  # noqa: E402
+from prism.ops.attention_metadata import PagedAttentionMetadata  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 256
 CASES = {"w1": (1600, 1600), "chunk256": (256, 1280), "w2": (30, 1630)}  # (new tokens, context after)

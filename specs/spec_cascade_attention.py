@@ -28,7 +28,7 @@ from prism.kv.fp8 import KVLayout, KVPool
 from prism.ops import cascade_attention as ca
 from prism.ops import kv_write as kw
 from prism.ops import paged_attention as pa
-from prism.ops.paged_attention import PagedAttentionMetadata, SharedPrefix
+from prism.ops.attention_metadata import PagedAttentionMetadata, SharedPrefix
 
 PAGE = 4
 NUM_PAGES = 40

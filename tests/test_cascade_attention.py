@@ -17,8 +17,8 @@ from prism.kv.fp8 import KVLayout, KVPool
 from prism.ops import cascade_attention as ca
 from prism.ops import kv_write as kw
 from prism.ops import paged_attention as pa
+from prism.ops.attention_metadata import PagedAttentionMetadata, SharedPrefix
 from prism.ops.dispatch import KERNELS_ENV
-from prism.ops.paged_attention import PagedAttentionMetadata, SharedPrefix
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
 

@@ -12,7 +12,8 @@ from prism.engine.cuda_graphs import _PREFIX, GraphRows, RowGraphs
 from prism.engine.step_payload import PieceInput
 from prism.kv.fp8 import KVLayout, KVPool
 from prism.model.loading import load_model
-from prism.ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from prism.ops.attention_metadata import PagedAttentionMetadata
+from prism.ops.paged_attention import PagedKVBackend
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
 PAGE = 4

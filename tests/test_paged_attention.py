@@ -19,7 +19,8 @@ from prism.model.attention import AttentionBackend
 from prism.ops import kv_write as kw
 from prism.ops import paged_attention as pa
 from prism.ops import paged_prefill as pp
-from prism.ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from prism.ops.attention_metadata import PagedAttentionMetadata
+from prism.ops.paged_attention import PagedKVBackend
 
 pytestmark = pytest.mark.filterwarnings(
     # the Triton interpreter turns 1-element arrays into loop bounds; numpy deprecates that (not our code)

@@ -8,9 +8,10 @@ import torch
 
 from prism.kv.fp8 import KVLayout, KVPool
 from prism.ops import kv_write
+from prism.ops.attention_metadata import PagedAttentionMetadata
 from prism.ops.fused_norms import qk_norm_rope
 from prism.ops.kv_write import write_kv
-from prism.ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from prism.ops.paged_attention import PagedKVBackend
 from prism.ops.qk_norm_rope_kv import qk_norm_rope_write_kv
 
 needs_triton = pytest.mark.skipif(not kv_write._INTERPRETED and not torch.cuda.is_available(),

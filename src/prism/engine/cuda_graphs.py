@@ -27,7 +27,8 @@ import torch
 from ..kv.fp8 import KVPool
 from ..model.qwen3_vl import Qwen3VLModel
 from ..ops import cascade_attention
-from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend, SharedPrefix
+from ..ops.attention_metadata import PagedAttentionMetadata, SharedPrefix
+from ..ops.paged_attention import PagedKVBackend
 from .sampler import take_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)

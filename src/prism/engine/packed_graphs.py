@@ -33,7 +33,8 @@ import torch
 from ..kv.fp8 import KVPool
 from ..model.qwen3_vl import DenseMultimodal, MultimodalEmbeddings, Qwen3VLModel
 from ..ops import paged_prefill
-from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from ..ops.attention_metadata import PagedAttentionMetadata
+from ..ops.paged_attention import PagedKVBackend
 from .cuda_graphs import capture_buckets, page_table
 
 BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)

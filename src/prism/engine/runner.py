@@ -25,8 +25,9 @@ from ..kv.manager import KVCacheManager
 from ..kv.transfers import TransferPlan, execute_plan
 from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
+from ..ops.attention_metadata import PagedAttentionMetadata
 from ..ops.dispatch import kernels_override
-from ..ops.paged_attention import PagedAttentionMetadata, PagedKVBackend
+from ..ops.paged_attention import PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
 from .cuda_graphs import GraphRows, RowGraphs
 from .packed_graphs import PackedGraphs, PackedStep

@@ -26,10 +26,10 @@ import torch
 
 from ..kv.fp8 import KVPool
 from . import kv_write
+from .attention_metadata import PagedAttentionMetadata
 from .kv_write import HAVE_TRITON, device_context
 from .paged_attention import (
     _LOG2E,
-    PagedAttentionMetadata,
     decode_num_splits,
     kernel_operands,
     native_fp8,

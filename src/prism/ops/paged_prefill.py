@@ -22,12 +22,12 @@ import torch
 
 from ..kv.fp8 import KVPool
 from . import kv_write
+from .attention_metadata import PagedAttentionMetadata
 from .kv_write import HAVE_TRITON, _want_triton, device_context
 from .paged_attention import (
     _MAX_SPLITS as _MAX_DECODE_SPLITS,
 )
 from .paged_attention import (
-    PagedAttentionMetadata,
     kernel_operands,
     native_fp8,
     paged_attention_reference,
