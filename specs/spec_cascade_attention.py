@@ -127,11 +127,11 @@ def spec_cascade_attention_equals_per_sequence_attention(rows, kv_dtype, group, 
                                                                    shared_splits))
     q = torch.randn(len(rows), 2 * group, 16, generator=g)
     want = pa.paged_attention_reference(q, pool, 0, meta)
-    tiles = ca._BLOCK_N, ca.BLOCK_N
-    ca._BLOCK_N = ca.BLOCK_N = 16  # the smallest tl.dot tile: contexts of up to 32 keys span several splits
+    tiles = pa._BLOCK_N, ca.BLOCK_N
+    pa._BLOCK_N = ca.BLOCK_N = 16  # the smallest tl.dot tile: contexts of up to 32 keys span several splits
     try:
         got = pa.paged_decode_attention(q, pool, 0, cascade, use_triton=True, num_splits=tail_splits)
     finally:
-        ca._BLOCK_N, ca.BLOCK_N = tiles
+        pa._BLOCK_N, ca.BLOCK_N = tiles
     err = float((got - want).abs().max())
     assert err <= 1e-5, f"cascade attention differs from per-sequence attention by {err} (prefixes {prefix.tolist()})"

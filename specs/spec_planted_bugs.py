@@ -458,16 +458,16 @@ def test_shared_prefix_reaching_the_new_tokens_page_is_caught(monkeypatch: pytes
 def test_cascade_counting_the_shared_keys_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade attention: each row's own pass starts after its shared prefix. Planted: the decode kernel launched
     without SKIP_PREFIX, so the shared keys are attended in both passes."""
-    from prism.ops import cascade_attention
+    from prism.ops import paged_attention
     from specs import spec_cascade_attention
 
-    kernel = cascade_attention._decode_kernel
+    kernel = paged_attention._decode_kernel
 
     class WithoutSkip:
         def __getitem__(self, grid):
             return lambda *args, **kw: kernel[grid](*args, **{**kw, "SKIP_PREFIX": False})
 
-    monkeypatch.setattr(cascade_attention, "_decode_kernel", WithoutSkip())
+    monkeypatch.setattr(paged_attention, "_decode_kernel", WithoutSkip())
     _spec_fails(spec_cascade_attention.spec_cascade_attention_equals_per_sequence_attention,
                 "differs from per-sequence attention")
 

@@ -127,7 +127,7 @@ def test_cascade_over_several_row_blocks(monkeypatch):
 def test_cascade_with_several_working_splits(monkeypatch, tail_splits, shared_splits):
     """16-key tiles over contexts of up to 118 keys, so later splits of both passes read keys (the default
     128-key tiles would leave every split but the first empty at these sizes). From review."""
-    monkeypatch.setattr(ca, "_BLOCK_N", 16)
+    monkeypatch.setattr(pa, "_BLOCK_N", 16)
     monkeypatch.setattr(ca, "BLOCK_N", 16)
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=PAGE, num_pages=80, kv_dtype="fp8")
     pool = KVPool.allocate(lay, DEV)
@@ -161,9 +161,10 @@ def test_shared_prefix_metadata_is_checked():
     prefill = PagedAttentionMetadata.build([2, 1], [5, 6], [[0, 1], [0, 2]], PAGE)
     with pytest.raises(ValueError, match="decode steps only"):
         dataclasses.replace(prefill, shared_prefix=good)
-    with pytest.raises(ValueError, match="shared prefix"):
-        ca.cascade_decode_attention(torch.zeros(2, 2, 16), KVPool.allocate(KVLayout(1, 2, 16, PAGE, 4, "fp8"), "cpu"),
-                                    0, meta)
+    with pytest.raises(ValueError, match="shared prefix"):  # the shared pass without a shared prefix
+        pool = KVPool.allocate(KVLayout(1, 2, 16, PAGE, 4, "fp8"), "cpu")
+        ca.launch_shared_prefix_pass(torch.zeros(2, 2, 16), pool.payload, pool.scales, pool, 0, meta, 1, 1.0,
+                                     torch.zeros(1), torch.zeros(1), first_slot=1, common={})
 
 
 # ------------------------------------------------------------------------------------------------ engine

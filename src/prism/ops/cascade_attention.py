@@ -11,6 +11,9 @@ three launches:
 2. the decode kernel with `SKIP_PREFIX`: each sequence's own remaining keys;
 3. the split reduce, which merges both kinds of partial softmax.
 
+`paged_decode_attention` makes all three launches when the step's metadata carries a `SharedPrefix`; this
+module owns the host plan and the shared pass (`launch_shared_prefix_pass`).
+
 It is the same attention as `paged_decode_attention`, rounded differently (like another split count). Which
 rows share what is decided on the host from the block tables (`plan_shared_prefix`); the device only reads
 `SharedPrefix`, so a CUDA graph captured once serves any sharing pattern (a row that shares nothing has prefix
@@ -19,37 +22,19 @@ rows share what is decided on the host from the block tables (`plan_shared_prefi
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from ..kv.fp8 import KVPool
 from . import kv_write
 from .attention_metadata import PagedAttentionMetadata
-from .kv_write import HAVE_TRITON, device_context
-from .paged_attention import (
-    _LOG2E,
-    decode_num_splits,
-    kernel_operands,
-    native_fp8,
-)
+from .kv_write import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .paged_attention import (
-        _BLOCK_N,
-        _NUM_STAGES,
-        _NUM_WARPS,
-        _V_WITH_K,
-        _attend_keys,
-        _decode_kernel,
-        _decode_reduce_kernel,
-        _store_attention,
-        dot_dtype,
-    )
+    from .paged_attention import _attend_keys, _store_attention
 
 # Shared pass knobs (`bench/tune_decode_attention.py --cascade` sweeps them on the GPU): (sequence, head) rows
 # per program, keys per tile, the programs that split one row block's shared keys, warps per program, pipeline
@@ -170,51 +155,24 @@ if HAVE_TRITON:
                          FIRST_SLOT + split, HQ, HEAD_DIM, SPLIT_SLOTS)
 
 
-def cascade_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata,
-                             scale: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
-    """`paged_decode_attention` of a step whose `meta.shared_prefix` is set (Triton only). `num_splits`: the
-    decode kernel's splits of each row's own keys (default `decode_num_splits`)."""
+def launch_shared_prefix_pass(q: torch.Tensor, pay: torch.Tensor, sc: torch.Tensor, pool: KVPool, layer: int,
+                              meta: PagedAttentionMetadata, group: int, qk_scale: float, part_acc: torch.Tensor,
+                              part_ml: torch.Tensor, *, first_slot: int, common: dict) -> None:
+    """Launch `_shared_prefix_kernel` for `paged_decode_attention` (which checked the operands, launched the decode
+    kernel over each row's own keys and merges the partials): its partial softmaxes go to slots
+    `first_slot ...` of `part_acc` / `part_ml`. `common`: the launch constants both kernels share."""
     shared = meta.shared_prefix
     if shared is None or not meta.is_decode:
         raise ValueError("cascade attention needs a decode step with a shared prefix")
-    group, pay, sc = kernel_operands(q, pool, layer, meta)
     lay = pool.layout
     bsz, hq, dim = q.shape
-    if num_splits is None:
-        num_splits = decode_num_splits(bsz, lay.num_kv_heads, meta.max_context_len)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    slots = num_splits + shared.splits
-    dev = pool.device
-    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
-    part_acc = torch.empty((bsz, hq, slots, dim), dtype=torch.float32, device=dev)
-    part_ml = torch.empty((bsz, hq, slots, 2), dtype=torch.float32, device=dev)
-    dot, precision = dot_dtype(q.dtype, lay.kv_dtype)
-    block_d = triton.next_power_of_2(dim)
-    qk_scale = (1.0 / math.sqrt(dim) if scale is None else float(scale)) * _LOG2E
-    rows = kv_write.row_strides(lay)
-    common = dict(KIND=kv_write._KINDS[lay.kv_dtype], SPLIT_SLOTS=slots, BLOCK_D=block_d, DOT_DTYPE=dot,
-                  PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NATIVE_FP8=native_fp8(dev))
     block_m = min(BLOCK_M, max(16, triton.next_power_of_2(bsz * group)))
-    ieee_cuda = precision == "ieee" and dev.type == "cuda"
+    ieee_cuda = common["PRECISION"] == "ieee" and pool.device.type == "cuda"
     block_n, stages = (BLOCK_N_IEEE_CUDA, 1) if ieee_cuda else (BLOCK_N, NUM_STAGES)
-    with device_context(dev):
-        _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
-            q, out, pay, sc, meta.block_table, meta.context_lens, shared.prefix_lens, part_acc, part_ml,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-            layer, lay.num_layers + layer, *rows, lay.page_size, qk_scale, lay.num_kv_heads, hq, group, dim,
-            NUM_SPLITS=num_splits, SKIP_PREFIX=True, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=_BLOCK_N, NUM_STAGES=_NUM_STAGES, V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, **common,
-        )
-        _shared_prefix_kernel[(lay.num_kv_heads, triton.cdiv(bsz * group, block_m), shared.splits)](
-            q, pay, sc, meta.block_table, shared.prefix_lens, shared.leader, part_acc, part_ml,
-            q.stride(0), q.stride(1), meta.block_table.stride(0), layer, lay.num_layers + layer, *rows,
-            lay.page_size, qk_scale, bsz, lay.num_kv_heads, hq, group, dim,
-            SPLITS=shared.splits, FIRST_SLOT=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
-            V_WITH_K=V_WITH_K, num_warps=NUM_WARPS, **common,
-        )
-        _decode_reduce_kernel[(bsz, hq)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
-            NUM_SPLITS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=block_d,
-        )
-    return out
+    _shared_prefix_kernel[(lay.num_kv_heads, triton.cdiv(bsz * group, block_m), shared.splits)](
+        q, pay, sc, meta.block_table, shared.prefix_lens, shared.leader, part_acc, part_ml,
+        q.stride(0), q.stride(1), meta.block_table.stride(0), layer, lay.num_layers + layer,
+        *kv_write.row_strides(lay), lay.page_size, qk_scale, bsz, lay.num_kv_heads, hq, group, dim,
+        SPLITS=shared.splits, FIRST_SLOT=first_slot, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+        V_WITH_K=V_WITH_K, num_warps=NUM_WARPS, **common,
+    )

@@ -349,45 +349,49 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
                          f"{meta.query_lens}")
     if not _want_triton(pool.device, use_triton):
         return paged_attention_reference(q, pool, layer, meta, scale)  # the same attention, shared prefix or not
-    if meta.shared_prefix is not None:
-        from .cascade_attention import cascade_decode_attention  # imports this module's kernels
-
-        return cascade_decode_attention(q, pool, layer, meta, scale, num_splits=num_splits)
     group, pay, sc = kernel_operands(q, pool, layer, meta)
     lay = pool.layout
     bsz, hq, dim = q.shape
-    max_ctx = meta.max_context_len
     if num_splits is None:
-        num_splits = decode_num_splits(bsz, lay.num_kv_heads, max_ctx)
+        num_splits = decode_num_splits(bsz, lay.num_kv_heads, meta.max_context_len)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
-    block_d = triton.next_power_of_2(dim)
-    block_n = _BLOCK_N
-    sm_scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    # With a shared prefix (cascade attention) each row's own keys start after it, and the shared pass's partial
+    # softmaxes take the slots after the decode kernel's splits.
+    shared = meta.shared_prefix
+    slots = num_splits + (shared.splits if shared is not None else 0)
+    qk_scale = (1.0 / math.sqrt(dim) if scale is None else float(scale)) * _LOG2E
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dev = pool.device
     dot, precision = dot_dtype(q.dtype, lay.kv_dtype)
-    if num_splits > 1:
-        part_acc = torch.empty((bsz, hq, num_splits, dim), dtype=torch.float32, device=dev)
-        part_ml = torch.empty((bsz, hq, num_splits, 2), dtype=torch.float32, device=dev)
+    block_d = triton.next_power_of_2(dim)
+    if slots > 1:
+        part_acc = torch.empty((bsz, hq, slots, dim), dtype=torch.float32, device=dev)
+        part_ml = torch.empty((bsz, hq, slots, 2), dtype=torch.float32, device=dev)
     else:
         part_acc = part_ml = out  # unused placeholders
+    common = dict(KIND=kv_write._KINDS[lay.kv_dtype], SPLIT_SLOTS=slots, BLOCK_D=block_d, DOT_DTYPE=dot,
+                  PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NATIVE_FP8=native_fp8(dev))
     with device_context(dev):
         _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
-            q, out, pay, sc, meta.block_table, meta.context_lens, meta.context_lens, part_acc, part_ml,
+            q, out, pay, sc, meta.block_table, meta.context_lens,
+            meta.context_lens if shared is None else shared.prefix_lens, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-            layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
+            layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, qk_scale,
             lay.num_kv_heads, hq, group, dim,
-            KIND=kv_write._KINDS[lay.kv_dtype], NUM_SPLITS=num_splits, SPLIT_SLOTS=num_splits, SKIP_PREFIX=False,
-            BLOCK_G=block_g, BLOCK_N=block_n,
-            BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-            NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(dev), V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS,
+            NUM_SPLITS=num_splits, SKIP_PREFIX=shared is not None,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
+            BLOCK_N=_BLOCK_N, NUM_STAGES=_NUM_STAGES, V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, **common,
         )
-        if num_splits > 1:
+        if shared is not None:
+            from .cascade_attention import launch_shared_prefix_pass  # imports this module's kernels
+
+            launch_shared_prefix_pass(q, pay, sc, pool, layer, meta, group, qk_scale, part_acc, part_ml,
+                                      first_slot=num_splits, common=common)
+        if slots > 1:
             _decode_reduce_kernel[(bsz, hq)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
-                NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+                NUM_SPLITS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=block_d,
             )
     return out
 
