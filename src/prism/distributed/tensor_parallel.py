@@ -207,14 +207,15 @@ def plan_text_shard(cfg: TextConfig, rank: int, world_size: int) -> TextShard:
 # ---------------------------------------------------------------------------------- TP modules
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local @ W_local^T) + b: the input's last dim is this rank's slice. `batch1_gemv`: one-row
-    products through `ops.gemv` (as `model.text.DecodeLinear`)."""
+    products through `ops.gemv` (as `model.text.DecodeLinear`; set by `set_batch1_gemv`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, batch1_gemv: bool = False):
+    batch1_gemv = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = group
-        self.batch1_gemv = batch1_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = gemv.linear(x, self.weight) if self.batch1_gemv else F.linear(x, self.weight)
