@@ -499,3 +499,26 @@ def test_cascade_leader_by_length_alone_is_caught(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cascade_attention, "plan_shared_prefix", longest_row_leads)
     _spec_fails(spec_cascade_attention.spec_shared_prefix_plan_claims_only_shared_whole_pages,
                 "another row would spare|no shared pass, but")
+
+
+def test_pixel_keys_missing_the_last_row_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PIL image's key over a view that stops short of its storage (here: all but the last row)."""
+    from prism.media import digest as media_digest
+    from specs import spec_pixel_keys
+
+    exported = media_digest.exported_rgbx
+    monkeypatch.setattr(media_digest, "exported_rgbx",
+                        lambda image: None if (rgbx := exported(image)) is None else rgbx[: max(1, len(rgbx) - 1)])
+    _spec_fails(spec_pixel_keys.spec_pixel_keys_identify_the_picture, "differ but share a key")
+
+
+def test_pixel_keys_without_the_shape_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pixel bytes hashed without their shape: the same bytes in another shape would be another's picture."""
+    import numpy as np
+
+    from prism.media import digest as media_digest
+    from specs import spec_pixel_keys
+
+    monkeypatch.setattr(media_digest, "hash_rgb", lambda h, arr: media_digest.hash_field(
+        h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B")))
+    _spec_fails(spec_pixel_keys.spec_pixel_keys_identify_the_picture, "share a key")

@@ -373,30 +373,33 @@ def test_preprocess_cache_hits_second_identical_media(ckpt, frames):
     assert second.media[0].pixels is first.media[0].pixels  # reused, not recomputed
     assert second.media[0].digest == first.media[0].digest
 
-    pil_1 = proc.prepare_prompt(prompt, [img])  # decoded pixels: their own key, same content digest
-    pil_2 = proc.prepare_prompt(prompt, [np.asarray(img)])
-    assert (cache.stats().hits, cache.stats().misses) == (2, 2)
-    assert pil_2.media[0].pixels is pil_1.media[0].pixels
-    assert pil_1.media[0].digest == first.media[0].digest
+    # Decoded pixels: their own keys (a PIL image's storage, an array's bytes), the same content digest.
+    pil_1 = proc.prepare_prompt(prompt, [img])
+    pil_2 = proc.prepare_prompt(prompt, [img.copy()])
+    arr_1 = proc.prepare_prompt(prompt, [np.asarray(img)])
+    arr_2 = proc.prepare_prompt(prompt, [np.asarray(img).copy()])
+    assert (cache.stats().hits, cache.stats().misses) == (3, 3)
+    assert pil_2.media[0].pixels is pil_1.media[0].pixels and arr_2.media[0].pixels is arr_1.media[0].pixels
+    assert pil_1.media[0].digest == arr_1.media[0].digest == first.media[0].digest
 
     vprompt = "<|vision_start|><|video_pad|><|vision_end|>"
     v1 = proc.prepare_prompt(vprompt, videos=[VideoInput(frames, 2.0)])
     v2 = proc.prepare_prompt(vprompt, videos=[VideoInput([f.copy() for f in frames], 2.0)])
-    assert (cache.stats().hits, cache.stats().misses) == (3, 3)
+    assert (cache.stats().hits, cache.stats().misses) == (4, 4)
     assert v2.media[0].pixels is v1.media[0].pixels
 
     # Same pixel bytes in another shape: another image, never a cache hit.
     flat = np.random.default_rng(12).integers(0, 256, 40 * 60 * 3, dtype=np.uint8)
     wide = proc.prepare_prompt(prompt, [flat.reshape(40, 60, 3)])
     tall = proc.prepare_prompt(prompt, [flat.reshape(60, 40, 3)])
-    assert (cache.stats().hits, cache.stats().misses) == (3, 5)
+    assert (cache.stats().hits, cache.stats().misses) == (4, 6)
     assert wide.media[0].digest != tall.media[0].digest
     assert wide.media[0].grid_thw != tall.media[0].grid_thw
 
     # Another model id sharing the cache: other namespace -> a miss and another digest.
     other = InputProcessor(ckpt, model_id="tiny-other", cache=cache)
     o = other.prepare_prompt(prompt, [png])
-    assert (cache.stats().hits, cache.stats().misses) == (3, 6)
+    assert (cache.stats().hits, cache.stats().misses) == (4, 7)
     assert o.media[0].digest != first.media[0].digest
 
     # cache_bytes: a private cache of that size.

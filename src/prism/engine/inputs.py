@@ -35,8 +35,8 @@ from tokenizers import Tokenizer
 
 from ..media.cache import CacheKey, PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
-from ..media.digest import hash_field, image_digest, new_hash, video_digest
-from ..media.image import DEFAULT_LIMITS, DecodeLimits, preprocess_image, to_rgb_image
+from ..media.digest import hash_field, hash_rgb, image_digest, new_hash, pixels_digest, video_digest
+from ..media.image import DEFAULT_LIMITS, DecodeLimits, checked_rgb_array, preprocess_image, to_rgb_image
 from ..media.placeholders import SpecialTokens, VideoPlaceholder, expand_placeholders
 from ..media.prepare import PreparedImage, media_namespace, prepare_image
 from ..media.video import PreprocessedVideo, preprocess_video, sample_frame_indices
@@ -78,7 +78,6 @@ class PromptTooLongError(InputError):
 _U64 = struct.Struct("<Q")
 _MEDIA_THREADS = max(1, min(8, os.cpu_count() or 1))
 _SPAN_SCHEME = b"prism.video-span.v3"
-_RGB_SCHEME = b"prism.rgb8.v3"
 _FRAMES_SCHEME = b"prism.video-frames.v3"
 
 
@@ -89,11 +88,6 @@ def video_span_digest(video_digest_: bytes, temporal_index: int) -> bytes:
     hash_field(h, b"video", video_digest_)
     hash_field(h, b"temporal_index", _U64.pack(temporal_index))
     return h.digest()
-
-
-def _hash_rgb(h: Any, arr: np.ndarray) -> None:
-    hash_field(h, b"shape", np.asarray(arr.shape, dtype="<i8").tobytes())
-    hash_field(h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
 @dataclass(frozen=True)
@@ -435,14 +429,12 @@ class InputProcessor:
             raise InputError(
                 f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}"
             )
-        rgb = np.asarray(to_rgb_image(data, self._limits))
-        h = new_hash()
-        hash_field(h, b"scheme", _RGB_SCHEME)
-        _hash_rgb(h, rgb)
-        key = CacheKey(h.digest(), self._image_ns)
+        source = (checked_rgb_array(data, self._limits) if isinstance(data, np.ndarray)
+                  else to_rgb_image(data, self._limits))
+        key = CacheKey(pixels_digest(source), self._image_ns)
 
         def compute() -> tuple[PreparedImage, int]:
-            pre = preprocess_image(rgb, cfg, self._limits)
+            pre = preprocess_image(source, cfg, self._limits)
             out = PreparedImage(
                 pixels=pre.pixels,
                 grid_thw=pre.grid_thw,
@@ -491,7 +483,7 @@ class InputProcessor:
         hash_field(h, b"total", _U64.pack(len(frame_list)))
         hash_field(h, b"indices", np.asarray(indices, dtype="<i8").tobytes())
         for i in indices.tolist():
-            _hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
+            hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
         key = CacheKey(h.digest(), self._video_ns)
 
         def compute() -> tuple[_CachedVideo, int]:

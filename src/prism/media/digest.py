@@ -23,6 +23,11 @@ with names ASCII and fixed, values raw bytes, in this order:
                 kind ("image" | "video"), grid (3 x i64le: t, h, w), dtype (numpy dtype.str, e.g. "<f4"),
                 shape (i64le per dim), [timestamps (f64le per temporal patch), video only], pixels (C-order bytes).
   raw_digest:   scheme ("prism.raw.v3"), bytes (the encoded file).
+  pixels_digest (the preprocessing cache's key of an image given as pixels, not as a file):
+                scheme ("prism.rgbx8.v1" for a PIL image's own storage, R, G, B and a padding byte per pixel,
+                hashed in place (`media.pil_pixels`); "prism.rgb8.v3" for a uint8 array, or a PIL image Pillow
+                does not export), shape (i64le per dim), pixels. The schemes keep the two layouts apart; the
+                same picture reaching both ways is prepared twice and gets one `media_digest`.
 """
 
 from __future__ import annotations
@@ -34,15 +39,19 @@ from typing import Protocol
 import blake3
 import numpy as np
 import torch
+from PIL import Image
 
 from .config import ImageProcessorConfig, VideoProcessorConfig
 from .errors import MediaError
 from .image import PreprocessedImage
+from .pil_pixels import exported_rgbx
 from .video import PreprocessedVideo
 
 DIGEST_SIZE = 32  # bytes (256 bits)
 MEDIA_SCHEME = b"prism.media.v3"
 RAW_SCHEME = b"prism.raw.v3"
+RGB_SCHEME = b"prism.rgb8.v3"
+RGBX_SCHEME = b"prism.rgbx8.v1"
 
 _U64 = struct.Struct("<Q")
 
@@ -75,6 +84,26 @@ def raw_digest(data: bytes | bytearray | memoryview) -> bytes:
     h = new_hash()
     hash_field(h, b"scheme", RAW_SCHEME)
     hash_field(h, b"bytes", memoryview(data).cast("B"))
+    return h.digest()
+
+
+def hash_rgb(h: MediaHash, arr: np.ndarray) -> None:
+    """The shape and pixel fields of a uint8 image array (copied only if it is not contiguous)."""
+    hash_field(h, b"shape", _i64s(arr.shape))
+    hash_field(h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+def pixels_digest(image: Image.Image | np.ndarray) -> bytes:
+    """Digest of an image given as pixels, an RGB PIL image or a uint8 [H, W, 3] array (32 bytes): the
+    preprocessing cache's key for it (see the framing above)."""
+    h = new_hash()
+    rgbx = exported_rgbx(image) if isinstance(image, Image.Image) else None
+    if rgbx is not None:
+        hash_field(h, b"scheme", RGBX_SCHEME)
+        hash_rgb(h, rgbx)
+    else:
+        hash_field(h, b"scheme", RGB_SCHEME)
+        hash_rgb(h, np.asarray(image, dtype=np.uint8))
     return h.digest()
 
 

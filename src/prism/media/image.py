@@ -174,11 +174,16 @@ def to_rgb_image(
         limits.check_size(*image.size, what=what)
         return image if image.mode == "RGB" else image.convert("RGB")
     if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-            raise MediaError(f"{what} array must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-        limits.check_size(image.shape[1], image.shape[0], what=what)
-        return Image.fromarray(np.ascontiguousarray(image), mode="RGB")
+        return Image.fromarray(np.ascontiguousarray(checked_rgb_array(image, limits, what)), mode="RGB")
     raise MediaError(f"{what} must be bytes, a PIL image or a uint8 array, got {type(image).__name__}")
+
+
+def checked_rgb_array(image: np.ndarray, limits: DecodeLimits = DEFAULT_LIMITS, what: str = "image") -> np.ndarray:
+    """`image` itself once it is a uint8 [H, W, 3] array within the size limits."""
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise MediaError(f"{what} array must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    limits.check_size(image.shape[1], image.shape[0], what=what)
+    return image
 
 
 def _is_rgb_array(image: object) -> bool:

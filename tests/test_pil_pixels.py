@@ -1,0 +1,111 @@
+"""A PIL image's pixels read in place (`media.pil_pixels`) and the preprocessing key made of them
+(`media.digest.pixels_digest`)."""
+
+from __future__ import annotations
+
+import gc
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from prism.engine.inputs import InputProcessor
+from prism.media import digest as digest_mod
+from prism.media.digest import pixels_digest
+from prism.media.pil_pixels import exported_rgbx
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def proc():
+    return InputProcessor(ensure_tiny_checkpoint(), cache_bytes=1 << 26)
+
+
+def _pixels(h: int = 37, w: int = 53, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _encoded(img: Image.Image, fmt: str) -> Image.Image:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def _made_every_way(arr: np.ndarray) -> dict[str, Image.Image]:
+    img = Image.fromarray(arr)
+    return {
+        "fromarray": img,
+        "from RGBA": Image.fromarray(arr).convert("RGBA").convert("RGB"),
+        "from L": Image.fromarray(arr[..., 0]).convert("RGB"),
+        "from P": img.convert("P").convert("RGB"),
+        "crop": img.crop((3, 2, 40, 30)),
+        "resize": img.resize((20, 11), Image.Resampling.BICUBIC),
+        "png": _encoded(img, "PNG"),
+        "jpeg": _encoded(img, "JPEG"),
+        "new": Image.new("RGB", (7, 5), (1, 2, 3)),
+        "copy": img.copy(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_made_every_way(_pixels())))
+def test_the_exported_storage_is_the_pixels(name):
+    img = _made_every_way(_pixels())[name]
+    rgbx = exported_rgbx(img)
+    assert rgbx is not None and rgbx.shape == (img.size[1], img.size[0], 4)
+    np.testing.assert_array_equal(rgbx[..., :3], np.asarray(img))
+
+
+def test_the_padding_byte_costs_a_miss_never_a_content_change(proc):
+    """Pillow's resize leaves the padding byte 0 where decoding and conversions leave 255: the same picture
+    then has two pixel keys (prepared twice), and one content digest."""
+    resized = Image.fromarray(_pixels(seed=6)).resize((64, 32), Image.Resampling.BICUBIC)
+    remade = Image.fromarray(np.asarray(resized))
+    assert (exported_rgbx(resized)[..., 3] == 0).all() and (exported_rgbx(remade)[..., 3] == 255).all()
+    assert pixels_digest(resized) != pixels_digest(remade)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>?"
+    assert proc.prepare_prompt(prompt, [resized]).media[0].digest == proc.prepare_prompt(prompt, [remade]).media[0].digest
+
+
+def test_the_view_is_read_only_and_outlives_the_image():
+    arr = _pixels(64, 48, seed=1)
+    img = Image.fromarray(arr)
+    rgbx = exported_rgbx(img)
+    with pytest.raises(ValueError):
+        rgbx[0, 0, 0] = 1
+    del img
+    gc.collect()
+    others = [Image.fromarray(_pixels(64, 48, seed=s)) for s in range(2, 12)]  # reuse freed memory if it were
+    np.testing.assert_array_equal(rgbx[..., :3], arr)
+    assert len(others) == 10
+
+
+def test_what_is_not_exported_in_one_piece_is_none():
+    assert exported_rgbx(Image.fromarray(_pixels()[..., 0])) is None  # mode L
+    assert exported_rgbx(Image.fromarray(_pixels()).convert("RGBA")) is None
+    big = Image.new("RGB", (2100, 2100))  # 17.6 MB of storage: over one 16 MiB block, rows not contiguous
+    assert exported_rgbx(big) is None
+
+
+def test_pixel_keys_follow_the_pixels():
+    arr = _pixels(seed=3)
+    img = Image.fromarray(arr)
+    assert pixels_digest(img) == pixels_digest(_encoded(img, "PNG")) == pixels_digest(img.copy())
+    assert pixels_digest(arr) == pixels_digest(arr.copy())
+    assert pixels_digest(img) != pixels_digest(arr)  # two layouts, two schemes: never one key by accident
+
+    last = img.copy()
+    r, g, b = last.getpixel((last.width - 1, last.height - 1))
+    last.putpixel((last.width - 1, last.height - 1), (r, g, b ^ 1))  # the very last byte of the storage
+    assert pixels_digest(last) != pixels_digest(img)
+
+    flat = _pixels(6, 8, seed=4).reshape(-1)
+    wide, tall = Image.fromarray(flat.reshape(6, 8, 3)), Image.fromarray(flat.reshape(8, 6, 3))
+    assert pixels_digest(wide) != pixels_digest(tall)  # same bytes, another shape
+
+
+def test_an_image_pillow_does_not_export_is_keyed_as_its_array(monkeypatch):
+    img = Image.fromarray(_pixels(seed=5))
+    exported = pixels_digest(img)
+    monkeypatch.setattr(digest_mod, "exported_rgbx", lambda image: None)
+    assert pixels_digest(img) == pixels_digest(np.asarray(img)) != exported
