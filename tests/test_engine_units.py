@@ -37,6 +37,8 @@ def test_shipped_configs_load(path):
         ({"encode_media_ahead": "false"}, "encode_media_ahead must be true or false"),
         ({"cuda_graphs": 0}, "cuda_graphs must be true or false"),
         ({"cuda_graph_max_packed_tokens": 8}, "0 \\(off\\) or an integer >= 32"),
+        ({"vision_cuda_graphs": -1}, "vision_cuda_graphs must be 0 \\(off\\)"),
+        ({"vision_cuda_graphs": True}, "vision_cuda_graphs must be 0 \\(off\\)"),
         ([1, 2], "must be a JSON object"),
     ],
 )

@@ -9,16 +9,18 @@ talking. With one rank it is the plain encoder call (no packing, no collective).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..media.pixels import PatchPixels, pixels_on
 from ..model.qwen3_vl import Qwen3VLModel
+from ..model.vision import VisionOutput
 from .tensor_parallel import TPGroup
 
 Grid = tuple[int, int, int]
 Features = tuple[torch.Tensor, torch.Tensor]  # embeds [n, H], deepstack [k, n, H]
+Encode = Callable[[torch.Tensor, Sequence[Sequence[int]]], VisionOutput]
 
 
 def assign_media(patch_counts: Sequence[int], world_size: int) -> list[int]:
@@ -35,7 +37,7 @@ def assign_media(patch_counts: Sequence[int], world_size: int) -> list[int]:
     return owner
 
 
-def _encode_batches(model: Qwen3VLModel, pixels: list[PatchPixels | torch.Tensor], grids: list[Grid],
+def _encode_batches(model: Qwen3VLModel, encode: Encode, pixels: list[PatchPixels | torch.Tensor], grids: list[Grid],
                     one_at_a_time: bool) -> list[Features]:
     batches = [[i] for i in range(len(grids))] if one_at_a_time else ([list(range(len(grids)))] if grids else [])
     out: list[Features] = []
@@ -43,7 +45,7 @@ def _encode_batches(model: Qwen3VLModel, pixels: list[PatchPixels | torch.Tensor
         # Each item goes to the device on its own (images as uint8, normalized there) and is joined there:
         # no host-side copy of all the pixels first, and the cast to the model dtype runs on the device.
         x = torch.cat([pixels_on(pixels[i], model.device) for i in batch]).to(model.dtype)
-        enc = model.encode_media(x, [list(grids[i]) for i in batch])
+        enc = encode(x, [list(grids[i]) for i in batch])
         start = 0
         for count in enc.tokens_per_item:
             out.append((enc.embeds[start : start + count], enc.deepstack[:, start : start + count]))
@@ -58,18 +60,21 @@ def encode_media_items(
     group: TPGroup,
     *,
     one_at_a_time: bool = False,
+    encode: Encode | None = None,
 ) -> list[Features]:
     """Features of every item, in item order, on every rank. All ranks must call it with the same grids
     (pixels are read only for the items this rank encodes). one_at_a_time: each item alone (batch
-    invariance for deterministic mode)."""
+    invariance for deterministic mode). `encode`: what runs the encoder over a batch's patches (default
+    `model.encode_media`; the runner's vision graphs replay it)."""
+    encode = encode or model.encode_media
     grids = [tuple(int(v) for v in g) for g in grids]
     if group.world_size == 1:
-        return _encode_batches(model, list(pixels), grids, one_at_a_time)
+        return _encode_batches(model, encode, list(pixels), grids, one_at_a_time)
     merge = model.config.vision.spatial_merge_size
     tokens = [t * h * w // merge**2 for t, h, w in grids]
     owner = assign_media([t * h * w for t, h, w in grids], group.world_size)
     mine = [i for i, r in enumerate(owner) if r == group.rank]
-    local = _encode_batches(model, [pixels[i] for i in mine], [grids[i] for i in mine], one_at_a_time)
+    local = _encode_batches(model, encode, [pixels[i] for i in mine], [grids[i] for i in mine], one_at_a_time)
     # One collective: [1 + k, rows, H] (main then DeepStack) padded to the busiest rank's rows.
     per_rank = [sum(tokens[i] for i, r in enumerate(owner) if r == rank) for rank in range(group.world_size)]
     width = max(per_rank)

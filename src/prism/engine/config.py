@@ -70,6 +70,10 @@ class EngineConfig:
     # buckets are captured twice (with and without), which doubles their capture time and keeps a second logits
     # buffer per bucket (bf16, rows x vocabulary: ~58 MB in all for the default 64 rows of Qwen3-VL).
     cascade_attention_min_batch: int = 8
+    # Lists of item grids (the sizes of a step's images) whose vision encoding is replayed as a CUDA graph once
+    # seen twice, the least recently used dropped beyond this many (`engine/vision_graphs.py`); each holds the
+    # encoder's activations for its patches (8 images of 448x448: a few hundred MB). 0: the encoder runs eagerly.
+    vision_cuda_graphs: int = 4
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False
@@ -101,6 +105,9 @@ class EngineConfig:
         cascade = self.cascade_attention_min_batch
         if not isinstance(cascade, int) or isinstance(cascade, bool) or cascade < 0:
             raise ConfigError(f"cascade_attention_min_batch must be 0 (off) or a positive integer, got {cascade!r}")
+        vision = self.vision_cuda_graphs
+        if not isinstance(vision, int) or isinstance(vision, bool) or vision < 0:
+            raise ConfigError(f"vision_cuda_graphs must be 0 (off) or a positive integer, got {vision!r}")
         if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
             raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
         if self.kv_dtype not in KV_DTYPES:

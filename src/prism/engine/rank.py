@@ -53,6 +53,7 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         packed_graph_max_tokens=config.cuda_graph_max_packed_tokens,
         max_num_seqs=config.max_num_seqs,
         cascade_min_batch=config.cascade_attention_min_batch,
+        vision_graphs=config.vision_cuda_graphs if config.cuda_graphs else 0,
         check_invariants=config.check_invariants,
     )
     return runner, max_model_len

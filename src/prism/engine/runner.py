@@ -41,6 +41,7 @@ from .step_payload import (
     media_slices,
     media_work,
 )
+from .vision_graphs import VisionGraphs
 
 # Prefill tokens x their context lengths that a graph step may take as rows: a 64-row decode at 2K contexts.
 MAX_GRAPH_PREFILL_KEY_READS = 64 * 2048
@@ -94,6 +95,7 @@ class ModelRunner:
         packed_graph_max_tokens: int | None = None,
         max_num_seqs: int = 64,
         cascade_min_batch: int = 0,
+        vision_graphs: int = 0,
         check_invariants: bool = False,
     ) -> None:
         self.model = model
@@ -130,6 +132,8 @@ class ModelRunner:
             self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
                                     cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
             self.graphs.capture()
+        self.vision_graphs = (VisionGraphs(model.encode_media, max_graphs=vision_graphs)
+                              if vision_graphs and self.device.type == "cuda" and not deterministic else None)
         self.packed: PackedGraphs | None = None
         if use_packed:
             self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
@@ -349,6 +353,7 @@ class ModelRunner:
         encoded = encode_media_items(
             self.model, [m.grid for m in missing], [m.pixels for m in missing], self.group,
             one_at_a_time=self.deterministic,
+            encode=self.vision_graphs.encode if self.vision_graphs is not None else None,
         )
         for m, value in zip(missing, encoded, strict=True):
             features[m.digest] = value

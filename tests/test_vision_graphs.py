@@ -1,0 +1,101 @@
+"""The vision encoder's graph cache (`engine/vision_graphs.py`): which grid lists get captured, which are
+dropped, and that replayed features are the caller's to keep. Off CUDA the capture is a stand-in that runs
+the encoder into fixed buffers on each replay, as a graph does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from prism.engine.vision_graphs import CapturedEncoder, VisionGraphs
+from prism.model.vision import VisionOutput
+
+A = [(1, 4, 4)]
+B = [(1, 4, 4), (1, 2, 4)]
+
+
+def encoder(calls: list):
+    def encode(pixels: torch.Tensor, grids) -> VisionOutput:
+        calls.append([tuple(g) for g in grids])
+        embeds = pixels.sum(dim=1, keepdim=True).repeat(1, 3)
+        return VisionOutput(embeds, torch.stack([embeds * 2]), tuple(t * h * w for t, h, w in grids))
+    return encode
+
+
+class _BufferGraph:
+    """Replays `encode` from the input buffer into the output buffers, like a captured graph."""
+
+    def __init__(self, encode, pixels, grids, output):
+        self.encode, self.pixels, self.grids, self.output = encode, pixels, grids, output
+
+    def replay(self):
+        out = self.encode(self.pixels, self.grids)
+        self.output.embeds.copy_(out.embeds)
+        self.output.deepstack.copy_(out.deepstack)
+
+
+def buffer_capture(captured: list):
+    def capture(encode, pixels, grids):
+        static = pixels.clone()
+        output = encode(static, [list(g) for g in grids])
+        captured.append(tuple(grids))
+        return CapturedEncoder(_BufferGraph(encode, static, [list(g) for g in grids], output), static, output)
+    return capture
+
+
+def pixels_for(grids, seed: int) -> torch.Tensor:
+    return torch.randn(sum(t * h * w for t, h, w in grids), 5, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_grid_list_is_captured_the_second_time_and_then_replayed():
+    calls, captured = [], []
+    graphs = VisionGraphs(encoder(calls), max_graphs=2, capture=buffer_capture(captured))
+    eager = encoder([])
+    for seed in range(4):
+        x = pixels_for(A, seed)
+        out = graphs.encode(x, A)
+        torch.testing.assert_close(out.embeds, eager(x, A).embeds)
+        torch.testing.assert_close(out.deepstack, eager(x, A).deepstack)
+    assert captured == [tuple(A)] and graphs.captures == 1 and graphs.replays == 3 and A in graphs
+    graphs.encode(pixels_for(B, 0), B)
+    assert B not in graphs, "a grid list seen once is not captured"
+
+
+def test_the_least_recently_used_grid_list_is_dropped():
+    captured = []
+    graphs = VisionGraphs(encoder([]), max_graphs=1, capture=buffer_capture(captured))
+    for grids in (A, A, B, B, A):
+        graphs.encode(pixels_for(grids, 1), grids)
+    assert captured == [tuple(A), tuple(B), tuple(A)]  # B pushed A out; A, seen again, came back
+    assert A in graphs and B not in graphs
+
+
+def test_replayed_features_are_the_callers_to_keep():
+    graphs = VisionGraphs(encoder([]), max_graphs=1, capture_after=1, capture=buffer_capture([]))
+    first = graphs.encode(pixels_for(A, 1), A)
+    kept = first.embeds.clone()
+    graphs.encode(pixels_for(A, 2), A)  # the next replay rewrites the graph's buffers ...
+    torch.testing.assert_close(first.embeds, kept)  # ... not what the first caller holds
+
+
+def test_a_capture_that_fails_is_logged_and_its_grids_stay_eager(caplog):
+    calls, attempts = [], []
+
+    def failing_capture(encode, pixels, grids):
+        attempts.append(grids)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = VisionGraphs(encoder(calls), max_graphs=2, capture_after=1, capture=failing_capture)
+    with caplog.at_level(logging.ERROR, logger="prism.engine.vision_graphs"):
+        for seed in range(3):
+            x = pixels_for(A, seed)
+            torch.testing.assert_close(graphs.encode(x, A).embeds, encoder([])(x, A).embeds)
+    assert len(attempts) == 1 and len(calls) == 3 and graphs.captures == 0
+    assert "could not capture the vision encoder" in caplog.text
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="max_graphs"):
+        VisionGraphs(encoder([]), max_graphs=0)
