@@ -62,6 +62,33 @@ def floors(out: Path) -> None:
     (out / "floors.txt").write_text(line)
 
 
+def timeline(prof) -> str:
+    """When the host ranges and the graph launches ran, and when the device was busy, in ms from the first host
+    range: does the device start as the launch call starts, or only once it returns?"""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    host_names = {e.name for e in cpu}  # the record_function ranges appear on the device too: not kernels
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in host_names]
+    # Our ranges, the launch and sync calls, and any other host op of 100 us or more (what holds the host).
+    marks = [e for e in cpu if "." in e.name and not e.name.startswith("aten::")
+             or e.name in ("cudaGraphLaunch", "cudaEventSynchronize", "cudaStreamSynchronize")
+             or e.time_range.end - e.time_range.start >= 100]
+    if not cpu or not gpu:
+        return "timeline: no events"
+    t0 = min(e.time_range.start for e in cpu)
+    lines = ["timeline (ms from the first host event): host ranges, then device activity"]
+    for e in sorted(marks, key=lambda e: e.time_range.start)[:70]:
+        lines.append(f"  host {e.name:<28} {(e.time_range.start - t0) / 1e3:8.3f} -> {(e.time_range.end - t0) / 1e3:8.3f}")
+    starts = sorted(e.time_range.start for e in gpu)
+    ends = sorted(e.time_range.end for e in gpu)
+    busy = sum(e.time_range.end - e.time_range.start for e in gpu)
+    lines.append(f"  device first kernel start {(starts[0] - t0) / 1e3:8.3f}, last kernel end {(ends[-1] - t0) / 1e3:8.3f}, "
+                 f"kernels busy {busy / 1e3:.3f} ms over {len(gpu)} kernels")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
@@ -143,8 +170,8 @@ def main() -> None:
             prof.export_chrome_trace(str(out / f"{label}.json"))
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=45)
         table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-        (out / f"{label}.txt").write_text(table + "\n\n" + table_gpu)
-        print(f"=== {label} (by cpu) ===\n{table}\n=== {label} (by cuda) ===\n{table_gpu}")
+        (out / f"{label}.txt").write_text(table + "\n\n" + table_gpu + "\n\n" + timeline(prof))
+        print(f"=== {label} (by cpu) ===\n{table}\n=== {label} (by cuda) ===\n{table_gpu}\n{timeline(prof)}")
 
     trace("W2_hot", lambda: llm.generate([inputs.prepare_chat(chat(hot, "profiled question?"))], one))
     trace("W1_cold", lambda: llm.generate([inputs.prepare_chat(chat(random_images([(448, 448)] * 8, seed=555), "d"))], one))

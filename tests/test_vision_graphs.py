@@ -36,8 +36,8 @@ class _BufferGraph:
         self.output.deepstack.copy_(out.deepstack)
 
 
-def buffer_capture(captured: list):
-    def capture(encode, pixels, grids):
+def buffer_capture(captured: list, encode):
+    def capture(pixels, grids):
         static = pixels.clone()
         output = encode(static, [list(g) for g in grids])
         captured.append(tuple(grids))
@@ -51,7 +51,7 @@ def pixels_for(grids, seed: int) -> torch.Tensor:
 
 def test_a_grid_list_is_captured_the_second_time_and_then_replayed():
     calls, captured = [], []
-    graphs = VisionGraphs(encoder(calls), max_graphs=2, capture=buffer_capture(captured))
+    graphs = VisionGraphs(encoder(calls), buffer_capture(captured, encoder([])), max_graphs=2)
     eager = encoder([])
     for seed in range(4):
         x = pixels_for(A, seed)
@@ -65,7 +65,7 @@ def test_a_grid_list_is_captured_the_second_time_and_then_replayed():
 
 def test_the_least_recently_used_grid_list_is_dropped():
     captured = []
-    graphs = VisionGraphs(encoder([]), max_graphs=1, capture=buffer_capture(captured))
+    graphs = VisionGraphs(encoder([]), buffer_capture(captured, encoder([])), max_graphs=1)
     for grids in (A, A, B, B, A):
         graphs.encode(pixels_for(grids, 1), grids)
     assert captured == [tuple(A), tuple(B), tuple(A)]  # B pushed A out; A, seen again, came back
@@ -73,7 +73,7 @@ def test_the_least_recently_used_grid_list_is_dropped():
 
 
 def test_replayed_features_are_the_callers_to_keep():
-    graphs = VisionGraphs(encoder([]), max_graphs=1, capture_after=1, capture=buffer_capture([]))
+    graphs = VisionGraphs(encoder([]), buffer_capture([], encoder([])), max_graphs=1, capture_after=1)
     first = graphs.encode(pixels_for(A, 1), A)
     kept = first.embeds.clone()
     graphs.encode(pixels_for(A, 2), A)  # the next replay rewrites the graph's buffers ...
@@ -83,11 +83,11 @@ def test_replayed_features_are_the_callers_to_keep():
 def test_a_capture_that_fails_is_logged_and_its_grids_stay_eager(caplog):
     calls, attempts = [], []
 
-    def failing_capture(encode, pixels, grids):
+    def failing_capture(pixels, grids):
         attempts.append(grids)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = VisionGraphs(encoder(calls), max_graphs=2, capture_after=1, capture=failing_capture)
+    graphs = VisionGraphs(encoder(calls), failing_capture, max_graphs=2, capture_after=1)
     with caplog.at_level(logging.ERROR, logger="prism.engine.vision_graphs"):
         for seed in range(3):
             x = pixels_for(A, seed)
@@ -98,4 +98,4 @@ def test_a_capture_that_fails_is_logged_and_its_grids_stay_eager(caplog):
 
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_graphs"):
-        VisionGraphs(encoder([]), max_graphs=0)
+        VisionGraphs(encoder([]), buffer_capture([], encoder([])), max_graphs=0)

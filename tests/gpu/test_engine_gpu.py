@@ -274,3 +274,31 @@ def test_vision_graphs_change_no_feature_and_no_token(ckpt_8b):
     print("vision graph replay bitwise equal to eager:", torch.equal(replayed.embeds, direct.embeds))
     del llm
     release_gpu_memory()
+
+
+def test_steps_queue_their_inputs_without_waiting_for_the_device(ckpt_8b):
+    """A prefix hit's step (a tail-page copy, then the question in a packed graph) and a cold 8-image step (the
+    vision encoder, then an eager forward over 1,600 tokens) queue every input without a stream sync
+    (`ops/host_copy.py`): under `set_sync_debug_mode("error")` any synchronizing call in a step raises."""
+    llm = engine(ckpt_8b, "fp8")
+    one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
+    seen = random_images([(448, 448)] * 8, seed=60)
+    llm.generate([chat(*seen, "First question?")], one)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def without_syncs(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    runner.execute = without_syncs
+    hot = llm.generate([chat(*seen, "A second question about them?")], one)[0]
+    assert hot.cached_tokens > 0
+    packed = runner.stats.packed_graph_steps
+    cold = llm.generate([chat(*random_images([(448, 448)] * 8, seed=61), "Describe them.")], one)[0]
+    assert cold.cached_tokens == 0 and runner.stats.packed_graph_steps == packed, "the cold step must run eagerly"
+    del llm
+    release_gpu_memory()

@@ -12,6 +12,7 @@ Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
 from ..ops.attention_metadata import PagedAttentionMetadata
 from ..ops.dispatch import kernels_override
+from ..ops.host_copy import to_device
 from ..ops.paged_attention import PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
 from .cuda_graphs import GraphRows, RowGraphs
@@ -41,7 +43,7 @@ from .step_payload import (
     media_slices,
     media_work,
 )
-from .vision_graphs import VisionGraphs
+from .vision_graphs import VisionGraphs, capture_encoder
 
 # Prefill tokens x their context lengths that a graph step may take as rows: a 64-row decode at 2K contexts.
 MAX_GRAPH_PREFILL_KEY_READS = 64 * 2048
@@ -132,8 +134,9 @@ class ModelRunner:
             self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
                                     cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
             self.graphs.capture()
-        self.vision_graphs = (VisionGraphs(model.encode_media, max_graphs=vision_graphs)
-                              if vision_graphs and self.device.type == "cuda" and not deterministic else None)
+        self.vision_graphs = (
+            VisionGraphs(model.encode_media, functools.partial(capture_encoder, model.visual), max_graphs=vision_graphs)
+            if vision_graphs and self.device.type == "cuda" and not deterministic else None)
         self.packed: PackedGraphs | None = None
         if use_packed:
             self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
@@ -264,11 +267,11 @@ class ModelRunner:
             self.page_size, self.device,
         )
         logits = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            torch.cat([p.positions for p in pieces], dim=1).to(self.device),
+            to_device(torch.tensor(ids, dtype=torch.int64), self.device),
+            to_device(torch.cat([p.positions for p in pieces], dim=1), self.device),
             PagedKVBackend(self.gpu_pool, meta, prefill_kernel=not self.deterministic),
             multimodal=self._place_media(forward.media, features),
-            logits_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            logits_indices=to_device(torch.tensor(rows, dtype=torch.int64), self.device),
         )
         self.stats.steps += 1
         self.stats.tokens_computed += offset
@@ -328,7 +331,7 @@ class ModelRunner:
             embeds.append(item_embeds[m.offset : m.offset + m.length])
             deepstack.append(item_deepstack[:, m.offset : m.offset + m.length])
         return MultimodalEmbeddings(
-            token_index=torch.cat(token_index).to(self.device),
+            token_index=to_device(torch.cat(token_index), self.device),
             embeds=torch.cat(embeds),
             deepstack=torch.cat(deepstack, dim=1),
         )

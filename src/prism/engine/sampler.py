@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import host_copy
 from .sampling import SamplingParams
 
 
@@ -124,10 +125,8 @@ def _needs_filter(p: SamplingParams, vocab: int) -> bool:
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list (or host tensor) on `device` without waiting for the device: a blocking host-to-device
     copy waits for all queued work, which under async scheduling is the whole step in flight."""
-    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host_copy.to_device(values.to(dtype) if isinstance(values, torch.Tensor)
+                               else torch.tensor(values, dtype=dtype), device)
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -24,21 +24,24 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.vision import Grid, VisionOutput
+from ..model.vision import Grid, GridMetadata, VisionEncoder, VisionOutput
 
 log = logging.getLogger(__name__)
 
 Encode = Callable[[torch.Tensor, Sequence[Sequence[int]]], VisionOutput]
+Capture = Callable[[torch.Tensor, Sequence[Grid]], "CapturedEncoder"]
 _MAX_COUNTED = 256  # grid lists whose encodings are counted toward a capture
 
 
 @dataclass
 class CapturedEncoder:
-    """A captured encoder call: `pixels` is its input buffer, `output` its output buffers."""
+    """A captured encoder call: `pixels` is its input buffer, `output` its output buffers, `meta` the grid
+    metadata it reads (device tensors made before the capture, kept alive with the graph)."""
 
     graph: torch.cuda.CUDAGraph
     pixels: torch.Tensor
     output: VisionOutput
+    meta: GridMetadata | None = None
 
     def run(self, pixels: torch.Tensor) -> VisionOutput:
         self.pixels.copy_(pixels)
@@ -47,28 +50,28 @@ class CapturedEncoder:
         return VisionOutput(out.embeds.clone(), out.deepstack.clone(), out.tokens_per_item)
 
 
-def capture_encoder(encode: Encode, pixels: torch.Tensor, grids: Sequence[Grid]) -> CapturedEncoder:
-    """`encode(pixels, grids)` captured in a CUDA graph of its own (private memory pool), after two eager runs
-    on a side stream that build cuBLAS / cuDNN plans and settle the allocations outside the capture."""
+def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence[Grid]) -> CapturedEncoder:
+    """`visual` over patches of `grids` captured in a CUDA graph of its own (private memory pool). The grid
+    metadata (host work and copies, which a capture cannot hold) is made first; two eager runs on a side stream
+    then build the cuBLAS / cuDNN plans and settle the allocations outside the capture."""
+    meta = visual.grid_metadata([list(g) for g in grids])
     static = pixels.clone()
-    grid_list = [list(g) for g in grids]
     side = torch.cuda.Stream(device=static.device)
     side.wait_stream(torch.cuda.current_stream(static.device))
     with torch.cuda.stream(side):
         for _ in range(2):
-            encode(static, grid_list)
+            visual.encode(static, meta)
     torch.cuda.current_stream(static.device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        output = encode(static, grid_list)
-    return CapturedEncoder(graph, static, output)
+        output = visual.encode(static, meta)
+    return CapturedEncoder(graph, static, output, meta)
 
 
 class VisionGraphs:
     """Encodes through captured graphs where a grid list is held, else eagerly (see the module docstring)."""
 
-    def __init__(self, encode: Encode, *, max_graphs: int, capture_after: int = 2,
-                 capture: Callable[[Encode, torch.Tensor, Sequence[Grid]], CapturedEncoder] = capture_encoder) -> None:
+    def __init__(self, encode: Encode, capture: Capture, *, max_graphs: int, capture_after: int = 2) -> None:
         if max_graphs < 1 or capture_after < 1:
             raise ValueError(f"max_graphs and capture_after must be >= 1, got {max_graphs}, {capture_after}")
         self.encode_eagerly = encode
@@ -105,7 +108,7 @@ class VisionGraphs:
 
     def _capture_held(self, key: tuple[Grid, ...], pixels: torch.Tensor) -> CapturedEncoder | None:
         try:
-            captured = self._capture(self.encode_eagerly, pixels, key)
+            captured = self._capture(pixels, key)
         except Exception:  # a capture failing (an op that cannot be captured) costs the speed, not the request
             log.exception("could not capture the vision encoder for grids %s; they stay eager", list(key))
             self._uncapturable.add(key)

@@ -97,7 +97,8 @@ def execute_plan(plan: TransferPlan, gpu: KVPool, cpu: KVPool | None) -> None:
     device = gpu.payload.device
 
     def idx(values: list[int], on: torch.device) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=on)
+        # On the host: the copy functions check the indices there, then move them without a sync.
+        return torch.tensor(values, dtype=torch.int64)
 
     if plan.swap_in or plan.swap_out:
         if cpu is None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.host_copy import to_device
+
 
 @dataclass(frozen=True, eq=False)  # holds tensors: identity equality
 class PatchPixels:
@@ -38,8 +40,8 @@ class PatchPixels:
 
     def normalized(self, device: torch.device | str | None = None) -> torch.Tensor:
         """float32 [rows, cols] on `device` (default: where the patches are)."""
-        patches = self.patches if device is None else self.patches.to(device, non_blocking=True)
-        table = self.table.to(patches.device, non_blocking=True)
+        patches = self.patches if device is None else to_device(self.patches, device)
+        table = to_device(self.table, patches.device)
         channels = table.shape[0]
         column_base = torch.arange(channels, device=patches.device).repeat_interleave(patches.shape[1] // channels)
         return table.flatten()[patches.to(torch.int64) + column_base * 256]
@@ -49,4 +51,4 @@ def pixels_on(pixels: PatchPixels | torch.Tensor, device: torch.device | str) ->
     """float32 pixel values on `device`, from uint8 patches (images) or float32 ones (videos)."""
     if isinstance(pixels, PatchPixels):
         return pixels.normalized(device)
-    return pixels.to(device, non_blocking=True)
+    return to_device(pixels, device)

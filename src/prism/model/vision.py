@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.host_copy import to_device
 from ..ops.vision_rope import vision_rope
 from .attention import dense_varlen_attention
 from .config import VisionConfig
@@ -77,6 +78,20 @@ class VisionOutput:
     embeds: torch.Tensor
     deepstack: torch.Tensor
     tokens_per_item: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GridMetadata:
+    """The items' grids and what the encoder derives from them: bilinear taps [P, 4] and weights [P, 4] into
+    the learned position grid, rotary cos / sin [P, head_dim / 2] (fp32), attention segment lengths (one per
+    frame of each item). All but the lengths on the encoder's device."""
+
+    grids: tuple[Grid, ...]
+    taps: torch.Tensor
+    tap_weights: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    seq_lens: tuple[int, ...]
 
 
 def _act(name: str):
@@ -158,22 +173,29 @@ class VisionEncoder(nn.Module):
         steps = torch.arange(0, rot_dim, 2, dtype=torch.float32, device="cpu")
         self._inv_freq = 1.0 / (cfg.rope_theta ** (steps / rot_dim))
 
-    def grid_metadata(self, grids: Sequence[Grid], device: torch.device):
-        """Interpolation taps/weights, rotary cos/sin (fp32) and per-frame segment lengths."""
+    def grid_metadata(self, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> GridMetadata:
+        """Everything the encoder needs to know of the items' grids, on its device (host work and host-to-device
+        copies: done before a CUDA graph capture, not inside it)."""
+        grids = normalize_grids(grid_thw)
+        device = self.patch_embed.weight.device
         side, merge = self.cfg.num_grid_per_side, self.cfg.spatial_merge_size
         metas = [_grid_meta(t, h, w, side, merge) for t, h, w in grids]
-        idx = torch.cat([m[0] for m in metas]).to(device, non_blocking=True)
-        wts = torch.cat([m[1] for m in metas]).to(device, non_blocking=True)
+        idx = to_device(torch.cat([m[0] for m in metas]), device)
+        wts = to_device(torch.cat([m[1] for m in metas]), device)
         pos = torch.cat([m[2] for m in metas]).to(torch.float32)
         freqs = (pos[:, :, None] * self._inv_freq).flatten(1)  # [P, rot_dim]: h freqs then w freqs
-        emb = torch.cat((freqs, freqs), dim=-1).to(device, non_blocking=True)
-        seq_lens = [h * w for t, h, w in grids for _ in range(t)]
-        return idx, wts, emb.cos(), emb.sin(), seq_lens
+        emb = to_device(torch.cat((freqs, freqs), dim=-1), device)
+        seq_lens = tuple(h * w for t, h, w in grids for _ in range(t))
+        return GridMetadata(grids, idx, wts, emb.cos(), emb.sin(), seq_lens)
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]
     ) -> VisionOutput:
-        grids = normalize_grids(grid_thw)
+        return self.encode(pixel_values, self.grid_metadata(grid_thw))
+
+    def encode(self, pixel_values: torch.Tensor, meta: GridMetadata) -> VisionOutput:
+        """The encoder over patches of the grids `meta` describes: device work only (CUDA-graph capturable)."""
+        grids = meta.grids
         n_patches = sum(t * h * w for t, h, w in grids)
         if pixel_values.dim() != 2 or pixel_values.shape != (n_patches, self.cfg.patch_dim):
             raise ValueError(
@@ -181,14 +203,12 @@ class VisionEncoder(nn.Module):
                 f"got {tuple(pixel_values.shape)}"
             )
         dtype = self.patch_embed.weight.dtype
-        device = self.patch_embed.weight.device
-        idx, wts, cos, sin, seq_lens = self.grid_metadata(grids, device)
-        x = self.patch_embed(pixel_values.to(device=device, dtype=dtype))
-        pos = (self.pos_embed(idx) * wts[:, :, None]).sum(1)
+        x = self.patch_embed(pixel_values.to(device=self.patch_embed.weight.device, dtype=dtype))
+        pos = (self.pos_embed(meta.taps) * meta.tap_weights[:, :, None]).sum(1)
         x = x + pos.to(dtype)
         deepstack = []
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, seq_lens)
+            x = blk(x, meta.cos, meta.sin, meta.seq_lens)
             j = self._deepstack_at.get(i)
             if j is not None:
                 deepstack.append(self.deepstack_mergers[j](x))

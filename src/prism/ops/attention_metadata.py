@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_copy import to_device
+
 _INDEX = torch.int64
 
 
@@ -137,8 +139,8 @@ class PagedAttentionMetadata:
         qsl[1:] = torch.cumsum(torch.tensor(ql, dtype=_INDEX), 0)
         dev = torch.device(device)
         max_page = max((max(t, default=0) for t in tables), default=0)
-        return cls(qsl.to(dev), torch.tensor(cl, dtype=_INDEX).to(dev), block_table.to(dev),
-                   slot_mapping.to(dev), ql, cl, page_size, max_page)
+        return cls(to_device(qsl, dev), to_device(torch.tensor(cl, dtype=_INDEX), dev), to_device(block_table, dev),
+                   to_device(slot_mapping, dev), ql, cl, page_size, max_page)
 
     @property
     def num_seqs(self) -> int:

@@ -30,6 +30,7 @@ import torch
 
 from ..kv.fp8 import KVLayout, KVPool
 from .dispatch import want_triton
+from .host_copy import to_device
 
 try:
     import triton
@@ -134,7 +135,7 @@ def copy_page_rows_reference(pool: KVPool, src_pages: IndexLike, dst_pages: Inde
     if s.numel() == 0:
         return
     dev = pool.device
-    s, d, r = s.to(dev), d.to(dev), r.to(dev)
+    s, d, r = to_device(s, dev), to_device(d, dev), to_device(r, dev)
     slot_mask = torch.arange(pool.layout.page_size, device=dev)[None, :] < r[:, None]  # [n, S]
     for t in _pool_tensors(pool):
         src_block = t.index_select(2, s)  # [2, L, n, S, ...]
@@ -149,7 +150,7 @@ def compact_pages_reference(pool: KVPool, src_pages: IndexLike, dst_pages: Index
     s, d = _validate_page_move(pool.layout, pool.layout, src_pages, dst_pages)
     if s.numel() == 0:
         return
-    s, d = s.to(pool.device), d.to(pool.device)
+    s, d = to_device(s, pool.device), to_device(d, pool.device)
     for t in _pool_tensors(pool):
         t.index_copy_(2, d, t.index_select(2, s))  # index_select materializes the snapshot
 
@@ -163,7 +164,7 @@ def swap_pages(src_pool: KVPool, dst_pool: KVPool, src_pages: IndexLike, dst_pag
     s, d = _validate_page_move(src_pool.layout, dst_pool.layout, src_pages, dst_pages)
     if s.numel() == 0:
         return
-    s, d = s.to(src_pool.device), d.to(dst_pool.device)
+    s, d = to_device(s, src_pool.device), to_device(d, dst_pool.device)
     for src_t, dst_t in zip(_pool_tensors(src_pool), _pool_tensors(dst_pool), strict=True):
         block = src_t.index_select(2, s).to(dst_pool.device)
         dst_t.index_copy_(2, d, block)
@@ -297,7 +298,7 @@ def copy_page_rows(pool: KVPool, src_pages: IndexLike, dst_pages: IndexLike, row
     if s.numel() == 0:
         return
     dev = pool.device
-    _launch_copy(pool.payload, pool.payload, pool.scales, pool.scales, s.to(dev), d.to(dev), r.to(dev),
+    _launch_copy(pool.payload, pool.payload, pool.scales, pool.scales, to_device(s, dev), to_device(d, dev), to_device(r, dev),
                  pool.layout)
 
 

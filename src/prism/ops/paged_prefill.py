@@ -23,6 +23,7 @@ import torch
 from ..kv.fp8 import KVPool
 from . import kv_write
 from .attention_metadata import PagedAttentionMetadata
+from .host_copy import to_device
 from .kv_write import HAVE_TRITON, _want_triton, device_context
 from .paged_attention import (
     _MAX_SPLITS as _MAX_DECODE_SPLITS,
@@ -143,7 +144,7 @@ class PrefillLaunch:
     def __init__(self, query_lens, context_lens, group: int, device: torch.device):
         self.group = group
         self.tokens = tokens_per_block(group)
-        self.blocks = prefill_blocks(query_lens, context_lens, self.tokens).to(device, non_blocking=True)
+        self.blocks = to_device(prefill_blocks(query_lens, context_lens, self.tokens), device)
 
     @classmethod
     def static(cls, group: int, blocks: torch.Tensor) -> PrefillLaunch:
