@@ -297,8 +297,9 @@ def test_steps_queue_their_inputs_without_waiting_for_the_device(ckpt_8b):
     runner.execute = without_syncs
     hot = llm.generate([chat(*seen, "A second question about them?")], one)[0]
     assert hot.cached_tokens > 0
-    packed = runner.stats.packed_graph_steps
-    cold = llm.generate([chat(*random_images([(448, 448)] * 8, seed=61), "Describe them.")], one)[0]
-    assert cold.cached_tokens == 0 and runner.stats.packed_graph_steps == packed, "the cold step must run eagerly"
+    packed, encoded = runner.stats.packed_graph_steps, runner.stats.vision_items_encoded
+    llm.generate([chat(*random_images([(448, 448)] * 8, seed=61), "Describe them.")], one)
+    assert runner.stats.vision_items_encoded == encoded + 8, "the cold step must encode its images"
+    assert runner.stats.packed_graph_steps == packed, "the cold step (1,600 tokens) must run eagerly"
     del llm
     release_gpu_memory()
