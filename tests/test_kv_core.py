@@ -102,6 +102,28 @@ def test_hit_inside_an_image_snaps_to_the_image_start() -> None:
     world.check_all()
 
 
+def test_a_hit_looked_up_before_the_index_changed_is_looked_up_again() -> None:
+    """The scheduler hands `admit` the hit it just looked up; a hit found before any change of the index (here a
+    page of it forgotten, as when the pool reuses it) is never attached: admit looks up again."""
+    world = KVWorld(num_gpu_pages=16, page_size=4)
+    tokens = list(range(1, 13))
+    world.admit(1, SeqContent(list(tokens)), 12)
+    world.step()
+    world.release(1)
+    manager = world.manager
+    content = SeqContent(list(tokens))
+    fresh = manager.lookup(content)
+    assert manager.admission_cost(content, 4, hit=fresh)[0] is fresh  # unchanged index: reused as it is
+    stale = manager.lookup(content)
+    forgotten = stale.shared_pages[1]
+    manager.index.forget_page(forgotten)
+    seq = manager.admit(2, content, 4, hit=stale)
+    assert forgotten not in [page for _, page in seq.pages], "a page of a stale hit was attached"
+    assert seq.num_computed == 4 < stale.num_tokens
+    world.step()
+    world.check_all()
+
+
 def test_eviction_drops_idle_private_tails_first_then_lowest_benefit() -> None:
     world = KVWorld(num_gpu_pages=10, page_size=4)
     world.admit(1, SeqContent([1, 2, 3, 4, 5, 6]), 6)  # one full page + a 2-row tail

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from ..kv.content import SeqContent
 from ..kv.manager import REUSE_FALLBACKS, KVCacheManager
 from ..kv.pages import OutOfPages
+from ..kv.prefix import PrefixHit
 from ..kv.transfers import PlanConflict
 from .config import EngineConfig
 from .request import Request, RequestState
@@ -140,7 +141,7 @@ class Scheduler:
                     out.media_ahead.extend(ahead)
                     out.media_ahead_for = request
                 break  # admitted once its features are ready; FCFS: nobody overtakes it meanwhile
-            admitted = self._admit(request, content, budget, hit.num_tokens)
+            admitted = self._admit(request, content, budget, hit)
             if admitted is None:
                 break  # wait for running requests to finish or be preempted
             seq, end = admitted
@@ -190,20 +191,20 @@ class Scheduler:
                 end = snap_chunk_end(content, start, start + limit)
         return end
 
-    def _admit(self, request: Request, content: SeqContent, budget: int, hit_tokens: int):
+    def _admit(self, request: Request, content: SeqContent, budget: int, whole_hit: PrefixHit):
         """Admit with the whole prefix hit; when nothing runs or waits swapped (so waiting cannot free
         room), fall back to reusing less: a hit pins its pages and a tail page's source, so it can need
         more room than recomputing (liveness: a prompt that fits the pool cold must be admitted).
-        `hit_tokens`: the whole hit, already looked up. Returns (the admitted sequence, its chunk's end), or
+        `whole_hit`: `kv.lookup(content)`, just done. Returns (the admitted sequence, its chunk's end), or
         None to wait."""
         fallbacks = REUSE_FALLBACKS if not self.running and not self.swapped else REUSE_FALLBACKS[:1]
         for reuse in fallbacks:
-            start = hit_tokens if reuse == "all" else self.kv.lookup(content, reuse).num_tokens
-            end = self._chunk_end(request, content, start, budget)
-            if end <= start:
+            hit = whole_hit if reuse == "all" else self.kv.lookup(content, reuse)
+            end = self._chunk_end(request, content, hit.num_tokens, budget)
+            if end <= hit.num_tokens:
                 continue
             try:
-                return self.kv.admit(request.request_id, content, end - start, reuse=reuse), end
+                return self.kv.admit(request.request_id, content, end - hit.num_tokens, reuse=reuse, hit=hit), end
             except OutOfPages:
                 continue
         return None

@@ -21,7 +21,7 @@ This is the only way pages change hands, so it is where the invariants meet:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .content import SeqContent
@@ -118,9 +118,12 @@ class KVCacheManager:
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def admission_cost(self, content: SeqContent, reserve_tokens: int, reuse: Reuse = "all") -> tuple[PrefixHit, int]:
-        """The prefix hit and the number of new GPU pages admitting `content` would allocate."""
-        hit = self.lookup(content, reuse)
+    def admission_cost(self, content: SeqContent, reserve_tokens: int, reuse: Reuse = "all",
+                       hit: PrefixHit | None = None) -> tuple[PrefixHit, int]:
+        """The prefix hit and the number of new GPU pages admitting `content` would allocate. `hit`: what
+        `lookup(content, reuse)` returned, reused while the index has not changed since (else looked up again)."""
+        if hit is None or hit.index_version != self.index.version:
+            hit = self.lookup(content, reuse)
         total = self._pages_for(min(hit.num_tokens + reserve_tokens, len(content)))
         return hit, total - len(hit.shared_pages)
 
@@ -128,20 +131,22 @@ class KVCacheManager:
     def lookup(self, content: SeqContent, reuse: Reuse = "all") -> PrefixHit:
         """The reusable prefix, leaving at least the last prompt token to compute. `reuse` narrows it:
         "whole_pages" drops a partial tail page, "none" reuses nothing (see `REUSE_FALLBACKS`)."""
+        version = self.index.version
         if not self.enable_prefix_cache or reuse == "none":
-            return PrefixHit((), (), None, 0, self.page_size)
+            return PrefixHit((), (), None, 0, self.page_size, version)
         hit = self.index.lookup(content, self.root, len(content) - 1)
         if (self.page_aligned_hits or reuse == "whole_pages") and hit.tail_source is not None:
             tokens = len(hit.shared_pages) * self.page_size
             while (span := content.span_containing(tokens)) is not None:  # never end inside an image
                 tokens = span.start // self.page_size * self.page_size
             pages = tokens // self.page_size
-            return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size)
-        return hit
+            return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, version)
+        return replace(hit, index_version=version)
 
-    def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int, *, reuse: Reuse = "all") -> SeqKV:
-        """Attach the cached prefix (`lookup(content, reuse)`) and reserve pages for up to `reserve_tokens`
-        positions after it.
+    def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int, *, reuse: Reuse = "all",
+              hit: PrefixHit | None = None) -> SeqKV:
+        """Attach the cached prefix (`lookup(content, reuse)`; `hit` if the caller just looked it up, reused
+        while the index has not changed since) and reserve pages for up to `reserve_tokens` positions after it.
 
         Raises OutOfPages (changing nothing) when even evicting every cache entry would not make room. A hit
         can need MORE room than no hit (its pages and a tail page's source are pinned while a private tail
@@ -153,7 +158,7 @@ class KVCacheManager:
             raise SequenceError("cannot admit an empty sequence")
         if reserve_tokens < 0:
             raise SequenceError(f"reserve_tokens={reserve_tokens} is negative")
-        hit, new_pages = self.admission_cost(content, reserve_tokens, reuse)
+        hit, new_pages = self.admission_cost(content, reserve_tokens, reuse, hit)
         if not self.can_allocate(new_pages, hit.pages_read):
             raise OutOfPages(f"admitting sequence {seq_id} needs {new_pages} new pages")
         seq = SeqKV(seq_id, content, num_computed=hit.num_tokens, keys=list(hit.keys), num_cached=hit.num_tokens)

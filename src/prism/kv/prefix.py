@@ -43,6 +43,7 @@ class PrefixHit:
     tail_source: int | None
     tail_rows: int
     page_size: int
+    index_version: int = -1  # `PrefixIndex.version` when found (-1: unknown): a later change of the index voids it
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +89,7 @@ class PrefixIndex:
         self._by_key: dict[bytes, PageRecord] = {}
         self._by_page: dict[int, PageRecord] = {}
         self._children: dict[bytes, TailSources] = {}  # parent key -> the pages recorded after it
+        self.version = 0  # counts every change of what a lookup can return
 
     def __len__(self) -> int:
         return len(self._by_page)
@@ -118,6 +120,7 @@ class PrefixIndex:
         record = PageRecord(page, parent, tokens, media, key)
         self._by_key[key] = record
         self._add(record)
+        self.version += 1
         return key
 
     def publish_partial(self, page: int, parent: bytes, tokens: tuple[int, ...], media: tuple[MediaRun, ...]) -> None:
@@ -128,6 +131,7 @@ class PrefixIndex:
         if old is not None and (old.key is not None or old.parent != parent or len(old.tokens) >= len(tokens)):
             return
         # The same page grown by the rows computed since (its recorded rows unchanged): code only the new rows.
+        self.version += 1
         if old is not None and tokens[: len(old.tokens)] == old.tokens and all(run in media for run in old.media):
             self._by_page[page] = PageRecord(page, parent, tokens, media, None)
             self._children[parent].put(page, tokens, media, known_rows=len(old.tokens))
@@ -147,6 +151,7 @@ class PrefixIndex:
         record = self._by_page.pop(page, None)
         if record is None:
             return
+        self.version += 1
         if record.key is not None and self._by_key.get(record.key) is record:
             del self._by_key[record.key]
         siblings = self._children.get(record.parent)
