@@ -45,7 +45,9 @@ def spec_pixel_keys_identify_the_picture(data, arr) -> None:
     assert rgbx is not None and np.array_equal(rgbx[..., :3], arr), "the exported storage is not the pixels"
     remade = Image.fromarray(arr.copy()).convert("RGBA").convert("RGB")
     assert pixels_digest(img) == pixels_digest(remade), "one picture made two ways got two keys"
-    assert pixels_digest(arr) == pixels_digest(np.ascontiguousarray(arr[:, ::-1][:, ::-1]))
+    wide = np.zeros((arr.shape[0], 2 * arr.shape[1], 3), dtype=np.uint8)
+    wide[:, ::2] = arr
+    assert pixels_digest(arr) == pixels_digest(wide[:, ::2]), "a strided view of the same pixels got another key"
     other = data.draw(neighbours(arr))
     assert pixels_digest(Image.fromarray(other)) != pixels_digest(img), \
         f"pictures {arr.shape} and {other.shape} differ but share a key"

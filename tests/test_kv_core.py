@@ -114,6 +114,7 @@ def test_a_hit_looked_up_before_the_index_changed_is_looked_up_again() -> None:
     content = SeqContent(list(tokens))
     fresh = manager.lookup(content)
     assert manager.admission_cost(content, 4, hit=fresh)[0] is fresh  # unchanged index: reused as it is
+    assert manager.admission_cost(content, 4, "whole_pages", hit=fresh)[0] is not fresh  # found for another query
     stale = manager.lookup(content)
     forgotten = stale.shared_pages[1]
     manager.index.forget_page(forgotten)

@@ -109,3 +109,16 @@ def test_an_image_pillow_does_not_export_is_keyed_as_its_array(monkeypatch):
     exported = pixels_digest(img)
     monkeypatch.setattr(digest_mod, "exported_rgbx", lambda image: None)
     assert pixels_digest(img) == pixels_digest(np.asarray(img)) != exported
+
+
+def test_padded_rows_are_never_read_as_pixels():
+    """With a row alignment above 1 Pillow may pad rows; a W*H*4 buffer would then not be the image: refused."""
+    old = Image.core.get_alignment()
+    Image.core.set_alignment(64)
+    try:
+        arr = _pixels(5, 3, seed=7)  # 12-byte rows
+        img = Image.fromarray(arr)
+        assert exported_rgbx(img) is None
+        assert pixels_digest(img) == pixels_digest(arr)  # keyed as its pixels copied, under the arrays' scheme
+    finally:
+        Image.core.set_alignment(old)

@@ -99,3 +99,20 @@ def test_a_capture_that_fails_is_logged_and_its_grids_stay_eager(caplog):
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_graphs"):
         VisionGraphs(encoder([]), buffer_capture([], encoder([])), max_graphs=0)
+
+
+def test_a_capture_out_of_memory_is_tried_again_later(caplog):
+    attempts = []
+
+    def capture(pixels, grids):
+        attempts.append(grids)
+        if len(attempts) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return buffer_capture([], encoder([]))(pixels, grids)
+
+    graphs = VisionGraphs(encoder([]), capture, max_graphs=1)
+    with caplog.at_level(logging.WARNING, logger="prism.engine.vision_graphs"):
+        for seed in range(4):
+            graphs.encode(pixels_for(A, seed), A)
+    assert len(attempts) == 2 and graphs.captures == 1 and A in graphs  # 2nd encoding failed, 4th captured
+    assert "out of memory" in caplog.text

@@ -295,11 +295,15 @@ def test_steps_queue_their_inputs_without_waiting_for_the_device(ckpt_8b):
             torch.cuda.set_sync_debug_mode(0)
 
     runner.execute = without_syncs
+    packed = runner.stats.packed_graph_steps
     hot = llm.generate([chat(*seen, "A second question about them?")], one)[0]
-    assert hot.cached_tokens > 0
-    packed, encoded = runner.stats.packed_graph_steps, runner.stats.vision_items_encoded
-    llm.generate([chat(*random_images([(448, 448)] * 8, seed=61), "Describe them.")], one)
+    # A step that raised (a sync under the debug mode) ends its request with an error instead of a token.
+    assert hot.error is None and len(hot.token_ids) == 1, hot.error
+    assert hot.cached_tokens > 0 and runner.stats.packed_graph_steps == packed + 1, "the hit's step is a packed graph"
+    encoded = runner.stats.vision_items_encoded
+    cold = llm.generate([chat(*random_images([(448, 448)] * 8, seed=61), "Describe them.")], one)[0]
+    assert cold.error is None and len(cold.token_ids) == 1, cold.error
     assert runner.stats.vision_items_encoded == encoded + 8, "the cold step must encode its images"
-    assert runner.stats.packed_graph_steps == packed, "the cold step (1,600 tokens) must run eagerly"
+    assert runner.stats.packed_graph_steps == packed + 1, "the cold step (1,600 tokens) must run eagerly"
     del llm
     release_gpu_memory()

@@ -71,8 +71,8 @@ class EngineConfig:
     # buffer per bucket (bf16, rows x vocabulary: ~58 MB in all for the default 64 rows of Qwen3-VL).
     cascade_attention_min_batch: int = 8
     # Lists of item grids (the sizes of a step's images) whose vision encoding is replayed as a CUDA graph once
-    # seen twice, the least recently used dropped beyond this many (`engine/vision_graphs.py`); each holds the
-    # encoder's activations for its patches (8 images of 448x448: a few hundred MB). 0: the encoder runs eagerly.
+    # seen twice, the least recently used dropped beyond this many (`engine/vision_graphs.py`); they share one memory
+    # pool of the encoder's activations (8 images of 448x448: a few hundred MB). 0: the encoder runs eagerly.
     vision_cuda_graphs: int = 4
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).

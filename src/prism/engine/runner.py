@@ -135,7 +135,9 @@ class ModelRunner:
                                     cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
             self.graphs.capture()
         self.vision_graphs = (
-            VisionGraphs(model.encode_media, functools.partial(capture_encoder, model.visual), max_graphs=vision_graphs)
+            VisionGraphs(model.encode_media,
+                         functools.partial(capture_encoder, model.visual, pool=torch.cuda.graph_pool_handle()),
+                         max_graphs=vision_graphs)
             if vision_graphs and self.device.type == "cuda" and not deterministic else None)
         self.packed: PackedGraphs | None = None
         if use_packed:

@@ -10,7 +10,10 @@ grid list replays for any pixels of that list: the same sizes of images, new pic
   at most `max_graphs` lists are held, the least recently used one dropped with its memory.
 - The pixels are copied into the graph's input buffer, and the features cloned out of its output buffers at
   once: the encoder cache keeps them beyond the next replay.
-- A capture that fails is logged, and that grid list stays eager.
+- The graphs share one memory pool (the runner's): replays run one at a time on one stream and nothing reads a
+  graph's buffers after its replay but the clone, so the activations of one list may reuse another's memory.
+- A capture that fails is logged, and that grid list stays eager; one that ran out of memory is tried again
+  after `capture_after` more encodings of the list.
 The runner does not use it in deterministic mode: captured kernels may be other algorithms than the eager
 ones, and there an item's features must not depend on how it was encoded.
 """
@@ -50,8 +53,9 @@ class CapturedEncoder:
         return VisionOutput(out.embeds.clone(), out.deepstack.clone(), out.tokens_per_item)
 
 
-def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence[Grid]) -> CapturedEncoder:
-    """`visual` over patches of `grids` captured in a CUDA graph of its own (private memory pool). The grid
+def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence[Grid], *,
+                    pool: tuple | None = None) -> CapturedEncoder:
+    """`visual` over patches of `grids` captured in a CUDA graph (in memory pool `pool`, else a private one). The grid
     metadata (host work and copies, which a capture cannot hold) is made first; two eager runs on a side stream
     then build the cuBLAS / cuDNN plans and settle the allocations outside the capture."""
     meta = visual.grid_metadata([list(g) for g in grids])
@@ -63,7 +67,7 @@ def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence
             visual.encode(static, meta)
     torch.cuda.current_stream(static.device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         output = visual.encode(static, meta)
     return CapturedEncoder(graph, static, output, meta)
 
@@ -109,6 +113,10 @@ class VisionGraphs:
     def _capture_held(self, key: tuple[Grid, ...], pixels: torch.Tensor) -> CapturedEncoder | None:
         try:
             captured = self._capture(pixels, key)
+        except torch.cuda.OutOfMemoryError:  # memory may free up: count the list's encodings again
+            log.warning("out of memory capturing the vision encoder for grids %s; eager for now", list(key))
+            self._counts[key] = 0
+            return None
         except Exception:  # a capture failing (an op that cannot be captured) costs the speed, not the request
             log.exception("could not capture the vision encoder for grids %s; they stay eager", list(key))
             self._uncapturable.add(key)

@@ -122,7 +122,7 @@ class KVCacheManager:
                        hit: PrefixHit | None = None) -> tuple[PrefixHit, int]:
         """The prefix hit and the number of new GPU pages admitting `content` would allocate. `hit`: what
         `lookup(content, reuse)` returned, reused while the index has not changed since (else looked up again)."""
-        if hit is None or hit.index_version != self.index.version:
+        if hit is None or hit.found_for != (self.index.version, len(content), reuse):
             hit = self.lookup(content, reuse)
         total = self._pages_for(min(hit.num_tokens + reserve_tokens, len(content)))
         return hit, total - len(hit.shared_pages)
@@ -131,17 +131,17 @@ class KVCacheManager:
     def lookup(self, content: SeqContent, reuse: Reuse = "all") -> PrefixHit:
         """The reusable prefix, leaving at least the last prompt token to compute. `reuse` narrows it:
         "whole_pages" drops a partial tail page, "none" reuses nothing (see `REUSE_FALLBACKS`)."""
-        version = self.index.version
+        query = (self.index.version, len(content), reuse)
         if not self.enable_prefix_cache or reuse == "none":
-            return PrefixHit((), (), None, 0, self.page_size, version)
+            return PrefixHit((), (), None, 0, self.page_size, query)
         hit = self.index.lookup(content, self.root, len(content) - 1)
         if (self.page_aligned_hits or reuse == "whole_pages") and hit.tail_source is not None:
             tokens = len(hit.shared_pages) * self.page_size
             while (span := content.span_containing(tokens)) is not None:  # never end inside an image
                 tokens = span.start // self.page_size * self.page_size
             pages = tokens // self.page_size
-            return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, version)
-        return replace(hit, index_version=version)
+            return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, query)
+        return replace(hit, found_for=query)
 
     def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int, *, reuse: Reuse = "all",
               hit: PrefixHit | None = None) -> SeqKV:

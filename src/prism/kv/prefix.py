@@ -43,7 +43,9 @@ class PrefixHit:
     tail_source: int | None
     tail_rows: int
     page_size: int
-    index_version: int = -1  # `PrefixIndex.version` when found (-1: unknown): a later change of the index voids it
+    # What the KV manager found it for: (`PrefixIndex.version` then, content length, reuse mode); None if unknown.
+    # A hit is reused only for the same query on an unchanged index.
+    found_for: tuple[int, int, str] | None = None
 
     @property
     def num_tokens(self) -> int:

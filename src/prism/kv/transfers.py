@@ -94,9 +94,8 @@ def check_snapshot_semantics(moves: list[Move]) -> None:
 
 def execute_plan(plan: TransferPlan, gpu: KVPool, cpu: KVPool | None) -> None:
     """Run the plan's moves on real tensors, in EXECUTION_ORDER. Payload and scales move together."""
-    device = gpu.payload.device
 
-    def idx(values: list[int], on: torch.device) -> torch.Tensor:
+    def idx(values: list[int]) -> torch.Tensor:
         # On the host: the copy functions check the indices there, then move them without a sync.
         return torch.tensor(values, dtype=torch.int64)
 
@@ -105,14 +104,14 @@ def execute_plan(plan: TransferPlan, gpu: KVPool, cpu: KVPool | None) -> None:
             raise ValueError("the plan swaps pages but there is no CPU swap pool")
     if plan.swap_in:
         cpu_pages, gpu_pages = zip(*plan.swap_in, strict=True)
-        swap_pages(cpu, gpu, idx(list(cpu_pages), cpu.payload.device), idx(list(gpu_pages), device))
+        swap_pages(cpu, gpu, idx(list(cpu_pages)), idx(list(gpu_pages)))
     if plan.swap_out:
         gpu_pages, cpu_pages = zip(*plan.swap_out, strict=True)
-        swap_pages(gpu, cpu, idx(list(gpu_pages), device), idx(list(cpu_pages), cpu.payload.device))
+        swap_pages(gpu, cpu, idx(list(gpu_pages)), idx(list(cpu_pages)))
     if plan.copy_prefix:
         src, dst, rows = zip(*plan.copy_prefix, strict=True)
-        copy_page_rows(gpu, idx(list(src), device), idx(list(dst), device), idx(list(rows), device))
+        copy_page_rows(gpu, idx(list(src)), idx(list(dst)), idx(list(rows)))
     if plan.copy_on_write:
         src, dst = zip(*plan.copy_on_write, strict=True)
         full = [gpu.layout.page_size] * len(src)
-        copy_page_rows(gpu, idx(list(src), device), idx(list(dst), device), idx(full, device))
+        copy_page_rows(gpu, idx(list(src)), idx(list(dst)), idx(full))

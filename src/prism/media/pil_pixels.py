@@ -6,16 +6,17 @@ H200's host that was 0.33 ms per 448x448 image, 2.6 ms of the 5.5 ms that prepar
 images took, and the media threads could not overlap it. Pillow (11.2 and later) exports its own pixel
 storage through the Arrow C data interface instead; this module maps that storage into a read-only array.
 
-Layout: Pillow stores an RGB pixel in four bytes (R, G, B and a padding byte, 255 for every RGB image Pillow
-makes), so `exported_rgbx` is [H, W, 4]. The preprocessing cache keys PIL images by these bytes
-(`digest.pixels_digest`); the padding byte only ever costs a miss, never a wrong hit, since the RGB bytes are
-all in the key.
+Layout: Pillow stores an RGB pixel in four bytes (R, G, B and a padding byte: 255 after decoding and most
+conversions, 0 after a resize, mixed after a rotation), so `exported_rgbx` is [H, W, 4]. The preprocessing cache
+keys PIL images by these bytes (`digest.pixels_digest`); the padding byte only ever costs a miss, never a wrong
+hit, since the RGB bytes are all in the key. Rows must follow each other without padding: only with Pillow's
+default row alignment of 1 (older Pillows exported aligned rows as if they were not padded).
 
 Lifetime: the array's buffer holds the Arrow array capsule, whose release (when the last view goes away)
 gives Pillow back its reference to the pixel storage, so a view stays valid after the image object is gone.
 
-Where Pillow cannot export (an older Pillow, or an image larger than one of Pillow's allocation blocks,
-16 MiB by default, whose rows are not contiguous) `exported_rgbx` returns None and the caller copies with
+Where Pillow cannot export (an older Pillow, a row alignment above 1, or an image larger than one of Pillow's
+allocation blocks, 16 MiB by default, whose rows are not contiguous) `exported_rgbx` returns None and the caller copies with
 `np.asarray` (`pixels_digest` then keys the copy under the scheme of arrays).
 """
 
@@ -69,11 +70,17 @@ _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _RGBX_FORMAT, _BYTE_FORMAT = b"+w:4", b"C"
 
 
+def _row_alignment() -> int:
+    """Pillow's row alignment (`PILLOW_ALIGNMENT`, `Image.core.set_alignment`); unknown counts as unaligned."""
+    get = getattr(Image.core, "get_alignment", None)
+    return int(get()) if get is not None else 0
+
+
 def exported_rgbx(image: Image.Image) -> np.ndarray | None:
     """The pixel storage of an RGB PIL image, read-only uint8 [H, W, 4] (the 4th byte is padding), without a
     copy; None where Pillow does not export it in one piece (see the module docstring)."""
-    if image.mode != "RGB" or not hasattr(image, "__arrow_c_array__"):
-        return None
+    if image.mode != "RGB" or not hasattr(image, "__arrow_c_array__") or _row_alignment() != 1:
+        return None  # with an alignment above 1 rows may be padded: a W*H*4 buffer would not be the image
     try:
         schema_capsule, array_capsule = image.__arrow_c_array__()
     except ValueError:  # "Image rows are not contiguous in memory": an image over several blocks

@@ -84,7 +84,7 @@ class VisionOutput:
 class GridMetadata:
     """The items' grids and what the encoder derives from them: bilinear taps [P, 4] and weights [P, 4] into
     the learned position grid, rotary cos / sin [P, head_dim / 2] (fp32), attention segment lengths (one per
-    frame of each item). All but the lengths on the encoder's device."""
+    frame of each item). The tensors are on the encoder's device, the grids and lengths host ints."""
 
     grids: tuple[Grid, ...]
     taps: torch.Tensor

@@ -5,7 +5,9 @@ PyTorch, a copy followed by a stream synchronize: the host waits for every kerne
 vision-encoder graph that was the host waiting 13.5 ms for the encoder (W1 on the H200, session 8) before it
 could queue the decoder's first kernel; before a prefix hit's packed step, nine such waits. Staged in pinned
 memory and copied non-blocking, the copy is queued behind that work instead and the host goes on (PyTorch's
-pinned-memory allocator keeps the staging buffer until the copy has run).
+pinned-memory allocator keeps the staging buffer until the copy has run). A tensor already pinned is not staged
+again: its caller must leave it unchanged until the copy has run (the CUDA graphs' row buffers are double-buffered
+for that reason).
 """
 
 from __future__ import annotations
@@ -20,4 +22,4 @@ def to_device(values: torch.Tensor | np.ndarray, device: torch.device | str) -> 
     device = torch.device(device)
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.contiguous().pin_memory().to(device, non_blocking=True)
