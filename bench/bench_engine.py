@@ -4,9 +4,12 @@ Workloads (REFERENCE §5): W1 cold 8 images (448x448) + question TTFT; W2 the sa
 question TTFT; W3 decode TPOT at batch 1 (and step time at batch 8 / 32); W6 KV tokens per GiB.
 Prism uses scaled-FP8 KV (and BF16 KV for the W3 comparison), CUDA-graph decode. The peer is HF
 `generate` (sdpa) on the same checkpoint and the same prepared inputs. Greedy tokens are compared.
+W1 and W2 TTFT count from the raw chat messages handed to the engine (`LLM.generate`), which prepares them and
+encodes each new image as soon as it is prepared (`encode_media_while_preparing`; before session 8's last change
+the harness prepared the prompt itself, then generated); "engine alone" starts from a prompt prepared beforehand.
 Writes bench/results/<date>-<gpu>.json and .md; `--quick` runs fewer repetitions.
 
-Not yet here: W4 (injection), W5 (working set), the HTTP variants (issue 6).
+W4, W5: `bench_workloads.py`; W7: `bench_decide.py`; over HTTP: `bench_http.py`.
 """
 
 from __future__ import annotations
@@ -100,28 +103,40 @@ def main() -> None:
     inputs = llm.engine.inputs
     one_token = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
 
-    def ttft(messages) -> tuple[float, float]:
-        """(TTFT from the raw messages, including input preparation as a caller of the engine pays it; the
-        engine's part alone, from the prepared prompt to the first token)."""
+    def ttft(messages) -> float:
+        """TTFT from the raw chat messages as a caller of the engine pays it: the engine prepares them (and
+        encodes each new image as soon as it is prepared, `encode_media_while_preparing`)."""
         torch.cuda.synchronize()
         start = time.perf_counter()
+        llm.generate([messages], one_token)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def engine_part(messages) -> float:
+        """The engine's part alone: from a prompt prepared beforehand to the first token."""
         prompt = inputs.prepare_chat(messages)
-        prepared = time.perf_counter()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         llm.generate([prompt], one_token)
         torch.cuda.synchronize()
-        end = time.perf_counter()
-        return end - start, end - prepared
+        return time.perf_counter() - start
 
-    # warm up kernels and allocations
-    ttft(chat(random_images([(448, 448)] * 8, seed=999), "warm up"))
+    # warm up kernels and allocations (and capture the vision graphs of the sizes used)
+    for seed in (997, 998, 999):
+        ttft(chat(random_images([(448, 448)] * 8, seed=seed), "warm up"))
+    for seed in (995, 996):  # the 8-image grid list a prepared prompt's prefill encodes: captured on the second
+        engine_part(chat(random_images([(448, 448)] * 8, seed=seed), "warm up"))
     cold = [ttft(chat(random_images([(448, 448)] * 8, seed=100 + i), "Describe every picture.")) for i in range(reps)]
+    cold_engine = [engine_part(chat(random_images([(448, 448)] * 8, seed=200 + i), "Describe every picture."))
+                   for i in range(reps)]
     hot_images = random_images([(448, 448)] * 8, seed=7)
     ttft(chat(hot_images, "First question about these pictures."))
     hot = [ttft(chat(hot_images, f"New question number {i}: which picture is brightest?")) for i in range(reps)]
-    w["W1_prism_fp8"] = summary([total for total, _ in cold])
-    w["W1_prism_fp8_engine_only"] = summary([engine for _, engine in cold])
-    w["W2_prism_fp8"] = summary([total for total, _ in hot])
-    w["W2_prism_fp8_engine_only"] = summary([engine for _, engine in hot])
+    hot_engine = [engine_part(chat(hot_images, f"Another question number {i}: which is darkest?")) for i in range(reps)]
+    w["W1_prism_fp8"] = summary(cold)
+    w["W1_prism_fp8_engine_only"] = summary(cold_engine)
+    w["W2_prism_fp8"] = summary(hot)
+    w["W2_prism_fp8_engine_only"] = summary(hot_engine)
 
     def tpot(llm_, batch: int) -> float:
         prompts = [inputs.prepare_chat(chat(hot_images, f"Decode test {batch}-{i}")) for i in range(batch)]
@@ -165,7 +180,8 @@ def main() -> None:
         return time.perf_counter() - start
 
     hf_ttft(chat(random_images([(448, 448)] * 8, seed=999), "warm up"))
-    hf_cold = [hf_ttft(chat(random_images([(448, 448)] * 8, seed=100 + i), "Describe every picture.")) for i in range(reps)]
+    # New images for HF too (Prism's cold seeds are in the preprocessing cache by now).
+    hf_cold = [hf_ttft(chat(random_images([(448, 448)] * 8, seed=300 + i), "Describe every picture.")) for i in range(reps)]
     hf_hot = [hf_ttft(chat(hot_images, f"New question number {i}: which picture is brightest?")) for i in range(reps)]
     w["W1_hf"] = summary(hf_cold)
     w["W2_hf"] = summary(hf_hot)

@@ -522,3 +522,16 @@ def test_pixel_keys_without_the_shape_are_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(media_digest, "hash_rgb", lambda h, arr: media_digest.hash_field(
         h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B")))
     _spec_fails(spec_pixel_keys.spec_pixel_keys_identify_the_picture, "share a key")
+
+
+def test_media_digests_kept_after_their_pages_are_forgotten_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`holds_media` (whether encoding an image while its request is prepared would be wasted) must forget a
+    digest with its last page: a count that never goes down would keep the engine from ever encoding it early."""
+    count = prefix.PrefixIndex._count_media
+
+    def count_up_only(self, record, sign):
+        if sign > 0:
+            count(self, record, sign)
+
+    monkeypatch.setattr(prefix.PrefixIndex, "_count_media", count_up_only)
+    _machine_fails("media digests disagree")

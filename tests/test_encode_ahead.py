@@ -20,6 +20,8 @@ def cold_request():
 
 
 def engine(**overrides):
+    """These tests are about encoding in a step ahead of the prefill: images are not encoded while preparing."""
+    overrides.setdefault("encode_media_while_preparing", False)
     return LLM(ensure_tiny_checkpoint(), page_size=8, num_gpu_pages=256, check_invariants=True, **overrides).engine
 
 
@@ -108,3 +110,37 @@ def test_a_step_failing_while_encoding_ahead_also_fails_the_held_back_request(mo
     after = eng.add_request("after", cold_request(), GREEDY)
     run_until_done(eng, [after])
     assert len(after.output_token_ids) == GREEDY.max_tokens
+
+
+def test_images_of_chat_messages_are_encoded_while_the_others_are_prepared():
+    """Chat messages given to the engine: each new image is encoded as soon as it is prepared (before any step),
+    the prefill then reads the encoder cache; the tokens are the engine's without it. Images whose pages the
+    prefix cache holds are not encoded again, even with their features evicted."""
+    out = {}
+    for early in (False, True):
+        eng = engine(encode_media_while_preparing=early)
+        stats = eng.runner.stats
+        cold = eng.add_request("cold", cold_request(), GREEDY)
+        assert stats.vision_items_encoded == (len(IMAGES) if early else 0)
+        out[early] = run_until_done(eng, [cold])["cold"]
+        assert stats.vision_items_encoded == len(IMAGES), "each image is encoded once, early or in the prefill"
+    assert out[True] == out[False]
+
+    eng.runner.encoder_cache.clear()
+    again = eng.add_request("again", cold_request(), GREEDY)  # a full prefix hit: its pages hold both images
+    assert stats.vision_items_encoded == len(IMAGES)
+    run_until_done(eng, [again])
+    assert again.cached_tokens > 0 and stats.vision_items_encoded == len(IMAGES)
+
+
+def test_an_image_whose_early_encoding_fails_is_encoded_by_its_prefill(monkeypatch, caplog):
+    eng = engine(encode_media_while_preparing=True)
+
+    def broken(items):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.runner, "encode_ahead", broken)
+    cold = eng.add_request("cold", cold_request(), GREEDY)
+    assert "encoding an image while its request was prepared failed" in caplog.text
+    run_until_done(eng, [cold])
+    assert len(cold.output_token_ids) == GREEDY.max_tokens and eng.runner.stats.vision_items_encoded == len(IMAGES)

@@ -649,3 +649,34 @@ def test_a_name_follows_its_image_sent_again_as_other_bytes(ckpt):
     names.bind("x", old, b"same")
     names.bind("x", new, b"same")
     assert names.resolve("x") == (new, b"same")
+
+
+@pytest.mark.parametrize("slow", [0, -1], ids=["first image slow", "last image slow"])
+def test_images_are_handed_on_in_prompt_order_while_later_ones_are_prepared(proc, monkeypatch, slow):
+    """`on_image` (the engine encodes each image as it is handed on): in the prompt's order whatever order the
+    media threads finish in (the first image slowest), and the first before the last is prepared (the last slowest)."""
+    import time
+
+    imgs = random_images([(40, 40)] * 4, seed=31 + slow)
+    events = []
+    prepare = proc._image
+
+    def slowed(data):
+        if data is imgs[slow]:
+            time.sleep(0.3)
+        out = prepare(data)
+        events.append(("prepared", id(data)))
+        return out
+
+    monkeypatch.setattr(proc, "_image", slowed)
+    handed = []
+
+    def on_image(prepared):
+        handed.append(prepared.digest)
+        events.append(("handed", prepared.digest))
+
+    prompt = proc.prepare_chat([{"role": "user", "content": [*({"type": "image", "image": im} for im in imgs),
+                                                            {"type": "text", "text": "?"}]}], on_image=on_image)
+    assert handed == [m.digest for m in prompt.media]
+    if slow == -1:
+        assert events.index(("handed", handed[0])) < events.index(("prepared", id(imgs[-1])))

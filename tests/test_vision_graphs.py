@@ -68,7 +68,9 @@ def test_the_least_recently_used_grid_list_is_dropped():
     graphs = VisionGraphs(encoder([]), buffer_capture(captured, encoder([])), max_graphs=1)
     for grids in (A, A, B, B, A):
         graphs.encode(pixels_for(grids, 1), grids)
-    assert captured == [tuple(A), tuple(B), tuple(A)]  # B pushed A out; A, seen again, came back
+    assert captured == [tuple(A), tuple(B)] and A not in graphs  # B pushed A out; A counts its encodings again
+    graphs.encode(pixels_for(A, 1), A)
+    assert captured == [tuple(A), tuple(B), tuple(A)]  # A, seen twice since, came back
     assert A in graphs and B not in graphs
 
 

@@ -307,3 +307,23 @@ def test_steps_queue_their_inputs_without_waiting_for_the_device(ckpt_8b):
     assert runner.stats.packed_graph_steps == packed + 1, "the cold step (1,600 tokens) must run eagerly"
     del llm
     release_gpu_memory()
+
+
+def test_encoding_images_while_preparing_changes_no_token(ckpt_8b):
+    """Chat messages given to the engine: each new image is encoded alone as soon as it is prepared
+    (`encode_media_while_preparing`), instead of all of them in the prefill; the greedy tokens are those of the
+    engine that encodes them in the prefill, up to a near-tie (a different batch of the vision GEMMs)."""
+    messages = [chat(*random_images([(448, 448)] * 3, seed=70 + i), f"Describe picture set {i}.") for i in range(2)]
+    out = {}
+    for early in (False, True):
+        llm = engine(ckpt_8b, "fp8", encode_media_while_preparing=early)
+        out[early] = [llm.generate([m], GREEDY)[0] for m in messages]
+        stats = llm.engine.runner.stats
+        assert stats.vision_items_encoded == 6
+        probe = llm.engine.add_request("probe", chat(*random_images([(448, 448)] * 3, seed=79), "?"), GREEDY)
+        assert stats.vision_items_encoded == (9 if early else 6), "encoded while preparing, before any step"
+        llm.engine.abort(probe.request_id)
+        del llm
+        release_gpu_memory()
+    for ours, ref in zip(out[True], out[False], strict=True):
+        assert_same_or_near_tie(ours, ref)

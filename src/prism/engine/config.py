@@ -74,6 +74,10 @@ class EngineConfig:
     # seen twice, the least recently used dropped beyond this many (`engine/vision_graphs.py`); they share one memory
     # pool of the encoder's activations (8 images of 448x448: a few hundred MB). 0: the encoder runs eagerly.
     vision_cuda_graphs: int = 4
+    # Chat messages given to the engine itself (`add_request`, `LLM.generate`): each new image is encoded as soon as
+    # it is prepared, while the others still are, unless its features are cached, the prefix cache holds pages of
+    # it, or other requests wait (one rank only). The prefill then finds the features in the encoder cache.
+    encode_media_while_preparing: bool = True
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False

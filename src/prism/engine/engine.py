@@ -26,6 +26,7 @@ import torch
 from ..decision.questions import readout
 from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
+from ..media.prepare import PreparedImage
 from .config import EngineConfig
 from .detokenize import TextStream
 from .inflight import InflightStep
@@ -35,6 +36,7 @@ from .request import Branch, FinishReason, Request, RequestOutput, RequestState,
 from .sampler import make_generator, sample, take_rows
 from .sampling import SamplingParams
 from .scheduler import ScheduledSlice, Scheduler
+from .step_payload import MediaWork
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,8 @@ class Engine:
         if isinstance(prompt, str):
             prompt = self.inputs.prepare_prompt(prompt)
         elif isinstance(prompt, list):
-            prompt = self.inputs.prepare_chat(prompt)
+            encode = self.config.encode_media_while_preparing and self._followers is None
+            prompt = self.inputs.prepare_chat(prompt, on_image=self._encode_while_preparing if encode else None)
         n = len(prompt.token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -195,6 +198,21 @@ class Engine:
                 self._fail(failed, error)
             else:
                 self._commit(out.slices, logits)
+
+    def _encode_while_preparing(self, image: PreparedImage) -> None:
+        """A request's image, just prepared while its others still are: encode it now unless its features are
+        cached or the prefix cache holds pages of it (a hit would not read them), or requests already wait (this
+        one is not next: many requests added at once would push each other's features out of the encoder cache
+        before their prefills). The vision work overlaps the preparation of the rest; the prefill finds the
+        features in the encoder cache."""
+        if (self.scheduler.waiting or self.runner.is_encoder_cached(image.digest)
+                or self.kv.index.holds_media(image.digest)
+                or image.num_tokens(self.inputs.merge_size) > self.config.max_num_batched_tokens):
+            return
+        try:
+            self.runner.encode_ahead([MediaWork(image.digest, image.grid_thw, True, image.pixels)])
+        except Exception:  # the request is not accepted yet: its prefill encodes the image, and fails it if need be
+            log.exception("encoding an image while its request was prepared failed; its prefill will encode it")
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         for request in requests:

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,9 +252,12 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
+        on_image: Callable[[PreparedImage], None] | None = None,
     ) -> PreparedPrompt:
         """`media_memo`: prompts built from the same message objects (a decision's material asked several
-        questions) pass one dict, and each image object is hashed and looked up once for all of them."""
+        questions) pass one dict, and each image object is hashed and looked up once for all of them.
+        `on_image`: called on this thread with each image as soon as it is prepared, while the others still are
+        (the engine starts encoding it)."""
         text, media = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -263,7 +266,7 @@ class InputProcessor:
         )
         images = [m for m in media if isinstance(m, ImageInput)]
         videos = [m for m in media if isinstance(m, VideoInput)]
-        return self._prepare(text, images, videos, from_chat=True, media_memo=media_memo)
+        return self._prepare(text, images, videos, from_chat=True, media_memo=media_memo, on_image=on_image)
 
     def prepare_prompt(
         self,
@@ -281,6 +284,7 @@ class InputProcessor:
     def _prepare(
         self, text: str, images: list[ImageInput], videos: list[VideoInput], *, from_chat: bool,
         media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
+        on_image: Callable[[PreparedImage], None] | None = None,
     ) -> PreparedPrompt:
         ids = np.asarray(self.encode(text), dtype=np.int64)
         if ids.size == 0:
@@ -301,7 +305,7 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
-        prepared_images = self._images(images, {} if media_memo is None else media_memo)
+        prepared_images = self._images(images, {} if media_memo is None else media_memo, on_image)
         prepared_videos = [self._video(v) for v in videos]
         expanded = expand_placeholders(
             ids,
@@ -373,15 +377,24 @@ class InputProcessor:
             return compute()[0]
         return self._cache.get_or_compute(key, compute)
 
-    def _images(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]]) -> list[PreparedImage]:
+    def _images(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]],
+                on_image: Callable[[PreparedImage], None] | None = None) -> list[PreparedImage]:
         """Each image prepared once per memo (keyed by object identity; the memo holds the object, so its id
-        cannot be reused while the entry lives), new ones on the media threads; images named by uuid alone come
-        from the uuid registry, and images sent with a uuid are registered under it."""
+        cannot be reused while the entry lives), new ones on the media threads, each handed to `on_image` as it
+        is done; images named by uuid alone come from the uuid registry, and images sent with a uuid are
+        registered under it."""
         datas = [im.data for im in images if im.data is not None]
         todo = list({id(d): d for d in datas if id(d) not in memo or memo[id(d)][0] is not d}.values())
-        done = list(self._media_threads.map(self._image, todo)) if len(todo) > 1 else [self._image(d) for d in todo]
-        for data, prepared in zip(todo, done, strict=True):
-            memo[id(data)] = (data, prepared)
+        futures = [(self._media_threads.submit(self._image, d), d) for d in todo] if len(todo) > 1 else []
+        try:  # handed on in the prompt's order, not as they finish: what the engine does stays reproducible
+            done = ((d, f.result()) for f, d in futures) if futures else ((d, self._image(d)) for d in todo)
+            for data, prepared in done:
+                memo[id(data)] = (data, prepared)
+                if on_image is not None:
+                    on_image(prepared)
+        finally:  # an image that failed fails the prompt: the ones not started yet are not prepared for nothing
+            for f, _ in futures:
+                f.cancel()
         for im in images:  # names first, so a part may name an image a later part of the same prompt sends
             if im.data is not None and im.uuid is not None:
                 self._name_image(im.uuid, im.data, memo[id(im.data)][1])

@@ -208,6 +208,13 @@ class ModelRunner:
                 tile_start += size
         return tiles
 
+    @torch.inference_mode()
+    def encode_ahead(self, items: list[MediaWork]) -> None:
+        """Encode media items into the encoder cache now, between steps (one rank: the followers run steps only)."""
+        if self.publish is not None:
+            raise RuntimeError("encoding outside a step needs a single rank")
+        self._encode(items)
+
     def is_encoder_cached(self, digest: bytes) -> bool:
         return CacheKey(digest, "vision") in self.encoder_cache
 

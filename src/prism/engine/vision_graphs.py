@@ -124,7 +124,8 @@ class VisionGraphs:
         self.captures += 1
         self._graphs[key] = captured
         while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
+            dropped, _ = self._graphs.popitem(last=False)
+            self._counts.pop(dropped, None)  # seen twice again before it is captured again: no capture per encoding
         return captured
 
 

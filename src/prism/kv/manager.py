@@ -387,6 +387,7 @@ class KVCacheManager:
         brute = {p for p in range(self.gpu.num_pages) if 0 < self.entries.entry_refs.get(p, 0) == self.gpu.refcount[p]}
         if brute != self.entries.reclaimable_pages():
             raise AssertionError("reclaimable pages disagree with a recount")
+        self.index.check_media_counts()
         for seq in self.seqs.values():
             if len(seq.keys) != seq.num_computed // self.page_size:
                 raise AssertionError(f"sequence {seq.seq_id}: {len(seq.keys)} keys for {seq.num_computed} tokens")

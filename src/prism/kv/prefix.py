@@ -15,6 +15,7 @@ revivable (lazy retention).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from .content import MediaRun, SeqContent
@@ -92,6 +93,7 @@ class PrefixIndex:
         self._by_page: dict[int, PageRecord] = {}
         self._children: dict[bytes, TailSources] = {}  # parent key -> the pages recorded after it
         self.version = 0  # counts every change of what a lookup can return
+        self._media_pages: Counter[bytes] = Counter()  # media digest -> recorded pages holding rows of it
 
     def __len__(self) -> int:
         return len(self._by_page)
@@ -104,6 +106,16 @@ class PrefixIndex:
 
     def is_findable(self, page: int) -> bool:
         return page in self._by_page
+
+    def holds_media(self, digest: bytes) -> bool:
+        """Whether some recorded page holds rows of the media item `digest` (a prompt showing it may hit them)."""
+        return digest in self._media_pages
+
+    def check_media_counts(self) -> None:
+        """`holds_media` agrees with a recount over the records."""
+        recount = Counter(d for r in self._by_page.values() for d in {run.digest for run in r.media})
+        if recount != self._media_pages:
+            raise AssertionError("the index's media digests disagree with its records")
 
     # -- publishing: only ever called by the manager's publish_computed ---------------------------
     def publish_full(self, page: int, parent: bytes, tokens: tuple[int, ...], media: tuple[MediaRun, ...]) -> bytes:
@@ -135,14 +147,23 @@ class PrefixIndex:
         # The same page grown by the rows computed since (its recorded rows unchanged): code only the new rows.
         self.version += 1
         if old is not None and tokens[: len(old.tokens)] == old.tokens and all(run in media for run in old.media):
+            self._count_media(old, -1)
             self._by_page[page] = PageRecord(page, parent, tokens, media, None)
+            self._count_media(self._by_page[page], +1)
             self._children[parent].put(page, tokens, media, known_rows=len(old.tokens))
             return
         self.forget_page(page)
         self._add(PageRecord(page, parent, tokens, media, None))
 
+    def _count_media(self, record: PageRecord, sign: int) -> None:
+        for digest in {run.digest for run in record.media}:
+            self._media_pages[digest] += sign
+            if not self._media_pages[digest]:
+                del self._media_pages[digest]
+
     def _add(self, record: PageRecord) -> None:
         self._by_page[record.page] = record
+        self._count_media(record, +1)
         siblings = self._children.get(record.parent)
         if siblings is None:
             siblings = self._children[record.parent] = TailSources(self.page_size)
@@ -154,6 +175,7 @@ class PrefixIndex:
         if record is None:
             return
         self.version += 1
+        self._count_media(record, -1)
         if record.key is not None and self._by_key.get(record.key) is record:
             del self._by_key[record.key]
         siblings = self._children.get(record.parent)
