@@ -22,11 +22,53 @@ from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.gpu import release_gpu_memory  # noqa: E402
 
 
+def profile_cold_request_steps(out: Path) -> None:
+    """Profile every step from the cold request's arrival to its first token (the encoding ahead, the chunks), each
+    step a `record_function` range, and write the tables and the host/device timeline (`profile_hot_paths.timeline`)
+    of the first engine that runs; later engines run unprofiled."""
+    from profile_hot_paths import timeline
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from prism.engine.engine import Engine
+
+    step, state = Engine.step, {"prof": None, "n": 0, "done": False}
+
+    def profiled_step(self):
+        cold = self.requests.get("cold")
+        if cold is None or state["done"]:
+            return step(self)
+        if state["prof"] is None:
+            cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, *cuda])
+            state["prof"].__enter__()
+        with record_function(f"engine.step.{state['n']}"):
+            events = step(self)
+        state["n"] += 1
+        if cold.output_token_ids:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof = state["prof"]
+            prof.__exit__(None, None, None)
+            state["done"] = True
+            out.mkdir(parents=True, exist_ok=True)
+            tables = (prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n\n"
+                      + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            (out / "w4-cold-steps.txt").write_text(tables + "\n\n" + timeline(prof))
+            print(timeline(prof), flush=True)
+        return events
+
+    Engine.step = profiled_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--interleave", type=int, default=256)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write a profile of the first engine's steps around the cold request here")
     args = parser.parse_args()
+    if args.profile is not None:
+        profile_cold_request_steps(args.profile)
     ckpt = bench_workloads.CKPT
     if not (ckpt / "config.json").exists():
         build_checkpoint("8b", ckpt, device="cuda", progress=True)
