@@ -118,3 +118,32 @@ def test_a_capture_out_of_memory_is_tried_again_later(caplog):
             graphs.encode(pixels_for(A, seed), A)
     assert len(attempts) == 2 and graphs.captures == 1 and A in graphs  # 2nd encoding failed, 4th captured
     assert "out of memory" in caplog.text
+
+
+def _meta_encoder():
+    from prism.model.config import Qwen3VLConfig
+    from prism.model.vision import VisionEncoder
+    from prism.testing.checkpoints import checkpoint_config
+
+    config = Qwen3VLConfig.from_dict(checkpoint_config("tiny")).vision
+    with torch.device("meta"):
+        visual = VisionEncoder(config).to(torch.bfloat16)
+    pixels = torch.zeros(sum(t * h * w for t, h, w in B), config.patch_dim, device="meta", dtype=torch.bfloat16)
+    return visual, pixels
+
+
+def test_the_captured_encoder_call_reads_no_host_tensor(monkeypatch):
+    """What `capture_encoder` captures (`VisionEncoder.encode` over metadata made before) reads no host tensor; the
+    first version, which captured the grid metadata's host-to-device copies too, is caught (the reproducer
+    `vision_capture_reads_host_tensors.py` runs the same check)."""
+    from prism.model.vision import VisionEncoder
+    from prism.testing.host_reads import host_tensor_reads
+
+    visual, pixels = _meta_encoder()
+    meta = visual.grid_metadata(B)
+    assert host_tensor_reads(lambda: visual.encode(pixels, meta)) == []
+
+    encode = VisionEncoder.encode
+    monkeypatch.setattr(VisionEncoder, "encode",  # the first version: the metadata made inside the captured call
+                        lambda self, x, m: encode(self, x, self.grid_metadata(m.grids)))
+    assert host_tensor_reads(lambda: visual.encode(pixels, meta)), "host reads inside the captured call went unseen"
