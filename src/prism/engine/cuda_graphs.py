@@ -47,15 +47,15 @@ def page_table(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
 
 
 @torch.inference_mode()
-def capture_buckets(device: torch.device, buckets, forward, prepare=None) -> tuple[dict, dict]:
+def capture_buckets(device: torch.device, buckets, forward, prepare=None, pool=None) -> tuple[dict, dict]:
     """`forward(key)` of every key (a bucket, or anything sortable naming one) captured in a CUDA graph (largest
-    first, sharing one memory pool), each after `prepare(key)` and two eager runs on a side stream, which compile
-    the Triton kernels and settle the allocations outside the capture. ({key: graph}, {key: output}); nothing is
-    captured off CUDA."""
+    first, sharing one memory pool: `pool`, else a new one), each after `prepare(key)` and two eager runs on a side
+    stream, which compile the Triton kernels and settle the allocations outside the capture.
+    ({key: graph}, {key: output}); nothing is captured off CUDA."""
     graphs, outputs = {}, {}
     if device.type != "cuda":
         return graphs, outputs
-    memory = torch.cuda.graph_pool_handle()
+    memory = pool if pool is not None else torch.cuda.graph_pool_handle()
     for b in sorted(buckets, reverse=True):
         if prepare is not None:
             prepare(b)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.vision import Grid, GridMetadata, VisionEncoder, VisionOutput
+from .cuda_graphs import capture_buckets
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +56,14 @@ class CapturedEncoder:
 
 def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence[Grid], *,
                     pool: tuple | None = None) -> CapturedEncoder:
-    """`visual` over patches of `grids` captured in a CUDA graph (in memory pool `pool`, else a private one). The grid
-    metadata (host work and copies, which a capture cannot hold) is made first; two eager runs on a side stream
-    then build the cuBLAS / cuDNN plans and settle the allocations outside the capture."""
+    """`visual` over patches of `grids` captured in a CUDA graph (in memory pool `pool`, else a private one), the way
+    the decoder's graphs are (`cuda_graphs.capture_buckets`). The grid metadata (host work and copies, which a
+    capture cannot hold) is made first."""
     meta = visual.grid_metadata([list(g) for g in grids])
     static = pixels.clone()
-    side = torch.cuda.Stream(device=static.device)
-    side.wait_stream(torch.cuda.current_stream(static.device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            visual.encode(static, meta)
-    torch.cuda.current_stream(static.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = visual.encode(static, meta)
-    return CapturedEncoder(graph, static, output, meta)
+    with torch.cuda.device(static.device):
+        graphs, outputs = capture_buckets(static.device, [0], lambda _: visual.encode(static, meta), pool=pool)
+    return CapturedEncoder(graphs[0], static, outputs[0], meta)
 
 
 class VisionGraphs:
