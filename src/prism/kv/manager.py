@@ -122,7 +122,7 @@ class KVCacheManager:
                        hit: PrefixHit | None = None) -> tuple[PrefixHit, int]:
         """The prefix hit and the number of new GPU pages admitting `content` would allocate. `hit`: what
         `lookup(content, reuse)` returned, reused while the index has not changed since (else looked up again)."""
-        if hit is None or hit.found_for != (self.index.version, len(content), reuse):
+        if hit is None or hit.found_for != self._lookup_query(content, reuse):
             hit = self.lookup(content, reuse)
         total = self._pages_for(min(hit.num_tokens + reserve_tokens, len(content)))
         return hit, total - len(hit.shared_pages)
@@ -131,7 +131,7 @@ class KVCacheManager:
     def lookup(self, content: SeqContent, reuse: Reuse = "all") -> PrefixHit:
         """The reusable prefix, leaving at least the last prompt token to compute. `reuse` narrows it:
         "whole_pages" drops a partial tail page, "none" reuses nothing (see `REUSE_FALLBACKS`)."""
-        query = (self.index.version, len(content), reuse)
+        query = self._lookup_query(content, reuse)
         if not self.enable_prefix_cache or reuse == "none":
             return PrefixHit((), (), None, 0, self.page_size, query)
         hit = self.index.lookup(content, self.root, len(content) - 1)
@@ -142,6 +142,10 @@ class KVCacheManager:
             pages = tokens // self.page_size
             return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, query)
         return replace(hit, found_for=query)
+
+    def _lookup_query(self, content: SeqContent, reuse: Reuse) -> tuple[int, int, str]:
+        """What a lookup's result depends on besides the content's tokens (`PrefixHit.found_for`)."""
+        return (self.index.version, len(content), reuse)
 
     def admit(self, seq_id: SeqId, content: SeqContent, reserve_tokens: int, *, reuse: Reuse = "all",
               hit: PrefixHit | None = None) -> SeqKV:
