@@ -143,7 +143,8 @@ def test_encoding_ahead_with_graph_decodes_changes_no_token(ckpt_8b):
     from prism.engine.request import RequestState
 
     def run(ahead: bool):
-        llm = engine(ckpt_8b, "fp8", encode_media_ahead=ahead)
+        # images encoded while the cold request is prepared would leave nothing to encode ahead in a step
+        llm = engine(ckpt_8b, "fp8", encode_media_ahead=ahead, encode_media_while_preparing=False)
         eng = llm.engine
         params = SamplingParams.greedy(max_tokens=STEPS, ignore_eos=True, logprobs=5)
         for i in range(2):
@@ -250,12 +251,13 @@ def test_vision_graphs_change_no_feature_and_no_token(ckpt_8b):
     from prism.media.pixels import pixels_on
 
     prompts = [chat(*random_images([(448, 448), (448, 448)], seed=40 + i), f"Describe picture {i}.") for i in range(3)]
-    eager = engine(ckpt_8b, "fp8", vision_cuda_graphs=0)
+    # the prefills encode each prompt's two images as one grid list (encoding while preparing takes one at a time)
+    eager = engine(ckpt_8b, "fp8", vision_cuda_graphs=0, encode_media_while_preparing=False)
     reference = [eager.generate([p], GREEDY)[0] for p in prompts]
     assert eager.engine.runner.vision_graphs is None
     del eager
     release_gpu_memory()
-    llm = engine(ckpt_8b, "fp8")
+    llm = engine(ckpt_8b, "fp8", encode_media_while_preparing=False)
     out = [llm.generate([p], GREEDY)[0] for p in prompts]
     graphs = llm.engine.runner.vision_graphs
     assert (graphs.captures, graphs.replays) == (1, 2), (graphs.captures, graphs.replays)
