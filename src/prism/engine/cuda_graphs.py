@@ -46,6 +46,16 @@ def page_table(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
     return table
 
 
+def destroy_graphs(graphs: dict, outputs: dict) -> None:
+    """Destroy captured graphs now (`CUDAGraph.reset`), whoever still refers to them, and drop their outputs.
+    A graph that captured an NCCL collective holds a reference on its communicator until it is destroyed, and
+    NCCL's teardown of that communicator (destroy and abort alike) waits for it."""
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()
+    outputs.clear()
+
+
 @torch.inference_mode()
 def capture_buckets(device: torch.device, buckets, forward, prepare=None, pool=None) -> tuple[dict, dict]:
     """`forward(key)` of every key (a bucket, or anything sortable naming one) captured in a CUDA graph (largest
@@ -209,6 +219,10 @@ class RowGraphs:
 
     def fits(self, num_rows: int, max_context: int) -> bool:
         return 0 < num_rows <= self.max_batch and max_context <= self.max_context
+
+    def release(self) -> None:
+        """Destroy every captured bucket (`destroy_graphs`); a later step runs eagerly."""
+        destroy_graphs(self._graphs, self._outputs)
 
     @torch.inference_mode()
     def run(self, rows: GraphRows, token_ids: torch.Tensor | None = None) -> torch.Tensor:

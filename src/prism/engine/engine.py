@@ -76,6 +76,8 @@ class Engine:
             raise failure from error
         if self._followers is not None:
             self.runner.publish = self._followers.send
+            self._followers.release_graphs = self.runner.release_cuda_graphs
+            self._followers.leave_timeout_s = self.config.distributed_timeout_s
             weakref.finalize(self, self._followers.close)
         model, layout = self.runner.model, self.runner.layout
         self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes)

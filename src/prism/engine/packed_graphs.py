@@ -35,7 +35,7 @@ from ..model.qwen3_vl import DenseMultimodal, MultimodalEmbeddings, Qwen3VLModel
 from ..ops import paged_prefill
 from ..ops.attention_metadata import PagedAttentionMetadata
 from ..ops.paged_attention import PagedKVBackend
-from .cuda_graphs import capture_buckets, page_table
+from .cuda_graphs import capture_buckets, destroy_graphs, page_table
 
 BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 # Rows of the packed per-token host inputs: token id, 3 M-RoPE positions, slot, is-a-media-token.
@@ -154,6 +154,10 @@ class PackedGraphs:
         on a CPU pool."""
         self._graphs, self._outputs = capture_buckets(
             self.pool.device, self.buckets, self._forward, lambda b: self._fill(self._idle_step(), None, bucket=b))
+
+    def release(self) -> None:
+        """Destroy every captured bucket (`cuda_graphs.destroy_graphs`); a later step runs eagerly."""
+        destroy_graphs(self._graphs, self._outputs)
 
     def _idle_step(self) -> PackedStep:
         return PackedStep(np.zeros(0, np.int64), np.zeros((3, 0), np.int64), np.zeros(0, np.int64), (), (), [],

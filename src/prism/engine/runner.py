@@ -145,6 +145,17 @@ class ModelRunner:
                                        max_num_seqs, max_model_len)
             self.packed.capture()
 
+    def release_cuda_graphs(self) -> None:
+        """Destroy every captured graph (decode rows, packed prefill, vision encoder); steps run eagerly after.
+        A tensor-parallel rank does this before it leaves its group: its graphs captured NCCL collectives, which
+        pin the communicators (`tp_workers.leave_group`)."""
+        for holder in (self.graphs, self.packed, self.vision_graphs):
+            if holder is not None:
+                holder.release()
+        self.graphs = self.packed = self.vision_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def group_q_heads(self, text) -> int:
         """Query heads on this rank (the KV pool holds this rank's share of the KV heads)."""
         return text.num_attention_heads * self.layout.num_kv_heads // text.num_key_value_heads

@@ -13,6 +13,8 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,12 +55,13 @@ def serve_worker(rank: int, init_method: str, model_dir: str, config: dict) -> N
     if cfg.resolved_device().type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
     group, channel = join_group(rank, cfg, init_method)
+    runner = None
     try:
         runner, _ = build_rank_runner(model_dir, cfg, group)
         while (payload := channel.recv()) is not None:
             runner.run(payload)
     finally:
-        dist.destroy_process_group()
+        leave_group(runner.release_cuda_graphs if runner is not None else None, cfg.distributed_timeout_s)
 
 
 @dataclass
@@ -68,6 +71,8 @@ class Followers:
     processes: list[multiprocessing.process.BaseProcess]
     group: TPGroup
     channel: StepChannel
+    release_graphs: Callable[[], None] | None = None  # rank 0's runner's, once it has one (`leave_group`)
+    leave_timeout_s: float = 30.0
     closed: bool = field(default=False)
 
     def send(self, payload: StepPayload) -> None:
@@ -86,7 +91,7 @@ class Followers:
         return TensorParallelFailure(f"tensor-parallel step failed on rank 0 ({why}): {type(error).__name__}: {error}")
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Tell the followers to stop, wait for them, leave the group. Idempotent."""
+        """Tell the followers to stop, leave the group, wait for them. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -95,13 +100,53 @@ class Followers:
                 self.channel.send(lambda rank: None)
         except Exception:  # a follower is already gone: nothing left to tell
             log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
+        leave_group(self.release_graphs, self.leave_timeout_s)
         for p in self.processes:
             p.join(timeout_s)
             if p.is_alive():
                 p.terminate()
                 p.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def leave_group(release_graphs: Callable[[], None] | None, timeout_s: float) -> bool:
+    """This rank's exit from the TP group, the same on every rank: first destroy its CUDA graphs, then abort its
+    communicators, within `timeout_s`. False (logged) if the abort did not return in time.
+
+    The order is the fix of a hang seen on two H200s (NCCL 2.28, torch 2.11): a graph that captured an NCCL
+    collective holds a reference on the communicator, and NCCL's teardown, destroy and abort alike, waits until
+    every such graph is destroyed, so both ranks waited forever with the decode graphs alive. Abort rather than
+    destroy: it does not wait on peers, and after the stop message (or a follower's death) none will come. The
+    bound keeps a rank from hanging where something else still pins a communicator."""
+    if release_graphs is not None:
+        release_graphs()
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            abort_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, daemon=True, name="prism-tp-leave").start()
+    if done.wait(timeout_s):
+        return True
+    log.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it", timeout_s)
+    return False
+
+
+def abort_process_group() -> None:
+    """Leave the default group without waiting on its peers (torch's private abort where it has one)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort()
+            return
+    except Exception:  # a backend without abort (gloo in some versions): destroy, which does not wait on peers there
+        log.warning("aborting the tensor-parallel group failed; destroying it", exc_info=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
@@ -111,8 +156,12 @@ def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
         raise TensorParallelFailure(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
     if dist.is_initialized():
         raise TensorParallelFailure("torch.distributed is already initialized in this process (one TP engine at a time)")
-    if _backend(config) == "gloo" and sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: loopback, whatever the host name resolves to
+    if sys.platform.startswith("linux"):
+        # Every rank is on this host: gloo (the backend on CPU, the step channel's side group beside NCCL) and
+        # NCCL's bootstrap talk over loopback, whatever the host name resolves to. On a host whose name resolves
+        # to an address nothing listens on (a VM without a network), the side group's connect hung the TP2 start.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     init_method = local_init_method()
     ctx = multiprocessing.get_context("spawn")
     processes = [

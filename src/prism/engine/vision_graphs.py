@@ -10,7 +10,7 @@ grid list replays for any pixels of that list: the same sizes of images, new pic
   at most `max_graphs` lists are held, the least recently used one dropped with its memory.
 - The pixels are copied into the graph's input buffer, and the features cloned out of its output buffers at
   once: the encoder cache keeps them beyond the next replay.
-- The graphs share one memory pool (the runner's): replays run one at a time on one stream and nothing reads a
+- The graphs share one memory pool (made for them by the runner): replays run one at a time on one stream and nothing reads a
   graph's buffers after its replay but the clone, so the activations of one list may reuse another's memory.
 - A capture that fails is logged, and that grid list stays eager; one that ran out of memory is tried again
   after `capture_after` more encodings of the list.
@@ -96,6 +96,13 @@ class VisionGraphs:
         self._graphs.move_to_end(key)
         self.replays += 1
         return captured.run(pixels)
+
+    def release(self) -> None:
+        """Destroy every captured encoder call; later encodings are eager until a list is captured again."""
+        for captured in self._graphs.values():
+            captured.graph.reset()
+        self._graphs.clear()
+        self._counts.clear()
 
     def _count(self, key: tuple[Grid, ...]) -> int:
         count = self._counts.pop(key, 0) + 1
