@@ -4,9 +4,9 @@ Workloads (REFERENCE §5): W1 cold 8 images (448x448) + question TTFT; W2 the sa
 question TTFT; W3 decode TPOT at batch 1 (and step time at batch 8 / 32); W6 KV tokens per GiB.
 Prism uses scaled-FP8 KV (and BF16 KV for the W3 comparison), CUDA-graph decode. The peer is HF
 `generate` (sdpa) on the same checkpoint and the same prepared inputs. Greedy tokens are compared.
-W1 and W2 TTFT count from the raw chat messages handed to the engine (`LLM.generate`), which prepares them and
-encodes each new image as soon as it is prepared (`encode_media_while_preparing`; before session 8's last change
-the harness prepared the prompt itself, then generated); "engine alone" starts from a prompt prepared beforehand.
+W1 and W2 TTFT count from the raw chat messages handed to the engine (`LLM.generate`), which prepares them (before
+session 8's last change the harness prepared the prompt itself, then generated); "engine alone" starts from a
+prompt prepared beforehand.
 Writes bench/results/<date>-<gpu>.json and .md; `--quick` runs fewer repetitions.
 
 W4, W5: `bench_workloads.py`; W7: `bench_decide.py`; over HTTP: `bench_http.py`.
@@ -82,14 +82,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="Prism's ranks (TP2: the text decoder "
+                        "sharded over two GPUs); HF runs on one GPU either way")
     args = parser.parse_args()
+    tp = args.tensor_parallel
     reps = 3 if args.quick else 10
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists():
         build_checkpoint("8b", ckpt, device="cuda", progress=True)
     gpu = torch.cuda.get_device_name()
     results: dict = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                     "checkpoint": "random-weight Qwen3-VL-8B shapes, bf16", "workloads": {}}
+                     "checkpoint": "random-weight Qwen3-VL-8B shapes, bf16", "tensor_parallel": tp, "workloads": {}}
     w = results["workloads"]
 
     # -- W6 capacity (arithmetic, scales counted) --------------------------------------------------
@@ -98,14 +101,16 @@ def main() -> None:
     w["W6"] = {"bf16_tokens_per_gib": bf16, "fp8_tokens_per_gib": f8, "ratio": f8 / bf16}
 
     # -- Prism ---------------------------------------------------------------------------------------
-    llm = LLM(ckpt, kv_dtype="fp8", kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
-              max_num_batched_tokens=8192)
+    def prism(kv_dtype: str) -> LLM:
+        return LLM(ckpt, kv_dtype=kv_dtype, kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
+                   max_num_batched_tokens=8192, tensor_parallel_size=tp)
+
+    llm = prism("fp8")
     inputs = llm.engine.inputs
     one_token = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
 
     def ttft(messages) -> float:
-        """TTFT from the raw chat messages as a caller of the engine pays it: the engine prepares them (and
-        encodes each new image as soon as it is prepared, `encode_media_while_preparing`)."""
+        """TTFT from the raw chat messages as a caller of the engine pays it: the engine prepares them."""
         torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate([messages], one_token)
@@ -149,13 +154,14 @@ def main() -> None:
         w[f"W3_prism_fp8_batch{batch}_step_ms"] = tpot(llm, batch) * 1e3
     greedy_prompt = inputs.prepare_chat(chat(hot_images, "Tell me about the pictures."))
     prism_tokens = llm.generate([greedy_prompt], SamplingParams.greedy(max_tokens=16, ignore_eos=True))[0].token_ids
-    llm = None  # free its weights and KV pool before the next engine
+    llm.engine.shutdown()  # its follower ranks (TP), then its weights and KV pool, before the next engine
+    llm = None
     torch.cuda.empty_cache()
 
-    llm16 = LLM(ckpt, kv_dtype="bf16", kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
-                max_num_batched_tokens=8192)
+    llm16 = prism("bf16")
     inputs = llm16.engine.inputs
     w["W3_prism_bf16_batch1_step_ms"] = tpot(llm16, 1) * 1e3
+    llm16.engine.shutdown()
     llm16 = None
     torch.cuda.empty_cache()
 
@@ -194,16 +200,18 @@ def main() -> None:
     results["greedy_agreement"] = {"prism_fp8_kv": prism_tokens, "hf": hf_tokens, "identical_prefix_tokens": same}
 
     table = markdown(results)
-    write_results(results, table, gpu, results["date"])
+    write_results(results, table, gpu, results["date"], suffix=f"tp{tp}" if tp > 1 else "")
     print(table)
 
 
 def markdown(r: dict) -> str:
     w = r["workloads"]
+    tp = r.get("tensor_parallel", 1)
+    tp_label = f", TP{tp}" if tp > 1 else ""
     lines = [
         f"GPU: {r['gpu']}, torch {r['torch']}, {r['checkpoint']}, {r['date']}",
         "",
-        "| workload | Prism (FP8 KV) | HF transformers | target |",
+        f"| workload | Prism (FP8 KV{tp_label}) | HF transformers | target |",
         "|---|---:|---:|---:|",
         f"| W1 cold 8 images TTFT incl. input preparation, median ms | {w['W1_prism_fp8']['median_ms']:.1f} (engine alone {w['W1_prism_fp8_engine_only']['median_ms']:.1f}) | {w['W1_hf']['median_ms']:.1f} | <= 60 |",
         f"| W2 same images + new question TTFT incl. input preparation, median ms | {w['W2_prism_fp8']['median_ms']:.1f} (engine alone {w['W2_prism_fp8_engine_only']['median_ms']:.1f}) | {w['W2_hf']['median_ms']:.1f} | <= 10 |",
