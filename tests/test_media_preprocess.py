@@ -442,13 +442,41 @@ def test_video_errors():
 def test_patch_pixels_are_checked():
     table = torch.zeros(3, 256)
     with pytest.raises(ValueError, match="uint8"):
-        PatchPixels(torch.zeros(2, 6), table)
+        PatchPixels(torch.zeros(4, 4, 3), table, 2, 2, 2)
+    with pytest.raises(ValueError, match="not cut"):
+        PatchPixels(torch.zeros(4, 6, 3, dtype=torch.uint8), table, 2, 2, 2)
     with pytest.raises(ValueError, match="does not fit"):
-        PatchPixels(torch.zeros(2, 7, dtype=torch.uint8), table)
-    levels = torch.arange(6, dtype=torch.uint8).reshape(1, 6)
+        PatchPixels(torch.zeros(4, 4, 3, dtype=torch.uint8), torch.zeros(2, 256), 2, 2, 2)
+    # one 2x2 patch (merge 1), repeated over two frames: columns channel-major (C, T, p, p), each level looked up
+    # in its channel's row of the table
+    frame = torch.arange(12, dtype=torch.uint8).reshape(2, 2, 3)
     table = torch.arange(3 * 256, dtype=torch.float32).reshape(3, 256)
-    # columns are channel-major: two columns per channel, each level looked up in its channel's row
-    assert PatchPixels(levels, table).normalized().tolist() == [[0.0, 1.0, 258.0, 259.0, 516.0, 517.0]]
+    pixels = PatchPixels(frame, table, 2, 1, 2)
+    red = [0.0, 3.0, 6.0, 9.0]
+    assert pixels.normalized().tolist() == [red * 2 + [256 + v + 1 for v in red] * 2 + [512 + v + 2 for v in red] * 2]
+    assert pixels.shape == pixels.patches.shape == (1, 24)
+
+
+@pytest.mark.parametrize("size", [(64, 96), (448, 448), (96, 160)])
+def test_patchify_frame_is_the_numpy_patchify_of_the_repeated_frame(size):
+    from prism.media.image import patchify
+    from prism.media.pixels import patchify_frame
+
+    frame = np.random.default_rng(sum(size)).integers(0, 256, (*size, 3), dtype=np.uint8)
+    want, grid = patchify(np.broadcast_to(frame[None], (2, *frame.shape)), patch_size=16, merge_size=2,
+                          temporal_patch_size=2)
+    got = patchify_frame(torch.from_numpy(frame), 16, 2, 2)
+    assert grid == (1, size[0] // 16, size[1] // 16)
+    assert torch.equal(got, torch.from_numpy(want))
+
+
+def test_the_cached_frame_is_not_the_callers_array():
+    cfg = _image_cfg(4, 64)
+    array = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    before = preprocess_image(array, cfg)
+    kept = before.pixels.normalized().clone()
+    array[:] = 0  # the caller reuses its buffer
+    assert torch.equal(before.pixels.normalized(), kept)
 
 
 @pytest.mark.parametrize("size", [(64, 96), (448, 448)])

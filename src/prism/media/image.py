@@ -10,8 +10,8 @@ Owns: the pixel layout the vision encoder consumes. It reproduces HF transformer
   values are bit-identical to HF's for the same resized pixels.
 - patchify to `pixel_values [gh*gw, C*T*p*p]` in HF's order (merge-window major: gh/m, gw/m, m, m; then
   C, T, p, p), the single image repeated T (= temporal_patch_size) times; grid_thw = (1, gh, gw).
-  The patches stay uint8 (`media.pixels.PatchPixels`), normalized by the 256-level table of the formula
-  above where they are encoded: the same values, a quarter of the bytes until then.
+  The image stays its resized uint8 frame (`media.pixels.PatchPixels`), patchified and normalized by the
+  256-level table of the formula above where it is encoded: the same values, an eighth of the bytes until then.
 
 Decoding from bytes refuses oversized images from the header alone (before any pixel is decoded), maps every
 PIL failure to a typed error, applies the EXIF orientation and converts to RGB (what HF's `load_image` does).
@@ -68,7 +68,7 @@ DEFAULT_LIMITS = DecodeLimits()
 class PreprocessedImage:
     """One image ready for the vision encoder."""
 
-    pixels: PatchPixels  # [gh*gw, C*T*p*p] uint8 patches and their normalization table
+    pixels: PatchPixels  # the resized frame, patchified and normalized where it is encoded
     # uint8 [H, W, 3] after smart resize: pixel_values is a function of these and the processor settings,
     # one-to-one (normalization is injective per channel), so the content digest hashes these 8x fewer bytes.
     resized_pixels: np.ndarray
@@ -191,9 +191,9 @@ def _is_rgb_array(image: object) -> bool:
 
 
 def resize_rgb(image: Image.Image, height: int, width: int) -> np.ndarray:
-    """PIL bicubic resize (HF's PIL backend: `Image.resize((w, h), BICUBIC)`) -> uint8 [H, W, 3]."""
+    """PIL bicubic resize (HF's PIL backend: `Image.resize((w, h), BICUBIC)`) -> uint8 [H, W, 3], writable."""
     resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-    return np.asarray(resized, dtype=np.uint8)
+    return np.array(resized, dtype=np.uint8)
 
 
 @functools.lru_cache(maxsize=16)
@@ -257,26 +257,20 @@ def preprocess_image(
         height, width, factor=config.factor, min_pixels=config.min_pixels, max_pixels=config.max_pixels
     )
     if (new_h, new_w) == (height, width):
-        # PIL's resize to the same size returns a copy of the image: the pixels as they are, without the copies.
-        resized = np.asarray(rgb, dtype=np.uint8)
+        # PIL's resize to the same size returns a copy of the image: the pixels as they are, copied once (the
+        # cache keeps them: never a view of the caller's array).
+        resized = np.array(rgb, dtype=np.uint8, order="C")
     else:
         resized = resize_rgb(rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb, mode="RGB"), new_h, new_w)
-    # A still image fills the temporal patch by repetition (a zero-copy broadcast until the final reshape).
-    # Patchify the uint8 pixels, then normalize: a quarter of the bytes to move.
-    frames = np.broadcast_to(resized[None], (config.temporal_patch_size, *resized.shape))
-    flat_u8, grid = patchify(
-        frames,
-        patch_size=config.patch_size,
-        merge_size=config.merge_size,
-        temporal_patch_size=config.temporal_patch_size,
-    )
     table = normalize_table_tensor(tuple(config.image_mean), tuple(config.image_std), float(config.rescale_factor))
     if table.shape[0] != resized.shape[2]:
         raise MediaError(f"{table.shape[0]} channel means/stds for an image of {resized.shape[2]} channels")
+    # The frame is patchified (repeated over the temporal patch) and normalized where it is encoded (`PatchPixels`).
+    p = config.patch_size
     return PreprocessedImage(
-        pixels=PatchPixels(torch.from_numpy(flat_u8), table),
+        pixels=PatchPixels(torch.from_numpy(resized), table, p, config.merge_size, config.temporal_patch_size),
         resized_pixels=resized,
-        grid_thw=grid,
+        grid_thw=(1, new_h // p, new_w // p),
         image_size=(height, width),
         resized_size=(new_h, new_w),
     )

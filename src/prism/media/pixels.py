@@ -1,12 +1,16 @@
-"""Image patches kept as uint8 until the device that encodes them.
+"""An image's pixels kept as its resized uint8 frame until the device that encodes them.
 
-Owns: where the normalization of image patches happens. The patches are stored patchified but unnormalized
-(uint8, channel-major columns) beside HF's normalization as a 256-level table per channel
-(`image.normalize_table`); `normalized(device)` looks the values up where they are used: on the GPU right
-before the patch embedding, or on the CPU for callers that want float32 `pixel_values` (HF comparisons).
-A table lookup is bitwise the same wherever it runs. The uint8 form is 4x smaller than float32 in the
-preprocessing cache, in tensor-parallel payloads and through the host-to-device copy (8 images of 448x448:
-9.6 MB instead of 38.5 MB).
+Owns: where an image's patches are made and normalized. The preprocessing cache holds the resized image as it
+is (uint8 [H, W, C], one frame) beside the patch geometry and HF's normalization as a 256-level table per
+channel (`image.normalize_table`). `normalized(device)` copies the frame to `device`, repeats it over the
+temporal patch, cuts it into patches in HF's order (`patchify_frame`) and looks each level up in the table, all
+there: on the GPU right before the patch embedding, or on the CPU for callers that want float32
+`pixel_values` (HF comparisons). A reshape and a table lookup are bitwise the same wherever they run.
+
+Why the frame and not the patches: patchifying on the host moved every byte through a strided gather into a
+new buffer twice the image's size (the temporal repeat), 0.5-4 ms per 448x448 image on the CPU machine, most
+of an 8-image request's preparation; the frame is also half the bytes of uint8 patches (and an eighth of
+float32 ones) in the cache, in tensor-parallel payloads and through the host-to-device copy.
 """
 
 from __future__ import annotations
@@ -18,37 +22,64 @@ import torch
 from ..ops.host_copy import to_device
 
 
+def patchify_frame(frame: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
+    """uint8 [H, W, C] -> [gh*gw, C*T*p*p] on the frame's device: the frame repeated T times, rows in merge-window
+    order (gh/m, gw/m, m, m), columns channel-major (C, T, p, p), as `image.patchify` orders them."""
+    height, width, channels = frame.shape
+    t, p, m = temporal_patch_size, patch_size, merge_size
+    gh, gw = height // p, width // p
+    x = frame.unsqueeze(0).expand(t, height, width, channels)
+    x = x.reshape(t, gh // m, m, p, gw // m, m, p, channels).permute(1, 4, 2, 5, 7, 0, 3, 6)
+    return x.reshape(gh * gw, channels * t * p * p)
+
+
 @dataclass(frozen=True, eq=False)  # holds tensors: identity equality
 class PatchPixels:
-    patches: torch.Tensor  # uint8 [rows, C*T*p*p], columns channel-major (see `image.patchify`)
+    frame: torch.Tensor  # uint8 [H, W, C]: the image after smart resize
     table: torch.Tensor  # float32 [C, 256]: the normalized value of every level of every channel
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
 
     def __post_init__(self) -> None:
-        if self.patches.dtype != torch.uint8 or self.patches.dim() != 2:
-            raise ValueError(f"patches must be uint8 [rows, cols], got {self.patches.dtype} {tuple(self.patches.shape)}")
-        channels = self.table.shape[0]
-        if self.table.shape != (channels, 256) or self.patches.shape[1] % channels:
-            raise ValueError(f"table {tuple(self.table.shape)} does not fit {self.patches.shape[1]} columns")
+        if self.frame.dtype != torch.uint8 or self.frame.dim() != 3:
+            raise ValueError(f"the frame must be uint8 [H, W, C], got {self.frame.dtype} {tuple(self.frame.shape)}")
+        height, width, channels = self.frame.shape
+        side = self.patch_size * self.merge_size
+        if min(self.patch_size, self.merge_size, self.temporal_patch_size) < 1 or height % side or width % side:
+            raise ValueError(f"a {height}x{width} frame is not cut into {self.patch_size}-pixel patches merged "
+                             f"{self.merge_size}x{self.merge_size}")
+        if self.table.shape != (channels, 256):
+            raise ValueError(f"table {tuple(self.table.shape)} does not fit a frame of {channels} channels")
 
     @property
     def shape(self) -> torch.Size:
-        return self.patches.shape
+        """The patches' shape [gh*gw, C*T*p*p], without making them."""
+        height, width, channels = self.frame.shape
+        p = self.patch_size
+        return torch.Size(((height // p) * (width // p), channels * self.temporal_patch_size * p * p))
 
     @property
     def nbytes(self) -> int:
-        return self.patches.numel() + self.table.numel() * self.table.element_size()
+        return self.frame.numel() + self.table.numel() * self.table.element_size()
+
+    @property
+    def patches(self) -> torch.Tensor:
+        """uint8 [gh*gw, C*T*p*p] where the frame is (made on each access)."""
+        return patchify_frame(self.frame, self.patch_size, self.merge_size, self.temporal_patch_size)
 
     def normalized(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """float32 [rows, cols] on `device` (default: where the patches are)."""
-        patches = self.patches if device is None else to_device(self.patches, device)
-        table = to_device(self.table, patches.device)
+        """float32 [gh*gw, C*T*p*p] on `device` (default: where the frame is)."""
+        frame = self.frame if device is None else to_device(self.frame, device)
+        patches = patchify_frame(frame, self.patch_size, self.merge_size, self.temporal_patch_size)
+        table = to_device(self.table, frame.device)
         channels = table.shape[0]
-        column_base = torch.arange(channels, device=patches.device).repeat_interleave(patches.shape[1] // channels)
+        column_base = torch.arange(channels, device=frame.device).repeat_interleave(patches.shape[1] // channels)
         return table.flatten()[patches.to(torch.int64) + column_base * 256]
 
 
 def pixels_on(pixels: PatchPixels | torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """float32 pixel values on `device`, from uint8 patches (images) or float32 ones (videos)."""
+    """float32 pixel values on `device`, from an image's frame (`PatchPixels`) or a video's float32 patches."""
     if isinstance(pixels, PatchPixels):
         return pixels.normalized(device)
     return to_device(pixels, device)

@@ -21,7 +21,7 @@ from .pixels import PatchPixels
 
 @dataclass(frozen=True)
 class PreparedImage:
-    pixels: PatchPixels  # [gh*gw, C*T*p*p] uint8 patches, normalized where they are encoded
+    pixels: PatchPixels  # the resized uint8 frame, patchified and normalized where it is encoded
     grid_thw: tuple[int, int, int]
     digest: bytes  # content digest of the preprocessed pixels (media_digest)
     raw_digest: bytes  # digest of the encoded bytes
