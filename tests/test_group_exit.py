@@ -33,7 +33,7 @@ def test_rank_0_destroys_its_graphs_before_leaving_the_group(planted):
     if planted:  # the shipped order before the fix: the group was left with the runner's graphs alive
         llm.engine._followers.release_graphs = None
     exit_ = shutdown_recording_group_exit(llm.engine)
-    assert exit_.left
+    assert exit_.left and exit_.finished_in_time
     processes = llm.engine._followers.processes
     assert all(p.exitcode == 0 for p in processes), [p.exitcode for p in processes]
     if planted:
@@ -44,19 +44,56 @@ def test_rank_0_destroys_its_graphs_before_leaving_the_group(planted):
 
 def test_leaving_releases_first_and_gives_up_on_an_abort_that_hangs(monkeypatch):
     order: list[str] = []
-    stuck = threading.Event()
+    entered, stuck = threading.Event(), threading.Event()
 
     def hanging_abort() -> None:
         order.append("abort")
+        entered.set()
         stuck.wait(10)
 
     monkeypatch.setattr(tp_workers, "abort_process_group", hanging_abort)
     monkeypatch.setattr(tp_workers.dist, "is_initialized", lambda: True)
     start = time.monotonic()
     left = tp_workers.leave_group(lambda: order.append("release"), timeout_s=0.2)
+    assert entered.wait(5)
     stuck.set()
     assert left is False
     assert time.monotonic() - start < 5
+    assert order == ["release", "abort"]
+
+
+def test_a_failing_release_still_leaves_the_group(monkeypatch):
+    aborted = []
+    monkeypatch.setattr(tp_workers, "abort_process_group", lambda: aborted.append(True))
+    monkeypatch.setattr(tp_workers.dist, "is_initialized", lambda: True)
+
+    def broken_release() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    assert tp_workers.leave_group(broken_release, timeout_s=5) is True
+    assert aborted == [True]
+
+
+def test_a_follower_destroys_its_graphs_before_it_leaves(monkeypatch):
+    """`serve_worker`'s exit, rank 1's side of the fix: its runner's graphs go before its communicators."""
+    from prism.engine.config import EngineConfig
+
+    order: list[str] = []
+
+    class Runner:
+        def release_cuda_graphs(self) -> None:
+            order.append("release")
+
+    class Channel:
+        def recv(self):
+            return None  # rank 0's stop
+
+    monkeypatch.setattr(tp_workers, "join_group", lambda rank, cfg, init: (None, Channel()))
+    monkeypatch.setattr(tp_workers, "build_rank_runner", lambda model_dir, cfg, group: (Runner(), 0))
+    monkeypatch.setattr(tp_workers, "abort_process_group", lambda: order.append("abort"))
+    monkeypatch.setattr(tp_workers.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    tp_workers.serve_worker(1, "tcp://127.0.0.1:1", "unused", EngineConfig().to_dict())
     assert order == ["release", "abort"]
 
 

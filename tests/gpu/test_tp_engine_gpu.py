@@ -4,6 +4,8 @@ FP8 KV on each rank and CUDA-graph decode on each rank. Skipped without two CUDA
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -39,7 +41,15 @@ def test_tp2_nccl_greedy_equals_tp1():
             graphs = llm.engine.runner.graphs
             out[tp] = ([c.token_ids for c in first + second], second[0].cached_tokens, graphs and graphs.replays)
         finally:
-            llm.engine.shutdown()
+            # With the ranks' decode graphs holding NCCL all-reduces, this hung forever on two H200s until each
+            # rank destroyed its graphs before leaving its group (`tp_workers.leave_group`).
+            start = time.monotonic()
+            left = llm.engine.shutdown()
+            followers = llm.engine._followers
+        assert left, "leaving the TP group did not finish in time"
+        assert time.monotonic() - start < 60
+        if followers is not None:
+            assert [p.exitcode for p in followers.processes] == [0] * (tp - 1)
     assert out[2][0] == out[1][0]
     assert out[2][1] == out[1][1] > 0
     assert out[2][2], "TP2 decode steps must replay CUDA graphs"

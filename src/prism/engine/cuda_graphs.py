@@ -66,19 +66,23 @@ def capture_buckets(device: torch.device, buckets, forward, prepare=None, pool=N
     if device.type != "cuda":
         return graphs, outputs
     memory = pool if pool is not None else torch.cuda.graph_pool_handle()
-    for b in sorted(buckets, reverse=True):
-        if prepare is not None:
-            prepare(b)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graphs[b] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[b], pool=memory):
-            outputs[b] = forward(b)
-    torch.cuda.synchronize()
+    try:
+        for b in sorted(buckets, reverse=True):
+            if prepare is not None:
+                prepare(b)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward(b)
+            torch.cuda.current_stream().wait_stream(side)
+            graphs[b] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[b], pool=memory):
+                outputs[b] = forward(b)
+        torch.cuda.synchronize()
+    except BaseException:  # the buckets captured so far go with the failure, not with its traceback
+        destroy_graphs(graphs, outputs)
+        raise
     return graphs, outputs
 
 

@@ -77,7 +77,6 @@ class Engine:
         if self._followers is not None:
             self.runner.publish = self._followers.send
             self._followers.release_graphs = self.runner.release_cuda_graphs
-            self._followers.leave_timeout_s = self.config.distributed_timeout_s
             weakref.finalize(self, self._followers.close)
         model, layout = self.runner.model, self.runner.layout
         self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes)
@@ -102,10 +101,12 @@ class Engine:
         log.info("engine ready: %s, KV %s x %d pages of %d tokens, tensor parallel %d", self.model_dir,
                  layout.kv_dtype, layout.num_pages, layout.page_size, group.world_size)
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel follower ranks (a no-op with one rank). The engine is unusable after."""
+    def shutdown(self) -> bool:
+        """Stop the tensor-parallel follower ranks (a no-op with one rank). The engine is unusable after. False
+        if this rank's leaving its group did not finish in time (logged)."""
         if self._followers is not None:
-            self._followers.close()
+            return self._followers.close()
+        return True
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(

@@ -130,20 +130,25 @@ class ModelRunner:
         if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
             text = model.config.text
             compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
-        if use_graphs:
-            self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
-                                    cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
-            self.graphs.capture()
-        self.vision_graphs = (
-            VisionGraphs(model.encode_media,
-                         functools.partial(capture_encoder, model.visual, pool=torch.cuda.graph_pool_handle()),
-                         max_graphs=vision_graphs)
-            if vision_graphs and self.device.type == "cuda" and not deterministic else None)
+        self.vision_graphs: VisionGraphs | None = None
         self.packed: PackedGraphs | None = None
-        if use_packed:
-            self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
-                                       max_num_seqs, max_model_len)
-            self.packed.capture()
+        try:
+            if use_graphs:
+                self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
+                                        cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
+                self.graphs.capture()
+            if vision_graphs and self.device.type == "cuda" and not deterministic:
+                self.vision_graphs = VisionGraphs(
+                    model.encode_media,
+                    functools.partial(capture_encoder, model.visual, pool=torch.cuda.graph_pool_handle()),
+                    max_graphs=vision_graphs)
+            if use_packed:
+                self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
+                                           max_num_seqs, max_model_len)
+                self.packed.capture()
+        except BaseException:  # graphs captured before the failure would pin a TP group's communicators
+            self.release_cuda_graphs()
+            raise
 
     def release_cuda_graphs(self) -> None:
         """Destroy every captured graph (decode rows, packed prefill, vision encoder); steps run eagerly after.
@@ -153,8 +158,6 @@ class ModelRunner:
             if holder is not None:
                 holder.release()
         self.graphs = self.packed = self.vision_graphs = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def group_q_heads(self, text) -> int:
         """Query heads on this rank (the KV pool holds this rank's share of the KV heads)."""

@@ -90,22 +90,28 @@ class Followers:
         why = "; ".join(dead) if dead else "all followers still running"
         return TensorParallelFailure(f"tensor-parallel step failed on rank 0 ({why}): {type(error).__name__}: {error}")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Tell the followers to stop, leave the group, wait for them. Idempotent."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Tell the followers to stop, leave the group, wait for them. Idempotent. False if leaving the group
+        did not finish in time (`leave_group`)."""
         if self.closed:
-            return
+            return True
         self.closed = True
+        left = False
         try:
-            if all(p.exitcode is None for p in self.processes):
-                self.channel.send(lambda rank: None)
-        except Exception:  # a follower is already gone: nothing left to tell
-            log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
-        leave_group(self.release_graphs, self.leave_timeout_s)
-        for p in self.processes:
-            p.join(timeout_s)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+            try:
+                if all(p.exitcode is None for p in self.processes):
+                    self.channel.send(lambda rank: None)
+            except Exception:  # a follower is already gone: nothing left to tell
+                log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
+            release, self.release_graphs = self.release_graphs, None  # it refers to the runner, which refers to us
+            left = leave_group(release, self.leave_timeout_s)
+        finally:
+            for p in self.processes:
+                p.join(timeout_s)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+        return left
 
 
 def leave_group(release_graphs: Callable[[], None] | None, timeout_s: float) -> bool:
@@ -116,9 +122,14 @@ def leave_group(release_graphs: Callable[[], None] | None, timeout_s: float) -> 
     collective holds a reference on the communicator, and NCCL's teardown, destroy and abort alike, waits until
     every such graph is destroyed, so both ranks waited forever with the decode graphs alive. Abort rather than
     destroy: it does not wait on peers, and after the stop message (or a follower's death) none will come. The
-    bound keeps a rank from hanging where something else still pins a communicator."""
+    bound keeps a rank from hanging where something else still pins a communicator (NCCL's abort releases the
+    GIL). No device synchronize here: a collective stuck in a graph replay (a peer died mid-step) only ends by the
+    abort, and a graph reset while its replay runs is freed once the replay ends."""
     if release_graphs is not None:
-        release_graphs()
+        try:
+            release_graphs()
+        except Exception:  # a sticky CUDA error, say: leaving the group matters more
+            log.exception("destroying the CUDA graphs before leaving the tensor-parallel group failed")
     if not dist.is_initialized():
         return True
     done = threading.Event()
@@ -129,7 +140,10 @@ def leave_group(release_graphs: Callable[[], None] | None, timeout_s: float) -> 
         finally:
             done.set()
 
-    threading.Thread(target=abort, daemon=True, name="prism-tp-leave").start()
+    try:
+        threading.Thread(target=abort, daemon=True, name="prism-tp-leave").start()
+    except RuntimeError:  # at interpreter exit (weakref.finalize) Python 3.12 starts no thread: abort inline
+        abort()
     if done.wait(timeout_s):
         return True
     log.error("leaving the tensor-parallel group did not finish within %.0f s; going on without it", timeout_s)

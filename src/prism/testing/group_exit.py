@@ -17,6 +17,7 @@ GRAPH_HOLDERS = ("graphs", "packed", "vision_graphs")
 @dataclass
 class GroupExit:
     left: bool = False  # the communicators were aborted at all
+    finished_in_time: bool = False  # the engine's shutdown reported its leaving the group done in time
     graphs_held: list[str] = field(default_factory=list)  # the runner's graph holders alive at that moment
 
 
@@ -35,7 +36,7 @@ def shutdown_recording_group_exit(engine) -> GroupExit:
 
     tp_workers.abort_process_group = recording_abort
     try:
-        engine.shutdown()
+        seen.finished_in_time = engine.shutdown()
     finally:
         tp_workers.abort_process_group = original
     return seen
