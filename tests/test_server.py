@@ -304,3 +304,23 @@ def test_decide_endpoint(live):
     assert all(a["thought"] and 0 < a["thinking_tokens"] <= 6 for a in thinking.json()["answers"])
     bad = httpx.post(live.url + "/v1/decide", json={**body, "questions": [{"type": "choice", "text": "x", "options": ["one"]}]})
     assert bad.status_code == 400 and "at least two options" in bad.json()["error"]["message"]
+
+
+def test_the_server_shuts_down_the_engine_it_built(monkeypatch):
+    """An engine the app built from its settings is shut down when the server stops (a TP engine's followers then
+    leave their group with their graphs destroyed first, instead of at interpreter exit); after the engine
+    thread stopped, never while a step may still run."""
+    from prism.engine.engine import Engine
+
+    calls = []
+    original = Engine.shutdown
+
+    def recording_shutdown(self):
+        calls.append(server.app.state.prism.async_engine._thread.is_alive())  # the engine thread, at that moment
+        return original(self)
+
+    monkeypatch.setattr(Engine, "shutdown", recording_shutdown)
+    server = LiveServer(ServerSettings())
+    assert httpx.get(server.url + "/v1/models").status_code == 200
+    server.stop()
+    assert calls == [False]

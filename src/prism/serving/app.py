@@ -90,7 +90,11 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         try:
             yield
         finally:
-            await asyncio.to_thread(state.async_engine.shutdown)
+            stopped = await asyncio.to_thread(state.async_engine.shutdown)
+            if engine is None and stopped:  # built here, so stopped here: tensor-parallel followers leave cleanly
+                await asyncio.to_thread(state.engine.shutdown)
+            elif engine is None:
+                log.error("the engine thread did not stop; its tensor-parallel ranks are left to the exit handler")
 
     app = FastAPI(title="Prism", version="0.1.0", lifespan=lifespan)
     _document_raw_bodies(app)

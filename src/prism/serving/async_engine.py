@@ -69,13 +69,15 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting, abort every request in flight (each gets its terminal event), stop the thread."""
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop accepting, abort every request in flight (each gets its terminal event), stop the thread. False
+        if the thread did not stop within `timeout` (a step still running: the engine is not to be torn down)."""
         self._stopping = True
         self._commands.put(("stop",))
         self._wakeup.set()
-        self._stopped.wait(timeout)
+        stopped = self._stopped.wait(timeout)
         self._media_pool.shutdown(wait=False, cancel_futures=True)
+        return stopped
 
     @property
     def num_in_flight(self) -> int:
