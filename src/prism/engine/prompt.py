@@ -27,8 +27,8 @@ class PreparedMedia:
 
     kind: Literal["image", "video"]
     index: int  # among the prompt's images, or among its videos
-    # [t*h*w, C*T*p*p]: uint8 patches (images, normalized on the encoding device) or float32 (videos);
-    # read-only (may be shared through the cache)
+    # an image's resized uint8 frame (patchified and normalized on the encoding device) or a video's float32
+    # patches [t*h*w, C*T*p*p]; read-only (may be shared through the cache)
     pixels: PatchPixels | torch.Tensor
     grid_thw: tuple[int, int, int]  # in patches
     digest: bytes  # media content digest (prism.media.digest)

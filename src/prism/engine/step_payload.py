@@ -73,7 +73,7 @@ class MediaWork:
     digest: bytes
     grid: tuple[int, int, int]
     encode: bool
-    pixels: PatchPixels | torch.Tensor | None  # uint8 patches (images) or float32 (videos)
+    pixels: PatchPixels | torch.Tensor | None  # an image's uint8 frame or a video's float32 patches
 
 
 @dataclass(frozen=True)
