@@ -4,6 +4,8 @@ every bad input's typed error. The invariants themselves are specified in specs/
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prism.kv.content import ContentError, MediaSpan, SeqContent
 from prism.kv.manager import KVCacheManager, SequenceError
@@ -180,3 +182,26 @@ def test_a_partial_page_republished_with_other_rows_is_searched_by_its_new_rows(
     hit = index.lookup(SeqContent([2, 3, 9, 9], ()), root, 3)
     assert (hit.tail_source, hit.tail_rows) == (7, 2)
     assert index.lookup(SeqContent([1, 5, 9, 9], ()), root, 3).tail_rows == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_media_runs_and_span_containing_equal_the_scan_over_every_span(data):
+    """`media_runs` visits only the spans a range overlaps (a bisect over the sorted ends): the same runs as
+    scanning every span, for any spans and range; `span_containing` likewise."""
+    from prism.kv.content import MediaRun
+
+    gaps = data.draw(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9)), max_size=6))
+    spans, pos = [], 0
+    for i, (gap, length) in enumerate(gaps):
+        spans.append(MediaSpan(pos + gap, length, bytes([i]) * 16))
+        pos += gap + length
+    content = SeqContent(list(range(pos + 3)), tuple(spans))
+    start = data.draw(st.integers(0, pos + 3))
+    end = data.draw(st.integers(start, pos + 6))
+    scan = tuple(MediaRun(max(start, s.start) - start, min(end, s.end) - max(start, s.start), s.digest,
+                          max(start, s.start) - s.start)
+                 for s in spans if max(start, s.start) < min(end, s.end))
+    assert content.media_runs(start, end) == scan
+    inside = next((s for s in spans if s.start < start < s.end), None)
+    assert content.span_containing(start) == inside

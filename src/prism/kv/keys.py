@@ -20,8 +20,12 @@ _PAGE_TAG = b"prism.page.v1"
 _ROOT_TAG = b"prism.root.v1"
 
 
+_U64 = struct.Struct("<Q").pack
+_RUN = struct.Struct("<QQQ").pack
+
+
 def _framed(*fields: bytes) -> bytes:
-    return b"".join(struct.pack("<Q", len(f)) + f for f in fields)
+    return b"".join([_U64(len(f)) + f for f in fields])
 
 
 def _hash(data: bytes) -> bytes:
@@ -38,7 +42,7 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
 
 
 def encode_media(media: Sequence[MediaRun]) -> bytes:
-    return b"".join(_framed(struct.pack("<QQQ", m.row, m.length, m.offset), m.digest) for m in media)
+    return b"".join([_framed(_RUN(m.row, m.length, m.offset), m.digest) for m in media])
 
 
 def page_key(parent: bytes, tokens: Sequence[int], media: Sequence[MediaRun]) -> bytes:
