@@ -267,8 +267,10 @@ def preprocess_image(
         raise MediaError(f"{table.shape[0]} channel means/stds for an image of {resized.shape[2]} channels")
     # The frame is patchified (repeated over the temporal patch) and normalized where it is encoded (`PatchPixels`).
     p = config.patch_size
+    frame = torch.from_numpy(resized)
+    resized.flags.writeable = False  # shared through the cache under its digest
     return PreprocessedImage(
-        pixels=PatchPixels(torch.from_numpy(resized), table, p, config.merge_size, config.temporal_patch_size),
+        pixels=PatchPixels(frame, table, p, config.merge_size, config.temporal_patch_size),
         resized_pixels=resized,
         grid_thw=(1, new_h // p, new_w // p),
         image_size=(height, width),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.host_copy import to_device
+from .errors import MediaError
 
 
 def patchify_frame(frame: torch.Tensor, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
@@ -43,14 +44,14 @@ class PatchPixels:
 
     def __post_init__(self) -> None:
         if self.frame.dtype != torch.uint8 or self.frame.dim() != 3:
-            raise ValueError(f"the frame must be uint8 [H, W, C], got {self.frame.dtype} {tuple(self.frame.shape)}")
+            raise MediaError(f"the frame must be uint8 [H, W, C], got {self.frame.dtype} {tuple(self.frame.shape)}")
         height, width, channels = self.frame.shape
         side = self.patch_size * self.merge_size
         if min(self.patch_size, self.merge_size, self.temporal_patch_size) < 1 or height % side or width % side:
-            raise ValueError(f"a {height}x{width} frame is not cut into {self.patch_size}-pixel patches merged "
+            raise MediaError(f"a {height}x{width} frame is not cut into {self.patch_size}-pixel patches merged "
                              f"{self.merge_size}x{self.merge_size}")
         if self.table.shape != (channels, 256):
-            raise ValueError(f"table {tuple(self.table.shape)} does not fit a frame of {channels} channels")
+            raise MediaError(f"table {tuple(self.table.shape)} does not fit a frame of {channels} channels")
 
     @property
     def shape(self) -> torch.Size:
