@@ -2,9 +2,9 @@
 
 Owns: where an image's patches are made and normalized. The preprocessing cache holds the resized image as it
 is (uint8 [H, W, C], one frame) beside the patch geometry and HF's normalization as a 256-level table per
-channel (`image.normalize_table`). `normalized(device)` copies the frame to `device`, repeats it over the
-temporal patch, cuts it into patches in HF's order (`patchify_frame`) and looks each level up in the table, all
-there: on the GPU right before the patch embedding, or on the CPU for callers that want float32
+channel (`image.normalize_table`). `normalized(device)` copies the frame to `device`, looks each level up in
+the table, repeats the values over the temporal patch and cuts them into patches in HF's order
+(`patchify_frame`), all there: on the GPU right before the patch embedding, or on the CPU for callers that want float32
 `pixel_values` (HF comparisons). A reshape and a table lookup are bitwise the same wherever they run.
 
 Why the frame and not the patches: patchifying on the host moved every byte through a strided gather into a
@@ -72,11 +72,12 @@ class PatchPixels:
     def normalized(self, device: torch.device | str | None = None) -> torch.Tensor:
         """float32 [gh*gw, C*T*p*p] on `device` (default: where the frame is)."""
         frame = self.frame if device is None else to_device(self.frame, device)
-        patches = patchify_frame(frame, self.patch_size, self.merge_size, self.temporal_patch_size)
         table = to_device(self.table, frame.device)
-        channels = table.shape[0]
-        column_base = torch.arange(channels, device=frame.device).repeat_interleave(patches.shape[1] // channels)
-        return table.flatten()[patches.to(torch.int64) + column_base * 256]
+        # Each level looked up in its channel's row, then cut into patches: the lookup is per element, so it
+        # commutes with the reshape, and it runs over the frame once instead of over its temporal repeats.
+        channel_base = torch.arange(table.shape[0], device=frame.device) * 256
+        values = table.flatten()[frame.to(torch.int64) + channel_base]
+        return patchify_frame(values, self.patch_size, self.merge_size, self.temporal_patch_size)
 
 
 def pixels_on(pixels: PatchPixels | torch.Tensor, device: torch.device | str) -> torch.Tensor:
