@@ -290,11 +290,11 @@ class ModelRunner:
             self.page_size, self.device,
         )
         logits = self.model(
-            to_device(torch.tensor(ids, dtype=torch.int64), self.device),
+            to_device(ids, self.device, torch.int64),
             to_device(torch.cat([p.positions for p in pieces], dim=1), self.device),
             PagedKVBackend(self.gpu_pool, meta, prefill_kernel=not self.deterministic),
             multimodal=self._place_media(forward.media, features),
-            logits_indices=to_device(torch.tensor(rows, dtype=torch.int64), self.device),
+            logits_indices=to_device(rows, self.device, torch.int64),
         )
         self.stats.steps += 1
         self.stats.tokens_computed += offset

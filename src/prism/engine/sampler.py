@@ -73,7 +73,7 @@ def sample(
     for rows, draw in ((plain, _sample_plain), (filtered, _sample_filtered)):
         if not rows:
             continue
-        idx = host_values_on(rows, torch.int64, device)
+        idx = host_copy.to_device(rows, device, torch.int64)
         chosen = draw(x.index_select(0, idx), [params[i] for i in rows], _uniforms(rows, gens, device))
         token_ids = token_ids.index_copy(0, idx, chosen)
 
@@ -122,18 +122,11 @@ def _needs_filter(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0
 
 
-def host_values_on(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list (or host tensor) on `device` without waiting for the device: a blocking host-to-device
-    copy waits for all queued work, which under async scheduling is the whole step in flight."""
-    return host_copy.to_device(values.to(dtype) if isinstance(values, torch.Tensor)
-                               else torch.tensor(values, dtype=dtype), device)
-
-
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`t[rows]` (rows of a device tensor picked by a host list) without a blocking host-to-device copy."""
     if rows == list(range(t.shape[0])):
         return t
-    return t.index_select(0, host_values_on(rows, torch.int64, t.device))
+    return t.index_select(0, host_copy.to_device(rows, t.device, torch.int64))
 
 
 def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -143,7 +136,7 @@ def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch
         return torch.rand(len(rows), dtype=torch.float32, device=device)
     out = torch.empty(len(rows), dtype=torch.float32, device=device)
     if free:
-        out.index_copy_(0, host_values_on(free, torch.int64, device),
+        out.index_copy_(0, host_copy.to_device(free, device, torch.int64),
                         torch.rand(len(free), dtype=torch.float32, device=device))
     # Group seeded draws by generator device so a CPU generator costs one host->device copy per step.
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
@@ -155,13 +148,13 @@ def _uniforms(rows: list[int], gens: list[torch.Generator | None], device: torch
             vals.append(torch.rand(1, generator=g, dtype=torch.float32, device=g.device))
     for pos, vals in by_device.values():
         drawn = torch.cat(vals)
-        drawn = host_values_on(drawn, torch.float32, device) if drawn.device.type == "cpu" else drawn.to(device)
-        out.index_copy_(0, host_values_on(pos, torch.int64, device), drawn)
+        drawn = host_copy.to_device(drawn, device, torch.float32) if drawn.device.type == "cpu" else drawn.to(device)
+        out.index_copy_(0, host_copy.to_device(pos, device, torch.int64), drawn)
     return out
 
 
 def _column(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return host_values_on(values, dtype, like.device).unsqueeze(1)
+    return host_copy.to_device(values, like.device, dtype).unsqueeze(1)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

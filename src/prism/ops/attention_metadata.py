@@ -139,7 +139,7 @@ class PagedAttentionMetadata:
         qsl[1:] = torch.cumsum(torch.tensor(ql, dtype=_INDEX), 0)
         dev = torch.device(device)
         max_page = max((max(t, default=0) for t in tables), default=0)
-        return cls(to_device(qsl, dev), to_device(torch.tensor(cl, dtype=_INDEX), dev), to_device(block_table, dev),
+        return cls(to_device(qsl, dev), to_device(cl, dev, _INDEX), to_device(block_table, dev),
                    to_device(slot_mapping, dev), ql, cl, page_size, max_page)
 
     @property

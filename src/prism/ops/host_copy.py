@@ -12,13 +12,24 @@ for that reason).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 
-def to_device(values: torch.Tensor | np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """`values` (a host tensor or array) on `device`, without waiting for the work queued there."""
-    host = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else values
+def to_device(values: torch.Tensor | np.ndarray | Sequence[float], device: torch.device | str,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` (a host tensor, an array or a list of numbers) on `device` (as `dtype` if given), without waiting
+    for the work queued there."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(np.ascontiguousarray(values))
+    elif isinstance(values, torch.Tensor):
+        host = values
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    if dtype is not None:
+        host = host.to(dtype)
     device = torch.device(device)
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
