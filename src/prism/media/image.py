@@ -180,7 +180,7 @@ def to_rgb_image(
 
 def checked_rgb_array(image: np.ndarray, limits: DecodeLimits = DEFAULT_LIMITS, what: str = "image") -> np.ndarray:
     """`image` itself once it is a uint8 [H, W, 3] array within the size limits."""
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+    if not _is_rgb_array(image):
         raise MediaError(f"{what} array must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
     limits.check_size(image.shape[1], image.shape[0], what=what)
     return image
