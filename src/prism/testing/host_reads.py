@@ -5,6 +5,9 @@ records device work only, so an op that copies a host tensor to the device insid
 version of the vision graphs did, computing the grid metadata inside the captured call, on the H200). Run on the
 `meta` device, the check needs no GPU: every op whose arguments include a host tensor of one or more dimensions
 is reported (0-dimensional host tensors are scalars, passed by value).
+
+Also behind "a host tensor is staged for the device by one thread" (`ops/host_copy.py`): `host_copies` reports
+the torch ops that copied host tensor data, which run over the intra-op thread pool.
 """
 
 from __future__ import annotations
@@ -34,3 +37,11 @@ def host_tensor_reads(fn: Callable[[], Any]) -> list[str]:
     with _HostReads() as mode:
         fn()
     return mode.ops
+
+
+_COPY_OPS = ("copy_", "clone", "_to_copy", "_pin_memory")
+
+
+def host_copies(fn: Callable[[], Any]) -> list[str]:
+    """The ops `fn()` ran that copy a host tensor's data (torch's copies, split over the intra-op pool)."""
+    return [op for op in host_tensor_reads(fn) if op.split(".")[1] in _COPY_OPS]
