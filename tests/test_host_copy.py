@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prism.ops import host_copy
-from prism.ops.host_copy import copy_bytes, staged_in_pinned_memory, to_device
+from prism.ops.host_copy import concatenated_on, copy_bytes, staged_in_pinned_memory, to_device
 from prism.testing.host_reads import host_copies
 
 DTYPES = [torch.uint8, torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.float8_e4m3fn]
@@ -49,3 +49,11 @@ def test_to_device_takes_lists_arrays_and_tensors():
     assert torch.equal(to_device([1, 2, 3], "cpu", torch.int64), torch.tensor([1, 2, 3]))
     assert to_device(np.arange(4, dtype=np.int32), "cpu").dtype == torch.int32
     assert to_device(torch.ones(2), "cpu", torch.float16).dtype == torch.float16
+
+
+def test_concatenated_on_joins_the_bytes_of_every_tensor_in_order():
+    parts = [torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8), torch.randn(4).to(torch.bfloat16),
+             torch.randint(0, 256, (2, 3), dtype=torch.uint8).t(), torch.empty(0, dtype=torch.uint8)]
+    joined = concatenated_on(parts, "cpu")
+    want = torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+    assert joined.dtype == torch.uint8 and torch.equal(joined, want)

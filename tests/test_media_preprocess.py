@@ -470,6 +470,27 @@ def test_patchify_frame_is_the_numpy_patchify_of_the_repeated_frame(size):
     assert torch.equal(got, torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_images_goes_to_the_device_as_each_would(dtype):
+    """`batch_pixels_on` (one upload, one lookup for all frames) is bitwise each image's own pixel values joined;
+    a video's float32 patches or another table among the items take the per-item path, with the same result."""
+    from prism.media.pixels import batch_pixels_on
+
+    cfg = _image_cfg(4, 64 * 96)
+    rng = np.random.default_rng(1)
+    images = [preprocess_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), cfg).pixels
+              for h, w in ((64, 96), (32, 64), (64, 64))]
+
+    def each(items):
+        return torch.cat([pixels_on(p, "cpu") for p in items]).to(dtype)
+
+    assert torch.equal(batch_pixels_on(images, "cpu", dtype), each(images))
+    other = PatchPixels(images[1].frame, images[1].table * 2, 16, 2, 2)
+    video = torch.randn(8, images[0].shape[1])
+    for mixed in ([images[0], other], [images[0], video, images[2]]):
+        assert torch.equal(batch_pixels_on(mixed, "cpu", dtype), each(mixed))
+
+
 def test_the_cached_frame_is_not_the_callers_array():
     cfg = _image_cfg(4, 64)
     array = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)

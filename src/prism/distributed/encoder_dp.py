@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..media.pixels import PatchPixels, pixels_on
+from ..media.pixels import PatchPixels, batch_pixels_on
 from ..model.qwen3_vl import Qwen3VLModel
 from ..model.vision import VisionOutput
 from .tensor_parallel import TPGroup
@@ -42,9 +42,8 @@ def _encode_batches(model: Qwen3VLModel, encode: Encode, pixels: list[PatchPixel
     batches = [[i] for i in range(len(grids))] if one_at_a_time else ([list(range(len(grids)))] if grids else [])
     out: list[Features] = []
     for batch in batches:
-        # Each item goes to the device on its own (images as uint8, normalized there) and is joined there:
-        # no host-side copy of all the pixels first, and the cast to the model dtype runs on the device.
-        x = torch.cat([pixels_on(pixels[i], model.device) for i in batch]).to(model.dtype)
+        # Images go to the device as uint8 frames, normalized and cut into patches there (`batch_pixels_on`).
+        x = batch_pixels_on([pixels[i] for i in batch], model.device, model.dtype)
         enc = encode(x, [list(grids[i]) for i in batch])
         start = 0
         for count in enc.tokens_per_item:

@@ -15,11 +15,12 @@ float32 ones) in the cache, in tensor-parallel payloads and through the host-to-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..ops.host_copy import to_device
+from ..ops.host_copy import concatenated_on, to_device
 from .errors import MediaError
 
 
@@ -78,6 +79,34 @@ class PatchPixels:
         channel_base = torch.arange(table.shape[0], device=frame.device) * 256
         values = table.flatten()[frame.to(torch.int64) + channel_base]
         return patchify_frame(values, self.patch_size, self.merge_size, self.temporal_patch_size)
+
+
+def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.device | str,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The pixel values of `items` (images' frames, videos' float32 patches) concatenated in order, as `dtype` on
+    `device`: what the vision encoder takes for one batch. Bitwise `torch.cat([pixels_on(p) ...]).to(dtype)`.
+
+    Images that share one normalization table (every image of a checkpoint) go to the device together: one
+    staging buffer and one copy for all their frames, one table lookup over all their bytes (in `dtype`: each
+    level rounded once, as the float32 value would be), then each cut into patches. One upload per image cost
+    the engine's thread ~0.5 ms per image while the device waited (W1: ~4 ms before the encoder's first kernel)."""
+    images = [p for p in items if isinstance(p, PatchPixels)]
+    table = images[0].table if images else None
+    if not images or len(images) != len(items) or any(
+            p.table is not table and not torch.equal(p.table, table) for p in images):
+        return torch.cat([pixels_on(p, device) for p in items]).to(dtype)
+    frames = concatenated_on([p.frame for p in images], device)
+    levels = to_device(table, frames.device).to(dtype).flatten()
+    channels = table.shape[0]
+    channel_base = torch.arange(channels, device=frames.device) * 256
+    values = levels[frames.view(-1, channels).to(torch.int64) + channel_base]
+    out, offset = [], 0
+    for p in images:
+        height, width, _ = p.frame.shape
+        frame = values[offset : offset + height * width].view(height, width, channels)
+        out.append(patchify_frame(frame, p.patch_size, p.merge_size, p.temporal_patch_size))
+        offset += height * width
+    return torch.cat(out)
 
 
 def pixels_on(pixels: PatchPixels | torch.Tensor, device: torch.device | str) -> torch.Tensor:

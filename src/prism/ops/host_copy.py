@@ -51,6 +51,21 @@ def staged_in_pinned_memory(host: torch.Tensor, pin: bool = True) -> torch.Tenso
     return staged
 
 
+def concatenated_on(tensors: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The bytes of host tensors `tensors`, one after the other, as one uint8 tensor on `device`: one staging buffer
+    and one host-to-device copy for all of them (each tensor's own copy costs the host a few hundred microseconds
+    of calls while the device waits)."""
+    device = torch.device(device)
+    pin = device.type == "cuda"
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    offset = 0
+    for t, size in zip(tensors, sizes, strict=True):
+        copy_bytes(staged[offset : offset + size], t.contiguous().reshape(-1).view(torch.uint8))
+        offset += size
+    return staged.to(device, non_blocking=True) if pin else staged.to(device)
+
+
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst[...] = src` for two contiguous host tensors of one dtype and shape, as a single-threaded `memcpy`
     (numpy's, which releases the GIL) over their bytes, whatever the dtype."""
