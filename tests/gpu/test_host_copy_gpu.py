@@ -27,3 +27,16 @@ def test_staging_is_pinned_and_copies_with_no_torch_op():
     assert host_copies(lambda: staged_in_pinned_memory(frame)) == []
     staged = staged_in_pinned_memory(frame)
     assert staged.is_pinned() and torch.equal(staged, frame)
+
+
+def test_a_batch_of_frames_reaches_the_device_as_each_frame_would():
+    """`batch_pixels_on`: one staged copy and one lookup for all frames, bitwise each image's own pixel values."""
+    from prism.media.pixels import PatchPixels, batch_pixels_on, pixels_on
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.rand(3, 256, generator=g) * 4 - 2
+    images = [PatchPixels(torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g), table, 16, 2, 2)
+              for h, w in ((448, 448), (224, 640), (448, 448))]
+    got = batch_pixels_on(images, "cuda", torch.bfloat16)
+    want = torch.cat([pixels_on(p, "cuda") for p in images]).to(torch.bfloat16)
+    assert torch.equal(got, want)
