@@ -57,3 +57,11 @@ def test_concatenated_on_joins_the_bytes_of_every_tensor_in_order():
     joined = concatenated_on(parts, "cpu")
     want = torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
     assert joined.dtype == torch.uint8 and torch.equal(joined, want)
+
+
+def test_lazily_conjugated_and_negated_tensors_are_staged_as_their_values():
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    assert torch.equal(staged_in_pinned_memory(z.conj(), pin=False), z.conj().resolve_conj())
+    assert torch.equal(concatenated_on([z.conj()], "cpu").view(torch.complex64), z.conj().resolve_conj().flatten())
+    with pytest.raises(ValueError, match="host tensors"):
+        concatenated_on([torch.zeros(2, device="meta")], "cpu")

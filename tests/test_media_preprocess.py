@@ -485,10 +485,21 @@ def test_a_batch_of_images_goes_to_the_device_as_each_would(dtype):
         return torch.cat([pixels_on(p, "cpu") for p in items]).to(dtype)
 
     assert torch.equal(batch_pixels_on(images, "cpu", dtype), each(images))
+    same = PatchPixels(images[1].frame, images[1].table.clone(), 16, 2, 2)  # an equal table, another object
+    assert torch.equal(batch_pixels_on([images[0], same], "cpu", dtype), each([images[0], same]))
     other = PatchPixels(images[1].frame, images[1].table * 2, 16, 2, 2)
     video = torch.randn(8, images[0].shape[1])
     for mixed in ([images[0], other], [images[0], video, images[2]]):
         assert torch.equal(batch_pixels_on(mixed, "cpu", dtype), each(mixed))
+    # tables equal by value but not by bits (0.0 and -0.0) are not shared: each image keeps its own bits
+    plus = images[1].table.clone()
+    plus[0, 0] = 0.0
+    minus = plus.clone()
+    minus[0, 0] = -0.0
+    frame = images[1].frame.clone()
+    frame[0, 0, 0] = 0
+    signed = [PatchPixels(frame, plus, 16, 2, 2), PatchPixels(frame, minus, 16, 2, 2)]
+    assert torch.equal(batch_pixels_on(signed, "cpu", dtype).view(torch.uint8), each(signed).view(torch.uint8))
 
 
 def test_the_cached_frame_is_not_the_callers_array():

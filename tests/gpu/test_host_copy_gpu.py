@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism.ops.host_copy import staged_in_pinned_memory, to_device
+from prism.ops.host_copy import concatenated_on, staged_in_pinned_memory, to_device
 from prism.testing.host_reads import host_copies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -14,12 +14,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int64, torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_to_device_is_bitwise_and_the_source_is_free_at_once(dtype):
-    src = (torch.randn(448, 448, 3) * 50).to(dtype)
+    src = torch.randint(0, 256, (448, 448, 3)).to(dtype) if dtype == torch.uint8 else (torch.randn(448, 448, 3) * 50).to(dtype)
     want = src.clone()
     torch.cuda._sleep(50_000_000)  # keep the stream busy: the copy is queued behind it, not run yet
     got = to_device(src, "cuda")
     src.view(torch.uint8).fill_(0)  # the staging buffer, not `src`, is what the queued copy reads
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_staging_buffer_is_not_reused_before_its_copy_has_run():
+    """Staging buffers of one size, freed as soon as `to_device` returns, are not handed out again while the copy
+    that reads them is still queued (PyTorch's caching host allocator records the copy on the stream)."""
+    sources = [torch.full((448, 448, 3), i, dtype=torch.uint8) for i in range(4)]
+    torch.cuda._sleep(50_000_000)  # every copy below is queued behind this
+    copies = [to_device(s, "cuda") for s in sources[:2]] + [concatenated_on(sources[2:], "cuda")]
+    for s in sources:
+        s.fill_(255)
+    assert [int(c.float().mean().item()) for c in copies[:2]] == [0, 1]
+    joined = copies[2].view(2, 448, 448, 3)
+    assert int(joined[0].float().mean().item()) == 2 and int(joined[1].float().mean().item()) == 3
 
 
 def test_staging_is_pinned_and_copies_with_no_torch_op():

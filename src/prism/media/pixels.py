@@ -86,14 +86,15 @@ def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.d
     """The pixel values of `items` (images' frames, videos' float32 patches) concatenated in order, as `dtype` on
     `device`: what the vision encoder takes for one batch. Bitwise `torch.cat([pixels_on(p) ...]).to(dtype)`.
 
-    Images that share one normalization table (every image of a checkpoint) go to the device together: one
-    staging buffer and one copy for all their frames, one table lookup over all their bytes (in `dtype`: each
+    When every item is an image and they share one normalization table (every image of a checkpoint), they go to
+    the device together: one staging buffer and one copy for all their frames (and one for the table), one table
+    lookup over all their bytes (in `dtype`: each
     level rounded once, as the float32 value would be), then each cut into patches. One upload per image cost
     the engine's thread ~0.5 ms per image while the device waited (W1: ~4 ms before the encoder's first kernel)."""
     images = [p for p in items if isinstance(p, PatchPixels)]
     table = images[0].table if images else None
-    if not images or len(images) != len(items) or any(
-            p.table is not table and not torch.equal(p.table, table) for p in images):
+    if not images or len(images) != len(items) or any(p.table is not table and not _same_bits(p.table, table)
+                                                      for p in images):
         return torch.cat([pixels_on(p, device) for p in items]).to(dtype)
     frames = concatenated_on([p.frame for p in images], device)
     levels = to_device(table, frames.device).to(dtype).flatten()
@@ -107,6 +108,12 @@ def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.d
         out.append(patchify_frame(frame, p.patch_size, p.merge_size, p.temporal_patch_size))
         offset += height * width
     return torch.cat(out)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (`torch.equal` calls -0.0 and 0.0 equal, which normalize to different bits)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def pixels_on(pixels: PatchPixels | torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -10,18 +10,32 @@ reference (causal within each packed sequence, no cache) used by the parity test
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# SDPA backends that need no setup per shape. cuDNN's attention, PyTorch's first choice on Hopper, builds an
-# execution plan the first time it sees a shape: 54-59 ms on the H200 for the vision encoder's [n images, 16 heads,
-# 784 patches, 72] (torch 2.11, session 10), against ~0.2 ms for flash attention's first call. The vision encoder's
-# shapes follow the image sizes and counts of each request, so most of them are new; see `VisionEncoder.forward`.
-PLAN_FREE_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA backends that need no setup per shape, each with the flag that says whether it is enabled now. cuDNN's
+# attention, PyTorch's first choice on Hopper, builds an execution plan the first time it sees a shape: 54-59 ms
+# on the H200 for the vision encoder's [n images, 16 heads, 784 patches, 72] (torch 2.11, session 10), against
+# ~0.2 ms for flash attention's first call. The vision encoder's shapes follow the image sizes and counts of each
+# request, so most of them are new; see `VisionEncoder.forward`.
+_PLAN_FREE_SDPA = (
+    (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+    (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+)
+
+
+def plan_free_sdpa() -> contextlib.AbstractContextManager:
+    """A context in which SDPA chooses among the backends enabled now, cuDNN's left out (all of them when only
+    cuDNN's is enabled: the caller's setting wins). PyTorch's backend flags are process-wide, not per thread: this
+    relies on the engine running its model on one thread (the server's engine thread; TP ranks are processes)."""
+    enabled = [backend for backend, is_enabled in _PLAN_FREE_SDPA if is_enabled()]
+    return sdpa_kernel(enabled) if enabled else contextlib.nullcontext()
 
 
 @runtime_checkable

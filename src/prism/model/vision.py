@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
 from ..ops.host_copy import to_device
 from ..ops.vision_rope import vision_rope
-from .attention import PLAN_FREE_SDPA, dense_varlen_attention
+from .attention import dense_varlen_attention, plan_free_sdpa
 from .config import VisionConfig
 
 Grid = tuple[int, int, int]
@@ -192,12 +191,13 @@ class VisionEncoder(nn.Module):
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]
     ) -> VisionOutput:
-        """The encoder run eagerly, its attention by a backend that needs no per-shape plan (`PLAN_FREE_SDPA`):
+        """The encoder run eagerly, its attention by a backend that needs no per-shape plan (`plan_free_sdpa`):
         an eager call is typically a grid list seen for the first time, where cuDNN's plan would cost ~55 ms
         in the step, beside whatever decodes. A captured grid list (`engine.vision_graphs`, `encode` called
         directly) keeps PyTorch's choice, cuDNN on Hopper (1.5x faster at 8 images): its plan is built once,
-        at the capture, which is a one-time cost per list anyway."""
-        with sdpa_kernel(PLAN_FREE_SDPA):
+        at the capture, which is a one-time cost per list anyway. The two round differently, so an image's
+        features depend on whether its grid list was captured yet (deterministic mode captures nothing)."""
+        with plan_free_sdpa():
             return self.encode(pixel_values, self.grid_metadata(grid_thw))
 
     def encode(self, pixel_values: torch.Tensor, meta: GridMetadata) -> VisionOutput:

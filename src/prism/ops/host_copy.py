@@ -8,7 +8,7 @@ memory and copied non-blocking, the copy is queued behind that work instead and 
 pinned-memory allocator keeps the staging buffer until the copy has run, so the caller may change its tensor at
 once). Every host tensor is staged, pinned or not: asking whether it is pinned costs a driver call.
 
-The staging copy is one `memcpy` on the calling thread (`copy_bytes`), never a torch op: `Tensor.pin_memory()`
+The staging copy is one `memcpy` on the calling thread (`copy_bytes`), not a torch copy: `Tensor.pin_memory()`
 copies with `aten::copy_`, which splits a large tensor over the intra-op thread pool, and on the H200's host that
 copy of a 602 KB image frame took 5.4 ms instead of ~0.1 ms in about one cold 8-image request of two, once per
 image (W1's engine part 58 -> ~95 ms; stable at 58 with the memcpy). Where the pool's time went was not
@@ -44,8 +44,9 @@ def to_device(values: torch.Tensor | np.ndarray | Sequence[float], device: torch
 def staged_in_pinned_memory(host: torch.Tensor, pin: bool = True) -> torch.Tensor:
     """A contiguous copy of host tensor `host` in pinned memory (PyTorch's caching host allocator), filled by one
     thread. pin=False: the same in pageable memory, for hosts without a GPU."""
-    # A non-contiguous tensor is made contiguous by torch first (no caller on a hot path passes one).
-    host = host.contiguous()
+    # A non-contiguous (or lazily conjugated / negated) tensor is materialized by torch first, a second copy: no
+    # caller on a hot path passes one.
+    host = host.resolve_conj().resolve_neg().contiguous()
     staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=pin)
     copy_bytes(staged, host)
     return staged
@@ -55,13 +56,16 @@ def concatenated_on(tensors: Sequence[torch.Tensor], device: torch.device | str)
     """The bytes of host tensors `tensors`, one after the other, as one uint8 tensor on `device`: one staging buffer
     and one host-to-device copy for all of them (each tensor's own copy costs the host a few hundred microseconds
     of calls while the device waits)."""
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("concatenated_on joins host tensors")
     device = torch.device(device)
     pin = device.type == "cuda"
     sizes = [t.numel() * t.element_size() for t in tensors]
     staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
     offset = 0
     for t, size in zip(tensors, sizes, strict=True):
-        copy_bytes(staged[offset : offset + size], t.contiguous().reshape(-1).view(torch.uint8))
+        copy_bytes(staged[offset : offset + size],
+                   t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8))
         offset += size
     return staged.to(device, non_blocking=True) if pin else staged.to(device)
 
