@@ -73,12 +73,18 @@ class PatchPixels:
     def normalized(self, device: torch.device | str | None = None) -> torch.Tensor:
         """float32 [gh*gw, C*T*p*p] on `device` (default: where the frame is)."""
         frame = self.frame if device is None else to_device(self.frame, device)
-        table = to_device(self.table, frame.device)
-        # Each level looked up in its channel's row, then cut into patches: the lookup is per element, so it
-        # commutes with the reshape, and it runs over the frame once instead of over its temporal repeats.
-        channel_base = torch.arange(table.shape[0], device=frame.device) * 256
-        values = table.flatten()[frame.to(torch.int64) + channel_base]
+        values = _looked_up(frame, self.table, torch.float32)
         return patchify_frame(values, self.patch_size, self.merge_size, self.temporal_patch_size)
+
+
+def _looked_up(levels: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 levels [..., C] (where they are) -> each one's value in its channel's row of host `table` [C, 256],
+    as `dtype` (the table cast first: each level rounded once, as its float32 value would be). The lookup is per
+    element, so it commutes with cutting into patches, and it runs over a frame once instead of over its
+    temporal repeats."""
+    values = to_device(table, levels.device).to(dtype).flatten()
+    channel_base = torch.arange(table.shape[0], device=levels.device) * 256
+    return values[levels.to(torch.int64) + channel_base]
 
 
 def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.device | str,
@@ -96,11 +102,8 @@ def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.d
     if not images or len(images) != len(items) or any(p.table is not table and not _same_bits(p.table, table)
                                                       for p in images):
         return torch.cat([pixels_on(p, device) for p in items]).to(dtype)
-    frames = concatenated_on([p.frame for p in images], device)
-    levels = to_device(table, frames.device).to(dtype).flatten()
     channels = table.shape[0]
-    channel_base = torch.arange(channels, device=frames.device) * 256
-    values = levels[frames.view(-1, channels).to(torch.int64) + channel_base]
+    values = _looked_up(concatenated_on([p.frame for p in images], device).view(-1, channels), table, dtype)
     out, offset = [], 0
     for p in images:
         height, width, _ = p.frame.shape

@@ -44,9 +44,7 @@ def to_device(values: torch.Tensor | np.ndarray | Sequence[float], device: torch
 def staged_in_pinned_memory(host: torch.Tensor, pin: bool = True) -> torch.Tensor:
     """A contiguous copy of host tensor `host` in pinned memory (PyTorch's caching host allocator), filled by one
     thread. pin=False: the same in pageable memory, for hosts without a GPU."""
-    # A non-contiguous (or lazily conjugated / negated) tensor is materialized by torch first, a second copy: no
-    # caller on a hot path passes one.
-    host = host.resolve_conj().resolve_neg().contiguous()
+    host = _materialized(host)
     staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=pin)
     copy_bytes(staged, host)
     return staged
@@ -64,10 +62,15 @@ def concatenated_on(tensors: Sequence[torch.Tensor], device: torch.device | str)
     staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
     offset = 0
     for t, size in zip(tensors, sizes, strict=True):
-        copy_bytes(staged[offset : offset + size],
-                   t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8))
+        copy_bytes(staged[offset : offset + size], _materialized(t).reshape(-1).view(torch.uint8))
         offset += size
     return staged.to(device, non_blocking=True) if pin else staged.to(device)
+
+
+def _materialized(host: torch.Tensor) -> torch.Tensor:
+    """`host` as contiguous plain values, the bytes a memcpy may take. A non-contiguous (or lazily conjugated /
+    negated) tensor is materialized by torch, a second copy: no caller on a hot path passes one."""
+    return host.resolve_conj().resolve_neg().contiguous()
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
