@@ -151,6 +151,16 @@ class KVCacheMachine(RuleBasedStateMachine):
             event("evicted pages")
         assert self.m.gpu.num_free >= before + wanted, "eviction freed less than can_allocate promised"
 
+    @precondition(lambda self: self.world is not None)
+    @rule()
+    def clear_cache(self) -> None:
+        """After clearing, no prompt seen before finds a page that no live sequence holds."""
+        self.m.clear_cache()
+        held = {p for p in range(self.m.gpu.num_pages) if self.m.gpu.refcount[p]}
+        for parts in self.history:
+            found = set(self.m.lookup(build(parts)).pages_read)
+            assert found <= held, f"clear_cache left pages {sorted(found - held)} findable that nothing holds"
+
     @precondition(lambda self: self._any(self._idle_resident))
     @rule(data=st.data())
     def swap_out(self, data: st.DataObject) -> None:

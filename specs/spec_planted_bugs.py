@@ -106,6 +106,13 @@ def test_refcount_one_reclaim_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
     _machine_fails("can_allocate promises|reclaimable pages disagree")
 
 
+def test_clear_cache_dropping_only_the_entries_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 11: `clear_cache` dropped the entries but left freed pages findable, so a later prompt hit
+    KV from before the clear (specs that cleared to compare a miss compared a hit)."""
+    monkeypatch.setattr(KVCacheManager, "clear_cache", lambda self: self.entries.clear())
+    _machine_fails("clear_cache left pages")
+
+
 def test_other_transfer_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Historical: copies ran before the swap-out that read the page they overwrote."""
     execute = transfers.execute_plan

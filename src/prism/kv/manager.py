@@ -298,7 +298,12 @@ class KVCacheManager:
         self.entries.evict_until(self.gpu.num_free + num_pages)
 
     def clear_cache(self) -> None:
+        """Forget the cache: every entry dropped, and the records of pages nobody holds any more with them (a freed
+        page stays findable until the pool hands it out again, so dropping the entries alone left it to be hit).
+        Afterwards nothing computed before is reused, except pages live sequences still hold."""
         self.entries.clear()
+        for page in self.gpu.free_pages():
+            self.index.forget_page(page)
 
     # -- forks and swapping ----------------------------------------------------------------------
     def fork(self, seq_id: SeqId, child_id: SeqId) -> SeqKV:
