@@ -446,7 +446,11 @@ def test_patch_pixels_are_checked():
     with pytest.raises(ValueError, match="not cut"):
         PatchPixels(torch.zeros(4, 6, 3, dtype=torch.uint8), table, 2, 2, 2)
     with pytest.raises(ValueError, match="does not fit"):
-        PatchPixels(torch.zeros(4, 4, 3, dtype=torch.uint8), torch.zeros(2, 256), 2, 2, 2)
+        PatchPixels(torch.zeros(4, 4, 3, dtype=torch.uint8), torch.zeros(1, 256), 2, 2, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        PatchPixels(torch.zeros(4, 4, 5, dtype=torch.uint8), table, 2, 2, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        PatchPixels(torch.zeros(4, 4, 3, dtype=torch.uint8), torch.zeros(3, 255), 2, 2, 2)
     # one 2x2 patch (merge 1), repeated over two frames: columns channel-major (C, T, p, p), each level looked up
     # in its channel's row of the table
     frame = torch.arange(12, dtype=torch.uint8).reshape(2, 2, 3)
@@ -455,6 +459,10 @@ def test_patch_pixels_are_checked():
     red = [0.0, 3.0, 6.0, 9.0]
     assert pixels.normalized().tolist() == [red * 2 + [256 + v + 1 for v in red] * 2 + [512 + v + 2 for v in red] * 2]
     assert pixels.shape == pixels.patches.shape == (1, 24)
+    # the layout images are kept in: a padding byte after each pixel's levels, never looked up
+    padded = PatchPixels(torch.cat([frame, torch.full((2, 2, 1), 255, dtype=torch.uint8)], dim=2), table, 2, 1, 2)
+    assert torch.equal(padded.normalized(), pixels.normalized()) and torch.equal(padded.patches, pixels.patches)
+    assert padded.shape == pixels.shape
 
 
 @pytest.mark.parametrize("size", [(64, 96), (448, 448), (96, 160)])
@@ -488,8 +496,9 @@ def test_a_batch_of_images_goes_to_the_device_as_each_would(dtype):
     same = PatchPixels(images[1].frame, images[1].table.clone(), 16, 2, 2)  # an equal table, another object
     assert torch.equal(batch_pixels_on([images[0], same], "cpu", dtype), each([images[0], same]))
     other = PatchPixels(images[1].frame, images[1].table * 2, 16, 2, 2)
+    unpadded = PatchPixels(images[1].frame[..., :3].contiguous(), images[1].table, 16, 2, 2)  # 3 bytes a pixel
     video = torch.randn(8, images[0].shape[1])
-    for mixed in ([images[0], other], [images[0], video, images[2]]):
+    for mixed in ([images[0], other], [images[0], video, images[2]], [images[0], unpadded, images[2]]):
         assert torch.equal(batch_pixels_on(mixed, "cpu", dtype), each(mixed))
     # tables equal by value but not by bits (0.0 and -0.0) are not shared: each image keeps its own bits
     plus = images[1].table.clone()

@@ -8,12 +8,14 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from prism.engine.inputs import InputProcessor
 from prism.media import digest as digest_mod
+from prism.media import pil_pixels
 from prism.media.digest import pixels_digest
-from prism.media.pil_pixels import exported_rgbx
+from prism.media.pil_pixels import exported_rgbx, rgb0_frame
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
 
@@ -122,3 +124,45 @@ def test_padded_rows_are_never_read_as_pixels():
         assert pixels_digest(img) == pixels_digest(arr)  # keyed as its pixels copied, under the arrays' scheme
     finally:
         Image.core.set_alignment(old)
+
+
+@pytest.mark.parametrize("name", list(_made_every_way(_pixels())))
+def test_the_frame_is_the_pixels_and_a_zero_byte(name):
+    """`rgb0_frame`: R, G, B and 0 per pixel whatever Pillow left in its padding byte (255, 0 or mixed), in new
+    memory the caller owns."""
+    img = _made_every_way(_pixels())[name]
+    frame = rgb0_frame(img)
+    assert frame.shape == (img.size[1], img.size[0], 4) and frame.dtype == np.uint8 and frame.flags.c_contiguous
+    np.testing.assert_array_equal(frame[..., :3], np.asarray(img))
+    assert not frame[..., 3].any()
+    assert frame.flags.writeable and not np.shares_memory(frame, exported_rgbx(img))
+
+
+def test_a_frame_from_an_array_or_an_unexported_image_is_the_same_bytes(monkeypatch):
+    arr = _pixels(seed=8)
+    img = Image.fromarray(arr).rotate(90, expand=True)  # padding byte left mixed by the rotation
+    want = rgb0_frame(img)
+    monkeypatch.setattr(pil_pixels, "exported_rgbx", lambda image: None)
+    np.testing.assert_array_equal(rgb0_frame(img), want)
+    np.testing.assert_array_equal(rgb0_frame(np.asarray(img)), want)
+    with pytest.raises(ValueError, match="RGB"):
+        rgb0_frame(arr[..., :2])
+
+
+def test_an_image_leaves_pillow_without_tobytes(monkeypatch):
+    """The frame is copied out of Pillow's exported storage (a ufunc that releases the GIL), not through
+    `Image.tobytes`, which holds the GIL for the whole copy: the media threads then ran one at a time."""
+    from prism.media.config import ImageProcessorConfig
+    from prism.media.image import preprocess_image
+
+    cfg = ImageProcessorConfig(patch_size=16, min_pixels=32 * 32, max_pixels=64 * 96, image_mean=(0.5, 0.5, 0.5),
+                               image_std=(0.5, 0.5, 0.5))
+    exact, resized = Image.fromarray(_pixels(64, 96, seed=9)), Image.fromarray(_pixels(70, 90, seed=10))
+    want = [preprocess_image(im, cfg).pixels.normalized() for im in (exact, resized)]
+
+    def no_tobytes(self, *args, **kwargs):
+        raise AssertionError("Image.tobytes called on the preprocessing path")
+
+    monkeypatch.setattr(Image.Image, "tobytes", no_tobytes)
+    for im, values in zip((exact, resized), want, strict=True):
+        assert torch.equal(preprocess_image(im, cfg).pixels.normalized(), values)

@@ -3,9 +3,9 @@
 Owns the invariant "same pixels <=> same digest": `media_digest` hashes the DECODED, PREPROCESSED pixels,
 so the same picture stored as PNG, lossless JPEG/WebP or with other metadata bytes gives one digest, while
 any pixel change, grid change or processor-setting change gives another. For an image the pixels hashed are
-the uint8 RGB after smart resize (`PreprocessedImage.resized_pixels`): pixel_values is a one-to-one function
-of them and the settings (which are hashed too), and they are 8x fewer bytes than the float32, temporally
-repeated pixel_values. Videos hash pixel_values. `raw_digest` hashes the encoded file bytes (the cheap key of
+the uint8 frame after smart resize, R, G, B and a zero byte per pixel (`PreprocessedImage.resized_rgb0`, the
+frame the image is kept as): pixel_values is a one-to-one function of them and the settings (which are hashed
+too), and they are 6x fewer bytes than the float32, temporally repeated pixel_values. Videos hash pixel_values. `raw_digest` hashes the encoded file bytes (the cheap key of
 the CPU preprocessing cache).
 
 Hash: BLAKE3 with a 256-bit output (collision resistant, so a client cannot make its picture take another's
@@ -19,7 +19,7 @@ bug came from hashing unframed concatenations). The hash input is a sequence of 
     u64le(len(name)) || name || u64le(len(value)) || value
 
 with names ASCII and fixed, values raw bytes, in this order:
-  media_digest: scheme ("prism.media.v3"), model_id (UTF-8), settings (processor fingerprint, UTF-8),
+  media_digest: scheme ("prism.media.v4"), model_id (UTF-8), settings (processor fingerprint, UTF-8),
                 kind ("image" | "video"), grid (3 x i64le: t, h, w), dtype (numpy dtype.str, e.g. "<f4"),
                 shape (i64le per dim), [timestamps (f64le per temporal patch), video only], pixels (C-order bytes).
   raw_digest:   scheme ("prism.raw.v3"), bytes (the encoded file).
@@ -48,7 +48,7 @@ from .pil_pixels import exported_rgbx
 from .video import PreprocessedVideo
 
 DIGEST_SIZE = 32  # bytes (256 bits)
-MEDIA_SCHEME = b"prism.media.v3"
+MEDIA_SCHEME = b"prism.media.v4"  # v4: image frames hashed as R, G, B, 0 (v3: R, G, B)
 RAW_SCHEME = b"prism.raw.v3"
 RGB_SCHEME = b"prism.rgb8.v3"
 RGBX_SCHEME = b"prism.rgbx8.v1"
@@ -153,7 +153,7 @@ def media_digest(
 
 def image_digest(image: PreprocessedImage, *, model_id: str, config: ImageProcessorConfig) -> bytes:
     return media_digest(
-        image.resized_pixels, image.grid_thw, model_id=model_id, settings=config.fingerprint(), kind="image"
+        image.resized_rgb0, image.grid_thw, model_id=model_id, settings=config.fingerprint(), kind="image"
     )
 
 

@@ -11,7 +11,9 @@ Owns: the pixel layout the vision encoder consumes. It reproduces HF transformer
 - patchify to `pixel_values [gh*gw, C*T*p*p]` in HF's order (merge-window major: gh/m, gw/m, m, m; then
   C, T, p, p), the single image repeated T (= temporal_patch_size) times; grid_thw = (1, gh, gw).
   The image stays its resized uint8 frame (`media.pixels.PatchPixels`), patchified and normalized by the
-  256-level table of the formula above where it is encoded: the same values, an eighth of the bytes until then.
+  256-level table of the formula above where it is encoded: the same values, a sixth of the bytes until then.
+  The frame is R, G, B and a zero byte per pixel (`pil_pixels.rgb0_frame`): Pillow's own layout, so it leaves
+  Pillow in one copy without the GIL.
 
 Decoding from bytes refuses oversized images from the header alone (before any pixel is decoded), maps every
 PIL failure to a typed error, applies the EXIF orientation and converts to RGB (what HF's `load_image` does).
@@ -37,6 +39,7 @@ from .errors import (
     MediaDecodeError,
     MediaError,
 )
+from .pil_pixels import rgb0_frame
 from .pixels import PatchPixels
 
 MAX_ASPECT_RATIO = 200  # Qwen's smart_resize limit on long side / short side
@@ -69,9 +72,10 @@ class PreprocessedImage:
     """One image ready for the vision encoder."""
 
     pixels: PatchPixels  # the resized frame, patchified and normalized where it is encoded
-    # uint8 [H, W, 3] after smart resize: pixel_values is a function of these and the processor settings,
-    # one-to-one (normalization is injective per channel), so the content digest hashes these 8x fewer bytes.
-    resized_pixels: np.ndarray
+    # uint8 [H, W, 4] after smart resize, R, G, B and a zero byte per pixel (`pixels.frame`'s storage):
+    # pixel_values is a one-to-one function of these and the processor settings (normalization is injective per
+    # channel), so the content digest hashes these 6x fewer bytes.
+    resized_rgb0: np.ndarray
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patches
     image_size: tuple[int, int]  # (height, width) before resize
     resized_size: tuple[int, int]  # (height, width) after smart resize
@@ -258,20 +262,19 @@ def preprocess_image(
     )
     if (new_h, new_w) == (height, width):
         # PIL's resize to the same size returns a copy of the image: the pixels as they are, copied once (the
-        # cache keeps them: never a view of the caller's array).
-        resized = np.array(rgb, dtype=np.uint8, order="C")
+        # cache keeps them: never a view of the caller's pixels).
+        resized = rgb0_frame(rgb)
     else:
-        resized = resize_rgb(rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb, mode="RGB"), new_h, new_w)
+        pil = rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb, mode="RGB")
+        resized = rgb0_frame(pil.resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
     table = normalize_table_tensor(tuple(config.image_mean), tuple(config.image_std), float(config.rescale_factor))
-    if table.shape[0] != resized.shape[2]:
-        raise MediaError(f"{table.shape[0]} channel means/stds for an image of {resized.shape[2]} channels")
     # The frame is patchified (repeated over the temporal patch) and normalized where it is encoded (`PatchPixels`).
     p = config.patch_size
     frame = torch.from_numpy(resized)
     resized.flags.writeable = False  # shared through the cache under its digest
     return PreprocessedImage(
         pixels=PatchPixels(frame, table, p, config.merge_size, config.temporal_patch_size),
-        resized_pixels=resized,
+        resized_rgb0=resized,
         grid_thw=(1, new_h // p, new_w // p),
         image_size=(height, width),
         resized_size=(new_h, new_w),

@@ -1,8 +1,9 @@
 """An image's pixels kept as its resized uint8 frame until the device that encodes them.
 
 Owns: where an image's patches are made and normalized. The preprocessing cache holds the resized image as it
-is (uint8 [H, W, C], one frame) beside the patch geometry and HF's normalization as a 256-level table per
-channel (`image.normalize_table`). `normalized(device)` copies the frame to `device`, looks each level up in
+is (uint8 [H, W, C], one frame; or [H, W, C + 1] with a padding byte after each pixel's levels, the layout images
+are kept in, `pil_pixels.rgb0_frame`) beside the patch geometry and HF's normalization as a 256-level table per
+channel (`image.normalize_table`; its rows say how many channels there are). `normalized(device)` copies the frame to `device`, looks each level up in
 the table, repeats the values over the temporal patch and cuts them into patches in HF's order
 (`patchify_frame`), all there: on the GPU right before the patch embedding, or on the CPU for callers that want float32
 `pixel_values` (HF comparisons). A reshape and a table lookup are bitwise the same wherever they run.
@@ -37,7 +38,7 @@ def patchify_frame(frame: torch.Tensor, patch_size: int, merge_size: int, tempor
 
 @dataclass(frozen=True, eq=False)  # holds tensors: identity equality
 class PatchPixels:
-    frame: torch.Tensor  # uint8 [H, W, C]: the image after smart resize
+    frame: torch.Tensor  # uint8 [H, W, C] or [H, W, C + 1] (a padding byte per pixel): the image after smart resize
     table: torch.Tensor  # float32 [C, 256]: the normalized value of every level of every channel
     patch_size: int
     merge_size: int
@@ -46,20 +47,25 @@ class PatchPixels:
     def __post_init__(self) -> None:
         if self.frame.dtype != torch.uint8 or self.frame.dim() != 3:
             raise MediaError(f"the frame must be uint8 [H, W, C], got {self.frame.dtype} {tuple(self.frame.shape)}")
-        height, width, channels = self.frame.shape
+        height, width, stored = self.frame.shape
         side = self.patch_size * self.merge_size
         if min(self.patch_size, self.merge_size, self.temporal_patch_size) < 1 or height % side or width % side:
             raise MediaError(f"a {height}x{width} frame is not cut into {self.patch_size}-pixel patches merged "
                              f"{self.merge_size}x{self.merge_size}")
-        if self.table.shape != (channels, 256):
-            raise MediaError(f"table {tuple(self.table.shape)} does not fit a frame of {channels} channels")
+        if self.table.dim() != 2 or self.table.shape[1] != 256 or stored - self.table.shape[0] not in (0, 1):
+            raise MediaError(f"table {tuple(self.table.shape)} does not fit a frame of {stored} bytes a pixel "
+                             "(the table's channels, then at most one padding byte)")
+
+    @property
+    def channels(self) -> int:
+        return self.table.shape[0]
 
     @property
     def shape(self) -> torch.Size:
         """The patches' shape [gh*gw, C*T*p*p], without making them."""
-        height, width, channels = self.frame.shape
+        height, width, _ = self.frame.shape
         p = self.patch_size
-        return torch.Size(((height // p) * (width // p), channels * self.temporal_patch_size * p * p))
+        return torch.Size(((height // p) * (width // p), self.channels * self.temporal_patch_size * p * p))
 
     @property
     def nbytes(self) -> int:
@@ -68,12 +74,13 @@ class PatchPixels:
     @property
     def patches(self) -> torch.Tensor:
         """uint8 [gh*gw, C*T*p*p] where the frame is (made on each access)."""
-        return patchify_frame(self.frame, self.patch_size, self.merge_size, self.temporal_patch_size)
+        return patchify_frame(self.frame[..., : self.channels], self.patch_size, self.merge_size,
+                              self.temporal_patch_size)
 
     def normalized(self, device: torch.device | str | None = None) -> torch.Tensor:
         """float32 [gh*gw, C*T*p*p] on `device` (default: where the frame is)."""
         frame = self.frame if device is None else to_device(self.frame, device)
-        values = _looked_up(frame, self.table, torch.float32)
+        values = _looked_up(frame[..., : self.channels], self.table, torch.float32)
         return patchify_frame(values, self.patch_size, self.merge_size, self.temporal_patch_size)
 
 
@@ -92,18 +99,20 @@ def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.d
     """The pixel values of `items` (images' frames, videos' float32 patches) concatenated in order, as `dtype` on
     `device`: what the vision encoder takes for one batch. Bitwise `torch.cat([pixels_on(p) ...]).to(dtype)`.
 
-    When every item is an image and they share one normalization table (every image of a checkpoint), they go to
-    the device together: one staging buffer and one copy for all their frames (and one for the table), one table
-    lookup over all their bytes (in `dtype`: each
-    level rounded once, as the float32 value would be), then each cut into patches. One upload per image cost
+    When every item is an image and they share one normalization table and frame layout (every image of a
+    checkpoint), they go to the device together: one staging buffer and one copy for all their frames (and one
+    for the table), one table lookup over all their levels (in `dtype`: each level rounded once, as the float32
+    value would be), then each cut into patches. One upload per image cost
     the engine's thread ~0.5 ms per image while the device waited (W1: ~4 ms before the encoder's first kernel)."""
     images = [p for p in items if isinstance(p, PatchPixels)]
     table = images[0].table if images else None
-    if not images or len(images) != len(items) or any(p.table is not table and not _same_bits(p.table, table)
-                                                      for p in images):
+    stored = images[0].frame.shape[2] if images else None
+    if not images or len(images) != len(items) or any(
+            p.frame.shape[2] != stored or (p.table is not table and not _same_bits(p.table, table)) for p in images):
         return torch.cat([pixels_on(p, device) for p in items]).to(dtype)
     channels = table.shape[0]
-    values = _looked_up(concatenated_on([p.frame for p in images], device).view(-1, channels), table, dtype)
+    levels = concatenated_on([p.frame for p in images], device).view(-1, stored)[:, :channels]
+    values = _looked_up(levels, table, dtype)
     out, offset = [], 0
     for p in images:
         height, width, _ = p.frame.shape
