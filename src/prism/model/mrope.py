@@ -9,11 +9,13 @@ Owns: position ids equal to HF transformers 5.17 `Qwen3VLModel.get_rope_index` f
   p += max(h, w) // m (not counting t, exactly as HF);
 - rope_delta = max(all ids) + 1 - num_tokens; a token at sequence index i >= num_tokens (decode or
   continuation) gets id i + rope_delta on all three rows.
-Everything is vectorized over tokens (repeat / cumsum); the only Python-level work is per call.
+Everything is vectorized over tokens (cumsum for text, one slice assignment of a cached per-grid pattern
+per media run); the only Python-level work is per call and per media run.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,6 +53,52 @@ def _grids(x: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None, name: 
     return g
 
 
+def _as_long_np(
+    x: torch.Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int]], name: str
+) -> np.ndarray:
+    """`_as_long` as a NumPy array (read it, never write it: it may share memory with `x`). Plain int64 input
+    takes a fast path; anything else goes through `_as_long`, so acceptance and errors are the same."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.int64 and x.device.type == "cpu" and x.layout == torch.strided:
+            return x.numpy()
+        return _as_long(x, name).numpy()
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise MRopeLayoutError(f"{name} must be integers, got {type(x).__name__}") from exc
+    if a.dtype == np.int64:
+        return a
+    if a.size == 0 and a.dtype == np.float64:  # an empty list
+        return a.astype(np.int64)
+    return _as_long(x, name).numpy()
+
+
+def _grids_np(x: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None, name: str) -> np.ndarray:
+    """`_grids` as a NumPy array (same checks and errors)."""
+    if x is None:
+        return np.zeros((0, 3), dtype=np.int64)
+    g = _as_long_np(x, name)
+    if g.size == 0:
+        return g.reshape(0, 3)
+    if g.ndim != 2 or g.shape[1] != 3:
+        raise MRopeLayoutError(f"{name} must be [n, 3] (t, h, w), got shape {list(g.shape)}")
+    if np.count_nonzero(g <= 0):
+        raise MRopeLayoutError(f"{name} must be positive, got {g.tolist()}")
+    return g
+
+
+@functools.lru_cache(maxsize=32)
+def _run_offsets(length: int, lhw: int, lw: int) -> np.ndarray:
+    """[3, length] read-only ids of a run's tokens minus their text-like ids p + k (k = index in the run):
+    token k is (ti, hi, wi) = (k // lhw, (k % lhw) // lw, k % lw), row-major over (t, h/m, w/m) with
+    lhw = (h/m) * (w/m) and lw = w/m, and gets the ids p + (ti, hi, wi)."""
+    local = np.arange(length, dtype=np.int64)
+    offsets = np.stack([local // lhw, (local % lhw) // lw, local % lw])
+    offsets -= local
+    offsets.setflags(write=False)
+    return offsets
+
+
 def split_video_grids(
     video_grid_thw: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None,
 ) -> torch.Tensor:
@@ -75,53 +123,51 @@ def mrope_positions_from_spans(
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         raise MRopeLayoutError(f"num_tokens must be a positive int, got {num_tokens!r}")
     m = spatial_merge_size
-    if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-        raise MRopeLayoutError(f"spatial_merge_size must be a positive int, got {m!r}")
-    starts = _as_long(span_starts, "span_starts").reshape(-1)
-    grids = _grids(span_grids, "span_grids")
+    if isinstance(m, bool) or not isinstance(m, int) or not 0 < m < 2**31:
+        raise MRopeLayoutError(f"spatial_merge_size must be a positive int below 2**31, got {m!r}")
+    # NumPy throughout: per-call tensors of a few thousand ints cost more in torch's CPU dispatch than in the math.
+    starts = _as_long_np(span_starts, "span_starts").reshape(-1)
+    grids = _grids_np(span_grids, "span_grids")
     if grids.shape[0] != starts.shape[0]:
         raise MRopeLayoutError(f"{starts.shape[0]} span starts but {grids.shape[0]} span grids")
-    t, h, w = grids[:, 0], grids[:, 1], grids[:, 2]
-    if bool(((h % m) != 0).any() or ((w % m) != 0).any()):
+    merged, rem = np.divmod(grids[:, 1:], m)  # (h/m, w/m) per run
+    if np.count_nonzero(rem):
         raise MRopeLayoutError(f"span grids {grids.tolist()} are not divisible by merge size {m}")
-    lh, lw = h // m, w // m
-    lengths = t * lh * lw
+    lh, lw = merged[:, 0], merged[:, 1]
+    lhw = lh * lw
+    lengths = grids[:, 0] * lhw
+    if np.count_nonzero(lengths <= 0):  # positive grids: only an int64 overflow gets here
+        raise MRopeLayoutError(f"span grids {grids.tolist()} give runs of {lengths.tolist()} tokens")
     if span_lengths is not None:
-        given = _as_long(span_lengths, "span_lengths").reshape(-1)
-        if given.shape != lengths.shape or not torch.equal(given, lengths):
+        given = _as_long_np(span_lengths, "span_lengths").reshape(-1)
+        if given.shape != lengths.shape or np.count_nonzero(given != lengths):
             raise MRopeLayoutError(
                 f"media runs have {given.tolist()} tokens but their grids need {lengths.tolist()}"
             )
     ends = starts + lengths
-    if starts.numel():
-        if bool(starts[0] < 0) or bool(ends[-1] > num_tokens) or bool((starts[1:] < ends[:-1]).any()):
+    if starts.size:
+        if starts[0] < 0 or ends[-1] > num_tokens or np.count_nonzero(starts[1:] < ends[:-1]):
             raise MRopeLayoutError(
                 f"media spans (starts {starts.tolist()}, lengths {lengths.tolist()}) overlap, are unsorted "
                 f"or leave the {num_tokens}-token sequence"
             )
 
-    # Text token i sits at i + (sum over earlier runs of advance - length); a run starts at that shift too.
-    # NumPy from here: per-call tensors of a few thousand ints cost more in torch's CPU dispatch than in the math.
-    starts_np, lengths_np = starts.numpy(), lengths.numpy()
-    lw_np, lhw_np = lw.numpy(), (lh * lw).numpy()
-    step = (torch.maximum(h, w) // m - lengths).numpy()
+    # Text token i sits at i + (sum over earlier runs of advance - length); a run starts at that shift too,
+    # which stays constant over the run, so a run's ids are these "text" ids plus offsets from its grid alone.
+    if not starts.size:
+        positions_np = np.empty((3, num_tokens), dtype=np.int64)
+        positions_np[:] = np.arange(num_tokens, dtype=np.int64)
+        return torch.from_numpy(positions_np), 0
+    step = np.maximum(lh, lw) - lengths  # advance max(h, w) // m, minus the run's length
     shift_at = np.zeros(num_tokens + 1, dtype=np.int64)
-    np.add.at(shift_at, ends.numpy(), step)
-    shift = np.cumsum(shift_at)[:num_tokens]
-    base = np.arange(num_tokens, dtype=np.int64) + shift
-    positions_np = np.repeat(base[None, :], 3, axis=0)
-
-    if starts_np.size:
-        run_pos = starts_np + shift[starts_np]  # position p where each run starts
-        run_of = np.repeat(np.arange(starts_np.size), lengths_np)
-        local = np.arange(int(lengths_np.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths_np) - lengths_np,
-                                                                            lengths_np)
-        lw_tok, lhw_tok = lw_np[run_of], lhw_np[run_of]
-        idx = starts_np[run_of] + local
-        p0 = run_pos[run_of]
-        positions_np[0, idx] = p0 + local // lhw_tok
-        positions_np[1, idx] = p0 + (local % lhw_tok) // lw_tok
-        positions_np[2, idx] = p0 + local % lw_tok
+    np.add.at(shift_at, ends, step)
+    base = np.cumsum(shift_at[:num_tokens])
+    base += np.arange(num_tokens, dtype=np.int64)
+    offsets = np.zeros((3, num_tokens), dtype=np.int64)
+    # One slice per run (runs are few), no per-token index arrays.
+    for s0, n_tok, lhw_i, lw_i in zip(starts.tolist(), lengths.tolist(), lhw.tolist(), lw.tolist(), strict=True):
+        offsets[:, s0 : s0 + n_tok] = _run_offsets(n_tok, lhw_i, lw_i)
+    positions_np = np.add(base, offsets, out=offsets)
     positions = torch.from_numpy(positions_np)
     rope_delta = int(positions_np.max()) + 1 - num_tokens
     return positions, rope_delta
