@@ -40,9 +40,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         page_size=st.integers(1, 4),
         num_gpu_pages=st.integers(3, 12),
         num_cpu_pages=st.integers(0, 4),
+        min_tail_tokens=st.sampled_from([0, 0, 2, 3]),
     )
-    def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int) -> None:
-        self.world = KVWorld(num_gpu_pages=num_gpu_pages, page_size=page_size, num_cpu_pages=num_cpu_pages)
+    def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int, min_tail_tokens: int) -> None:
+        self.world = KVWorld(num_gpu_pages=num_gpu_pages, page_size=page_size, num_cpu_pages=num_cpu_pages,
+                             min_tail_tokens=min_tail_tokens)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -82,6 +84,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert seq_id not in self.m.seqs
             return None
         assert hit <= len(content) - 1, "a full hit must leave at least one token to compute"
+        assert hit % self.m.page_size == 0 or hit % self.m.page_size >= self.m.min_tail_tokens, \
+            f"a tail of {hit % self.m.page_size} tokens reused below min_tail_tokens={self.m.min_tail_tokens}"
         assert content.span_containing(hit) is None, "a hit must not end inside an image"
         return hit
 

@@ -113,6 +113,22 @@ def test_clear_cache_dropping_only_the_entries_is_caught(monkeypatch: pytest.Mon
     _machine_fails("clear_cache left pages")
 
 
+def test_tail_below_the_copy_threshold_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial page reused whatever its size (`min_tail_tokens` ignored): W1's cold prompts copied a 4-token tail
+    of chat template for ~0.6 ms of host."""
+    lookup = KVCacheManager.lookup
+
+    def lookup_ignoring_threshold(self, content, reuse="all"):
+        keep, self.min_tail_tokens = self.min_tail_tokens, 0
+        try:
+            return lookup(self, content, reuse)
+        finally:
+            self.min_tail_tokens = keep
+
+    monkeypatch.setattr(KVCacheManager, "lookup", lookup_ignoring_threshold)
+    _machine_fails("reused below min_tail_tokens")
+
+
 def test_other_transfer_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Historical: copies ran before the swap-out that read the page they overwrote."""
     execute = transfers.execute_plan

@@ -39,12 +39,20 @@ def test_shipped_configs_load(path):
         ({"cuda_graph_max_packed_tokens": 8}, "0 \\(off\\) or an integer >= 32"),
         ({"vision_cuda_graphs": -1}, "vision_cuda_graphs must be 0 \\(off\\)"),
         ({"vision_cuda_graphs": True}, "vision_cuda_graphs must be 0 \\(off\\)"),
+        ({"min_tail_copy_tokens": -1}, "min_tail_copy_tokens must be a non-negative integer or null"),
+        ({"min_tail_copy_tokens": "8"}, "min_tail_copy_tokens must be a non-negative integer or null"),
         ([1, 2], "must be a JSON object"),
     ],
 )
 def test_bad_configs_are_refused_with_a_reason(raw, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_dict(raw)
+
+
+def test_the_tail_copy_threshold_is_an_eighth_of_a_page_unless_given():
+    assert EngineConfig(page_size=256).tail_copy_threshold == 32
+    assert EngineConfig(page_size=16).tail_copy_threshold == 2
+    assert EngineConfig(page_size=256, min_tail_copy_tokens=0).tail_copy_threshold == 0
 
 
 def test_config_from_bad_json(tmp_path):

@@ -206,3 +206,16 @@ def test_media_runs_and_span_containing_equal_the_scan_over_every_span(data):
     assert content.media_runs(start, end) == scan
     inside = next((s for s in spans if s.start < start < s.end), None)
     assert content.span_containing(start) == inside
+
+
+@pytest.mark.parametrize("threshold, reused", [(0, 8 + 3), (3, 8 + 3), (4, 8)])
+def test_a_tail_below_the_threshold_is_not_copied(threshold, reused) -> None:
+    """A cached partial page is reused (rows copied into a private page) only if it saves `min_tail_tokens`
+    tokens; below that the hit stops at the last whole page."""
+    world = KVWorld(num_gpu_pages=8, page_size=8, min_tail_tokens=threshold)
+    world.admit(1, SeqContent(list(range(1, 12)) + [90, 91]), chunk=13)  # two pages; tokens 1-11 then 90, 91
+    world.step()
+    world.release(1)
+    hit = world.manager.lookup(SeqContent(list(range(1, 12)) + [70, 71, 72]))  # shares 11 tokens: a page + 3 rows
+    assert hit.num_tokens == reused and (hit.tail_source is not None) == (reused % 8 != 0)
+    world.check_all()

@@ -84,6 +84,10 @@ class EngineConfig:
     # Off CUDA, run the steps the CUDA graphs would replay through the same rows and packed buffers, eagerly: slower
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False
+    # Reuse a cached partial page (copy its rows into a private page) only if it saves at least this many tokens
+    # of prefill: a copy costs more host time (~0.6 ms on the H200 host) than a few tokens in a prefill. None: an
+    # eighth of a page (32 tokens at 256-token pages: W1's cold prompts shared 4 tokens of chat template; 2 at 16).
+    min_tail_copy_tokens: int | None = None
     # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
     deterministic: bool = False
@@ -94,11 +98,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0  # bounds every collective: a dead rank fails the others, no hang
 
+    @property
+    def tail_copy_threshold(self) -> int:
+        """The fewest tokens a reused partial page must hold (`min_tail_copy_tokens`, resolved)."""
+        return self.page_size // 8 if self.min_tail_copy_tokens is None else self.min_tail_copy_tokens
+
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes", "cuda_graph_max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        tail = self.min_tail_copy_tokens
+        if tail is not None and (not isinstance(tail, int) or isinstance(tail, bool) or tail < 0):
+            raise ConfigError(f"min_tail_copy_tokens must be a non-negative integer or null, got {tail!r}")
         for name in ("num_gpu_pages", "max_model_len", "interleave_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):

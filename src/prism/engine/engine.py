@@ -88,6 +88,7 @@ class Engine:
             self.config.num_cpu_pages,
             enable_prefix_cache=self.config.enable_prefix_cache,
             page_aligned_hits=self.config.deterministic,
+            min_tail_tokens=self.config.tail_copy_threshold,
         )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.scheduler.is_media_encoded = self.runner.is_encoder_cached
