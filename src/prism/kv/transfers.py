@@ -108,10 +108,9 @@ def execute_plan(plan: TransferPlan, gpu: KVPool, cpu: KVPool | None) -> None:
     if plan.swap_out:
         gpu_pages, cpu_pages = zip(*plan.swap_out, strict=True)
         swap_pages(gpu, cpu, idx(list(gpu_pages)), idx(list(cpu_pages)))
-    if plan.copy_prefix:
+    if plan.copy_prefix:  # page ids as host ints: copy_page_rows checks them there
         src, dst, rows = zip(*plan.copy_prefix, strict=True)
-        copy_page_rows(gpu, idx(list(src)), idx(list(dst)), idx(list(rows)))
+        copy_page_rows(gpu, list(src), list(dst), list(rows))
     if plan.copy_on_write:
         src, dst = zip(*plan.copy_on_write, strict=True)
-        full = [gpu.layout.page_size] * len(src)
-        copy_page_rows(gpu, idx(list(src)), idx(list(dst)), idx(full))
+        copy_page_rows(gpu, list(src), list(dst), [gpu.layout.page_size] * len(src))

@@ -12,7 +12,8 @@ historical int32 bug, and `probe_copy_offsets` runs that same helper so the addr
 the real Qwen3-VL-8B geometry (offsets past 2^31) without allocating the pool.
 
 Dispatch: Triton when the pool is on CUDA or `use_triton=True` (CPU tensors then need TRITON_INTERPRET=1 set
-before import); otherwise the torch reference (the CPU engine path). `swap_pages` is torch only, because a
+before import); otherwise the torch reference (the CPU engine path). A row copy of one or two pages on CUDA (a
+prefix hit's tail) runs as strided torch copies of page views unless `use_triton=True`: less host time than a launch. `swap_pages` is torch only, because a
 Triton kernel cannot read host memory.
 
 Index validation runs on host copies of the index tensors (one host sync per call when they live on the
@@ -50,24 +51,15 @@ _BITS_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch
 # Launch shape knobs (tests shrink them to exercise the split and the in-program loop on tiny pages).
 _MAX_BLOCK = 4096
 _MAX_SPLIT = 256
+# Row copies of at most this many pages run as strided torch copies when the caller does not ask for Triton.
+_VIEW_COPY_MAX_PAGES = 2
 
 # ------------------------------------------------------------------------------------------- validation
 
 
 def _as_index(name: str, x: IndexLike) -> torch.Tensor:
     """A 1-D int64 host tensor of page ids / row counts."""
-    if isinstance(x, torch.Tensor):
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
-        t = x.detach().to(device="cpu", dtype=torch.int64)
-    else:
-        try:  # operator.index refuses floats, which torch.as_tensor would silently truncate
-            t = torch.tensor([operator.index(v) for v in x], dtype=torch.int64)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{name} must be an integer tensor or a sequence of ints") from exc
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    return t
+    return torch.tensor(_index_list(name, x), dtype=torch.int64)
 
 
 def _check_pages(name: str, pages: torch.Tensor, num_pages: int) -> None:
@@ -88,19 +80,43 @@ def _check_distinct(name: str, pages: torch.Tensor) -> None:
         raise ValueError(f"{name} must be distinct; repeated: {uniq[counts > 1].tolist()[:8]}")
 
 
-def _validate_row_copy(layout: KVLayout, src: IndexLike, dst: IndexLike, rows: IndexLike):
-    s, d, r = _as_index("src_pages", src), _as_index("dst_pages", dst), _as_index("rows", rows)
-    _check_same_length(src_pages=s, dst_pages=d, rows=r)
-    _check_pages("src_pages", s, layout.num_pages)
-    _check_pages("dst_pages", d, layout.num_pages)
-    if r.numel() and (int(r.min()) < 0 or int(r.max()) > layout.page_size):
-        raise ValueError(f"rows must lie in [0, page_size={layout.page_size}], got {r.tolist()[:8]}")
-    _check_distinct("dst_pages", d)
-    clash = torch.isin(d, s)
-    if bool(clash.any()):
+def _index_list(name: str, x: IndexLike) -> list[int]:
+    """A 1-D sequence of page ids / row counts as Python ints (a host copy of a tensor's)."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        return x.tolist()
+    try:  # operator.index refuses floats, which int() would silently truncate
+        return [operator.index(v) for v in x]
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be an integer tensor or a sequence of ints") from exc
+
+
+def _validate_row_copy(layout: KVLayout, src: IndexLike, dst: IndexLike,
+                       rows: IndexLike) -> tuple[list[int], list[int], list[int]]:
+    """The checks of `copy_page_rows` on Python ints: a copy is typically one page (a prefix hit's tail), and torch
+    ops on tiny host tensors cost the step's host ~0.2 ms (H200 host) for what a few comparisons decide."""
+    s, d, r = _index_list("src_pages", src), _index_list("dst_pages", dst), _index_list("rows", rows)
+    if not len(s) == len(d) == len(r):
+        raise ValueError(f"index lengths differ: {{'src_pages': {len(s)}, 'dst_pages': {len(d)}, 'rows': {len(r)}}}")
+    for name, pages in (("src_pages", s), ("dst_pages", d)):
+        bad = [p for p in pages if not 0 <= p < layout.num_pages]
+        if bad:
+            raise ValueError(f"{name} out of range [0, {layout.num_pages}): {bad[:8]}")
+    if any(not 0 <= v <= layout.page_size for v in r):
+        raise ValueError(f"rows must lie in [0, page_size={layout.page_size}], got {r[:8]}")
+    if len(set(d)) != len(d):
+        seen: set[int] = set()
+        repeated = sorted({p for p in d if p in seen or seen.add(p)})
+        raise ValueError(f"dst_pages must be distinct; repeated: {repeated[:8]}")
+    sources = set(s)
+    clash = [p for p in d if p in sources]
+    if clash:
         # Inside one launch the programs run in no defined order, so a page that is both read and written
         # would give a racy result: such plans must be split (or use compact_pages).
-        raise ValueError(f"dst pages also used as src in the same call: {d[clash].tolist()[:8]}")
+        raise ValueError(f"dst pages also used as src in the same call: {clash[:8]}")
     return s, d, r
 
 
@@ -132,10 +148,10 @@ def copy_page_rows_reference(pool: KVPool, src_pages: IndexLike, dst_pages: Inde
     """Spec: for each i, slots [0, rows[i]) of page src_pages[i] -> page dst_pages[i]; K and V, every layer,
     payload and scales. dst pages distinct and disjoint from src pages (ValueError otherwise)."""
     s, d, r = _validate_row_copy(pool.layout, src_pages, dst_pages, rows)
-    if s.numel() == 0:
+    if not s:
         return
     dev = pool.device
-    s, d, r = to_device(s, dev), to_device(d, dev), to_device(r, dev)
+    s, d, r = (to_device(torch.tensor(v, dtype=torch.int64), dev) for v in (s, d, r))
     slot_mask = torch.arange(pool.layout.page_size, device=dev)[None, :] < r[:, None]  # [n, S]
     for t in _pool_tensors(pool):
         src_block = t.index_select(2, s)  # [2, L, n, S, ...]
@@ -295,11 +311,26 @@ def copy_page_rows(pool: KVPool, src_pages: IndexLike, dst_pages: IndexLike, row
         copy_page_rows_reference(pool, src_pages, dst_pages, rows)
         return
     s, d, r = _validate_row_copy(pool.layout, src_pages, dst_pages, rows)
-    if s.numel() == 0:
+    if not s:
         return
-    dev = pool.device
-    _launch_copy(pool.payload, pool.payload, pool.scales, pool.scales, to_device(s, dev), to_device(d, dev), to_device(r, dev),
-                 pool.layout)
+    if use_triton is None and len(s) <= _VIEW_COPY_MAX_PAGES:
+        _copy_rows_by_views(pool, s, d, r)
+        return
+    index = to_device(torch.tensor([s, d, r], dtype=torch.int64), pool.device)  # one upload for the three
+    _launch_copy(pool.payload, pool.payload, pool.scales, pool.scales, index[0], index[1], index[2], pool.layout)
+
+
+def _copy_rows_by_views(pool: KVPool, src: list[int], dst: list[int], rows: list[int]) -> None:
+    """`copy_page_rows` for a few pages, one strided torch copy per page and pool tensor: the page ids are host
+    ints, so a copy is a view of every layer's rows, and two copies cost the host less than one Triton launch
+    (~0.2 ms with its argument handling on the H200 host: W2's tail copy)."""
+    num_rows = 2 * pool.layout.num_layers
+    for t in _pool_tensors(pool):
+        view = _row_views(t, num_rows)  # [2L, P, S*X]
+        per_slot = view.shape[2] // pool.layout.page_size
+        for s, d, r in zip(src, dst, rows, strict=True):
+            if r:
+                view[:, d, : r * per_slot].copy_(view[:, s, : r * per_slot])
 
 
 def compact_pages(pool: KVPool, src_pages: IndexLike, dst_pages: IndexLike, *,
