@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,6 @@ from results_io import write_results  # noqa: E402
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
 from prism.kv import fp8  # noqa: E402
-from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
 
 
@@ -88,8 +88,8 @@ def main() -> None:
     tp = args.tensor_parallel
     reps = 3 if args.quick else 10
     ckpt = Path(args.ckpt)
-    if not (ckpt / "config.json").exists():
-        build_checkpoint("8b", ckpt, device="cuda", progress=True)
+    if not (ckpt / "config.json").exists():  # built in its own process: see make_checkpoint.py
+        subprocess.run([sys.executable, str(ROOT / "bench" / "make_checkpoint.py"), "--ckpt", str(ckpt)], check=True)
     gpu = torch.cuda.get_device_name()
     results: dict = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
                      "checkpoint": "random-weight Qwen3-VL-8B shapes, bf16", "tensor_parallel": tp, "workloads": {}}
