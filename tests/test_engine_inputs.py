@@ -680,3 +680,22 @@ def test_images_are_handed_on_in_prompt_order_while_later_ones_are_prepared(proc
     assert handed == [m.digest for m in prompt.media]
     if slow == -1:
         assert events.index(("handed", handed[0])) < events.index(("prepared", id(imgs[-1])))
+
+
+def test_new_images_go_to_the_media_threads_as_a_few_tasks_in_prompt_order(proc, monkeypatch):
+    """Seven new images: at most `_MEDIA_TASKS` tasks of consecutive images (a worker wakes ~0.2-0.4 ms after its
+    task is queued on the H200's host), and each image's result is its own, in the prompt's order."""
+    from prism.engine import inputs as inputs_module
+
+    monkeypatch.setattr(inputs_module, "_MEDIA_TASKS", 3)
+    imgs = random_images([(40, 40 + 8 * k) for k in range(7)], seed=41)
+    alone = [proc.prepare_chat([{"role": "user", "content": [{"type": "image", "image": im}]}]).media[0].digest
+             for im in imgs]
+    submitted = []
+    submit = proc._media_threads.submit
+    monkeypatch.setattr(proc._media_threads, "submit", lambda fn, *a: submitted.append(a) or submit(fn, *a))
+    fresh = random_images([(40, 40 + 8 * k) for k in range(7)], seed=41)  # equal pixels, new objects
+    prompt = proc.prepare_chat([{"role": "user", "content": [*({"type": "image", "image": im} for im in fresh),
+                                                            {"type": "text", "text": "?"}]}])
+    assert [m.digest for m in prompt.media] == alone
+    assert [len(a[0]) for a in submitted] == [2, 2, 3]  # consecutive images, every one in exactly one task
