@@ -97,7 +97,7 @@ def test_a_step_failing_while_encoding_ahead_also_fails_the_held_back_request(mo
         eng.step()
     cold = eng.add_request("cold", cold_request(), GREEDY)
 
-    def encoder_out_of_memory(work):
+    def encoder_out_of_memory(work, may_capture=True):
         raise RuntimeError("vision encoder out of memory")
 
     monkeypatch.setattr(eng.runner, "_encode", encoder_out_of_memory)
@@ -144,3 +144,4 @@ def test_an_image_whose_early_encoding_fails_is_encoded_by_its_prefill(monkeypat
     assert "encoding an image while its request was prepared failed" in caplog.text
     run_until_done(eng, [cold])
     assert len(cold.output_token_ids) == GREEDY.max_tokens and eng.runner.stats.vision_items_encoded == len(IMAGES)
+

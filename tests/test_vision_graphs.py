@@ -63,6 +63,26 @@ def test_a_grid_list_is_captured_the_second_time_and_then_replayed():
     assert B not in graphs, "a grid list seen once is not captured"
 
 
+def test_no_capture_beside_decodes_until_a_step_without_them_or_a_hot_list():
+    """A capture costs ~50-60 ms of its step on the H200: a list due for one (capture_after = 2) stays eager while
+    the runner says the step also decodes (`may_capture=False`), and is captured by the first encoding allowed to;
+    a list encoded 2 * capture_after times beside decodes is captured anyway."""
+    calls, captured = [], []
+    graphs = VisionGraphs(encoder(calls), buffer_capture(captured, encoder([])), max_graphs=2)
+    eager = encoder([])
+    for seed in range(3):
+        x = pixels_for(A, seed)
+        torch.testing.assert_close(graphs.encode(x, A, may_capture=False).embeds, eager(x, A).embeds)
+    assert captured == [] and graphs.replays == 0 and len(calls) == 3
+    graphs.encode(pixels_for(A, 9), A)
+    assert captured == [tuple(A)] and A in graphs
+    graphs.encode(pixels_for(A, 10), A, may_capture=False)  # held already: replayed beside decodes too
+    assert graphs.replays == 2 and graphs.captures == 1  # the capturing encoding replayed its graph, then this one
+    for seed in range(4):
+        graphs.encode(pixels_for(B, seed), B, may_capture=False)
+    assert captured == [tuple(A), tuple(B)], "the fourth encoding of a list beside decodes captures it"
+
+
 def test_the_least_recently_used_grid_list_is_dropped():
     captured = []
     graphs = VisionGraphs(encoder([]), buffer_capture(captured, encoder([])), max_graphs=1)

@@ -205,7 +205,8 @@ class ModelRunner:
             items.extend(used)
             forwards.append(ForwardInput(pieces, media, graph=self._graph_for(pieces, media)))
         items.extend(media_ahead)  # media_work keeps one entry per digest, the forwards' first
-        return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached))
+        beside_decodes = any(s.start >= len(s.request.prompt.token_ids) for s in slices)
+        return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached), beside_decodes)
 
     def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:
         """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
@@ -259,7 +260,7 @@ class ModelRunner:
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:
             return torch.empty(0)
-        features = self._encode(payload.media) if payload.media else {}
+        features = self._encode(payload.media, may_capture=not payload.beside_decodes) if payload.media else {}
         out = []
         for forward in payload.forwards:
             if forward.graph == "rows":
@@ -359,9 +360,10 @@ class ModelRunner:
             deepstack=torch.cat(deepstack, dim=1),
         )
 
-    def _encode(self, work: list[MediaWork]) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
+    def _encode(self, work: list[MediaWork], may_capture: bool = True) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
         """Vision features of each item: from the encoder cache (kept identical on every rank: the same
-        gets and puts in the same order), or encoded data-parallel over the ranks in one pass."""
+        gets and puts in the same order), or encoded data-parallel over the ranks in one pass. `may_capture`:
+        whether a grid list due for a vision graph may be captured in this step (not beside decodes)."""
         features: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         missing = []
         for m in work:
@@ -379,7 +381,8 @@ class ModelRunner:
         encoded = encode_media_items(
             self.model, [m.grid for m in missing], [m.pixels for m in missing], self.group,
             one_at_a_time=self.deterministic,
-            encode=self.vision_graphs.encode if self.vision_graphs is not None else None,
+            encode=(functools.partial(self.vision_graphs.encode, may_capture=may_capture)
+                    if self.vision_graphs is not None else None),
         )
         for m, value in zip(missing, encoded, strict=True):
             features[m.digest] = value

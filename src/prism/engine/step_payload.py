@@ -81,6 +81,8 @@ class StepPayload:
     plan: TransferPlan
     forwards: list[ForwardInput]
     media: list[MediaWork]
+    # Some row of the step decodes a running request: no vision-graph capture in it (`VisionGraphs.encode`).
+    beside_decodes: bool = False
 
     def for_rank(self, rank: int, world_size: int) -> StepPayload:
         """This payload as rank `rank` needs it: the pixels of the items other ranks encode left out."""

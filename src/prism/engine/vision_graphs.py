@@ -7,7 +7,11 @@ the device on the host (the grid metadata is computed on the host from the grid 
 grid list replays for any pixels of that list: the same sizes of images, new pictures (W1, W4's injections).
 
 - A grid list is captured the `capture_after`-th time it is encoded, so a one-off size never pays a capture;
-  at most `max_graphs` lists are held, the least recently used one dropped with its memory.
+  at most `max_graphs` lists are held, the least recently used one dropped with its memory. A capture takes
+  ~50-60 ms of its step on the H200, so it waits for a step that does not also decode (running streams would
+  wait that long for a token): a due list stays eager, with no per-shape plan, until such a step encodes it, or
+  until it has been encoded `2 * capture_after` times (a list that keeps coming back in a server that never
+  stops decoding is worth one stall: eager, the encoder is host-bound, ~1.5x its replay).
 - The pixels are copied into the graph's input buffer, and the features cloned out of its output buffers at
   once: the encoder cache keeps them beyond the next replay.
 - The graphs share one memory pool (made for them by the runner): replays run one at a time on one stream and
@@ -86,10 +90,15 @@ class VisionGraphs:
         return _key(grids) in self._graphs
 
     @torch.inference_mode()
-    def encode(self, pixels: torch.Tensor, grids: Sequence[Sequence[int]]) -> VisionOutput:
+    def encode(self, pixels: torch.Tensor, grids: Sequence[Sequence[int]], may_capture: bool = True) -> VisionOutput:
+        """The features of `pixels` (patches of `grids`): replayed, captured now, or eager. Captured at the list's
+        `capture_after`-th encoding or later where `may_capture` (the runner's: the step does not also decode),
+        and at its `2 * capture_after`-th whatever the step (see the module docstring)."""
         key = _key(grids)
         captured = self._graphs.get(key)
-        if captured is None and self._count(key) >= self.capture_after and key not in self._uncapturable:
+        count = self._count(key)
+        due = captured is None and count >= self.capture_after and key not in self._uncapturable
+        if due and (may_capture or count >= 2 * self.capture_after):
             captured = self._capture_held(key, pixels)
         if captured is None:
             return self.encode_eagerly(pixels, [list(g) for g in key])
