@@ -205,7 +205,7 @@ class ModelRunner:
             items.extend(used)
             forwards.append(ForwardInput(pieces, media, graph=self._graph_for(pieces, media)))
         items.extend(media_ahead)  # media_work keeps one entry per digest, the forwards' first
-        beside_decodes = any(s.start >= len(s.request.prompt.token_ids) for s in slices)
+        beside_decodes = any(s.start >= s.request.num_prompt_tokens for s in slices)
         return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached), beside_decodes)
 
     def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:

@@ -13,11 +13,11 @@ the real Qwen3-VL-8B geometry (offsets past 2^31) without allocating the pool.
 
 Dispatch: Triton when the pool is on CUDA or `use_triton=True` (CPU tensors then need TRITON_INTERPRET=1 set
 before import); otherwise the torch reference (the CPU engine path). A row copy of one or two pages on CUDA (a
-prefix hit's tail) runs as strided torch copies of page views unless `use_triton=True`: less host time than a launch. `swap_pages` is torch only, because a
-Triton kernel cannot read host memory.
+prefix hit's tail) runs as strided torch copies of page views unless `use_triton=True`: less host time than a
+launch. `swap_pages` is torch only, because a Triton kernel cannot read host memory.
 
-Index validation runs on host copies of the index tensors (one host sync per call when they live on the
-device; the transfer planner builds them on the host anyway).
+Index validation runs on host copies of the indices as Python ints (one host sync per call when they are device
+tensors; the transfer planner makes them on the host anyway).
 """
 
 from __future__ import annotations
@@ -57,31 +57,10 @@ _VIEW_COPY_MAX_PAGES = 2
 # ------------------------------------------------------------------------------------------- validation
 
 
-def _as_index(name: str, x: IndexLike) -> torch.Tensor:
-    """A 1-D int64 host tensor of page ids / row counts."""
-    return torch.tensor(_index_list(name, x), dtype=torch.int64)
-
-
-def _check_pages(name: str, pages: torch.Tensor, num_pages: int) -> None:
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        bad = pages[(pages < 0) | (pages >= num_pages)].tolist()
-        raise ValueError(f"{name} out of range [0, {num_pages}): {bad[:8]}")
-
-
-def _check_same_length(**named: torch.Tensor) -> None:
-    lengths = {k: v.numel() for k, v in named.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"index lengths differ: {lengths}")
-
-
-def _check_distinct(name: str, pages: torch.Tensor) -> None:
-    uniq, counts = torch.unique(pages, return_counts=True)
-    if bool((counts > 1).any()):
-        raise ValueError(f"{name} must be distinct; repeated: {uniq[counts > 1].tolist()[:8]}")
-
-
 def _index_list(name: str, x: IndexLike) -> list[int]:
-    """A 1-D sequence of page ids / row counts as Python ints (a host copy of a tensor's)."""
+    """A 1-D sequence of page ids / row counts as Python ints (a host copy of a tensor's). The checks below run on
+    these: a call typically names one or two pages, and torch ops on tiny host tensors cost the step's host ~0.2 ms
+    (H200 host: W2's tail copy) for what a few comparisons decide."""
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
@@ -94,23 +73,38 @@ def _index_list(name: str, x: IndexLike) -> list[int]:
         raise TypeError(f"{name} must be an integer tensor or a sequence of ints") from exc
 
 
+def _check_pages(name: str, pages: list[int], num_pages: int) -> None:
+    bad = [p for p in pages if not 0 <= p < num_pages]
+    if bad:
+        raise ValueError(f"{name} out of range [0, {num_pages}): {bad[:8]}")
+
+
+def _check_same_length(**named: list[int]) -> None:
+    lengths = {k: len(v) for k, v in named.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"index lengths differ: {lengths}")
+
+
+def _check_distinct(name: str, pages: list[int]) -> None:
+    if len(set(pages)) != len(pages):
+        seen: set[int] = set()
+        repeated = sorted({p for p in pages if p in seen or seen.add(p)})
+        raise ValueError(f"{name} must be distinct; repeated: {repeated[:8]}")
+
+
+def _as_tensors(*values: list[int]) -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=torch.int64) for v in values]
+
+
 def _validate_row_copy(layout: KVLayout, src: IndexLike, dst: IndexLike,
                        rows: IndexLike) -> tuple[list[int], list[int], list[int]]:
-    """The checks of `copy_page_rows` on Python ints: a copy is typically one page (a prefix hit's tail), and torch
-    ops on tiny host tensors cost the step's host ~0.2 ms (H200 host) for what a few comparisons decide."""
     s, d, r = _index_list("src_pages", src), _index_list("dst_pages", dst), _index_list("rows", rows)
-    if not len(s) == len(d) == len(r):
-        raise ValueError(f"index lengths differ: {{'src_pages': {len(s)}, 'dst_pages': {len(d)}, 'rows': {len(r)}}}")
-    for name, pages in (("src_pages", s), ("dst_pages", d)):
-        bad = [p for p in pages if not 0 <= p < layout.num_pages]
-        if bad:
-            raise ValueError(f"{name} out of range [0, {layout.num_pages}): {bad[:8]}")
+    _check_same_length(src_pages=s, dst_pages=d, rows=r)
+    _check_pages("src_pages", s, layout.num_pages)
+    _check_pages("dst_pages", d, layout.num_pages)
     if any(not 0 <= v <= layout.page_size for v in r):
         raise ValueError(f"rows must lie in [0, page_size={layout.page_size}], got {r[:8]}")
-    if len(set(d)) != len(d):
-        seen: set[int] = set()
-        repeated = sorted({p for p in d if p in seen or seen.add(p)})
-        raise ValueError(f"dst_pages must be distinct; repeated: {repeated[:8]}")
+    _check_distinct("dst_pages", d)
     sources = set(s)
     clash = [p for p in d if p in sources]
     if clash:
@@ -121,12 +115,12 @@ def _validate_row_copy(layout: KVLayout, src: IndexLike, dst: IndexLike,
 
 
 def _validate_page_move(src_layout: KVLayout, dst_layout: KVLayout, src: IndexLike, dst: IndexLike):
-    s, d = _as_index("src_pages", src), _as_index("dst_pages", dst)
+    s, d = _index_list("src_pages", src), _index_list("dst_pages", dst)
     _check_same_length(src_pages=s, dst_pages=d)
     _check_pages("src_pages", s, src_layout.num_pages)
     _check_pages("dst_pages", d, dst_layout.num_pages)
     _check_distinct("dst_pages", d)
-    return s, d
+    return _as_tensors(s, d)
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -151,7 +145,7 @@ def copy_page_rows_reference(pool: KVPool, src_pages: IndexLike, dst_pages: Inde
     if not s:
         return
     dev = pool.device
-    s, d, r = (to_device(torch.tensor(v, dtype=torch.int64), dev) for v in (s, d, r))
+    s, d, r = (to_device(t, dev) for t in _as_tensors(s, d, r))
     slot_mask = torch.arange(pool.layout.page_size, device=dev)[None, :] < r[:, None]  # [n, S]
     for t in _pool_tensors(pool):
         src_block = t.index_select(2, s)  # [2, L, n, S, ...]
@@ -377,11 +371,12 @@ def probe_copy_offsets(layout: KVLayout, rows: IndexLike, pages: IndexLike, slot
     if not HAVE_TRITON:
         raise RuntimeError("Triton is not installed (install prism[kernels])")
     stride_row, stride_page, per_slot = row_view_geometry(layout, tensor)
-    r, p, s = _as_index("rows", rows), _as_index("pages", pages), _as_index("slots", slots)
+    r, p, s = _index_list("rows", rows), _index_list("pages", pages), _index_list("slots", slots)
     _check_same_length(rows=r, pages=p, slots=s)
     _check_pages("rows", r, 2 * layout.num_layers)
     _check_pages("pages", p, layout.num_pages)
     _check_pages("slots", s, layout.page_size)
+    r, p, s = _as_tensors(r, p, s)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
