@@ -360,7 +360,8 @@ class ModelRunner:
             deepstack=torch.cat(deepstack, dim=1),
         )
 
-    def _encode(self, work: list[MediaWork], may_capture: bool = True) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
+    def _encode(self, work: list[MediaWork],
+                may_capture: bool = True) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
         """Vision features of each item: from the encoder cache (kept identical on every rank: the same
         gets and puts in the same order), or encoded data-parallel over the ranks in one pass. `may_capture`:
         whether a grid list due for a vision graph may be captured in this step (not beside decodes)."""

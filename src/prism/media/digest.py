@@ -5,8 +5,8 @@ so the same picture stored as PNG, lossless JPEG/WebP or with other metadata byt
 any pixel change, grid change or processor-setting change gives another. For an image the pixels hashed are
 the uint8 frame after smart resize, R, G, B and a zero byte per pixel (`PreprocessedImage.resized_rgb0`, the
 frame the image is kept as): pixel_values is a one-to-one function of them and the settings (which are hashed
-too), and they are 6x fewer bytes than the float32, temporally repeated pixel_values. Videos hash pixel_values. `raw_digest` hashes the encoded file bytes (the cheap key of
-the CPU preprocessing cache).
+too), and they are 6x fewer bytes than the float32, temporally repeated pixel_values. Videos hash pixel_values.
+`raw_digest` hashes the encoded file bytes (the cheap key of the CPU preprocessing cache).
 
 Hash: BLAKE3 with a 256-bit output (collision resistant, so a client cannot make its picture take another's
 cached KV; vLLM keys its multimodal cache the same way). It is the hot path's largest cost when a client sends

@@ -194,10 +194,14 @@ def _is_rgb_array(image: object) -> bool:
     return isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
 
 
+def resized_pil(image: Image.Image, height: int, width: int) -> Image.Image:
+    """PIL bicubic resize, as HF's PIL backend does it: `Image.resize((w, h), BICUBIC)`."""
+    return image.resize((width, height), resample=Image.Resampling.BICUBIC)
+
+
 def resize_rgb(image: Image.Image, height: int, width: int) -> np.ndarray:
-    """PIL bicubic resize (HF's PIL backend: `Image.resize((w, h), BICUBIC)`) -> uint8 [H, W, 3], writable."""
-    resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
-    return np.array(resized, dtype=np.uint8)
+    """`resized_pil` -> uint8 [H, W, 3], writable."""
+    return np.array(resized_pil(image, height, width), dtype=np.uint8)
 
 
 @functools.lru_cache(maxsize=16)
@@ -266,7 +270,7 @@ def preprocess_image(
         resized = rgb0_frame(rgb)
     else:
         pil = rgb if isinstance(rgb, Image.Image) else Image.fromarray(rgb, mode="RGB")
-        resized = rgb0_frame(pil.resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
+        resized = rgb0_frame(resized_pil(pil, new_h, new_w))
     table = normalize_table_tensor(tuple(config.image_mean), tuple(config.image_std), float(config.rescale_factor))
     # The frame is patchified (repeated over the temporal patch) and normalized where it is encoded (`PatchPixels`).
     p = config.patch_size

@@ -107,7 +107,6 @@ def exported_rgbx(image: Image.Image) -> np.ndarray | None:
     return pixels
 
 
-
 # R, G and B kept, the padding byte zeroed: one uint32 per pixel, the same mask in either byte order.
 _RGB0_MASK = np.frombuffer(bytes((255, 255, 255, 0)), dtype=np.uint32)[0]
 

@@ -3,15 +3,16 @@
 Owns: where an image's patches are made and normalized. The preprocessing cache holds the resized image as it
 is (uint8 [H, W, C], one frame; or [H, W, C + 1] with a padding byte after each pixel's levels, the layout images
 are kept in, `pil_pixels.rgb0_frame`) beside the patch geometry and HF's normalization as a 256-level table per
-channel (`image.normalize_table`; its rows say how many channels there are). `normalized(device)` copies the frame to `device`, looks each level up in
-the table, repeats the values over the temporal patch and cuts them into patches in HF's order
-(`patchify_frame`), all there: on the GPU right before the patch embedding, or on the CPU for callers that want float32
-`pixel_values` (HF comparisons). A reshape and a table lookup are bitwise the same wherever they run.
+channel (`image.normalize_table`; its rows say how many channels there are). `normalized(device)` copies the frame
+to `device`, looks each level up in the table, repeats the values over the temporal patch and cuts them into
+patches in HF's order (`patchify_frame`), all there: on the GPU right before the patch embedding, or on the CPU for
+callers that want float32 `pixel_values` (HF comparisons). A reshape and a table lookup are bitwise the same
+wherever they run.
 
 Why the frame and not the patches: patchifying on the host moved every byte through a strided gather into a
 new buffer twice the image's size (the temporal repeat), 0.5-4 ms per 448x448 image on the CPU machine, most
-of an 8-image request's preparation; the frame is also half the bytes of uint8 patches (and an eighth of
-float32 ones) in the cache, in tensor-parallel payloads and through the host-to-device copy.
+of an 8-image request's preparation; the frame (4 bytes a pixel) is also two thirds of the bytes of uint8 patches
+(and a sixth of float32 ones) in the cache, in tensor-parallel payloads and through the host-to-device copy.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def batch_pixels_on(items: Sequence[PatchPixels | torch.Tensor], device: torch.d
     When every item is an image and they share one normalization table and frame layout (every image of a
     checkpoint), they go to the device together: one staging buffer and one copy for all their frames (and one
     for the table), one table lookup over all their levels (in `dtype`: each level rounded once, as the float32
-    value would be), then each cut into patches. One upload per image cost
-    the engine's thread ~0.5 ms per image while the device waited (W1: ~4 ms before the encoder's first kernel)."""
+    value would be), then each cut into patches. One upload per image cost the engine's thread ~0.5 ms per image
+    while the device waited (W1: ~4 ms before the encoder's first kernel)."""
     images = [p for p in items if isinstance(p, PatchPixels)]
     table = images[0].table if images else None
     stored = images[0].frame.shape[2] if images else None

@@ -41,16 +41,8 @@ def _as_long(
 
 
 def _grids(x: torch.Tensor | np.ndarray | Sequence[Sequence[int]] | None, name: str) -> torch.Tensor:
-    if x is None:
-        return torch.zeros(0, 3, dtype=torch.int64)
-    g = _as_long(x, name)
-    if g.numel() == 0:
-        return g.reshape(0, 3)
-    if g.ndim != 2 or g.shape[1] != 3:
-        raise MRopeLayoutError(f"{name} must be [n, 3] (t, h, w), got shape {list(g.shape)}")
-    if bool((g <= 0).any()):
-        raise MRopeLayoutError(f"{name} must be positive, got {g.tolist()}")
-    return g
+    """`_grids_np` as an int64 tensor."""
+    return torch.as_tensor(_grids_np(x, name))
 
 
 def _as_long_np(
