@@ -45,28 +45,40 @@ FULL = {"_BLOCK_ROWS": (64, 128), "_BLOCK_N": (64, 128), "_NUM_STAGES": (1, 2), 
         "_V_WITH_K": (False,)}
 FOCUSED = {"_BLOCK_ROWS": (64,), "_BLOCK_N": (128,), "_NUM_STAGES": (1, 2), "_NUM_WARPS": (4, 8),
            "_V_WITH_K": (False, True)}
+# --schedule: the launch order and the unmasked leading tiles (`paged_prefill._HEAVIEST_FIRST`, `_HEADS_FASTEST`,
+# `_SPLIT_MASKED`) each on and off at the current tiles, then the tiles again with all three on.
+SCHEDULE = {"_HEAVIEST_FIRST": (False, True), "_HEADS_FASTEST": (False, True), "_SPLIT_MASKED": (False, True)}
+SCHEDULED_TILES = {"_BLOCK_ROWS": (64, 128), "_NUM_STAGES": (1, 2), "_NUM_WARPS": (4, 8)}
 SPLITS = {"full": {"w1": (1,), "chunk256": (1, 2), "w2": (4, 8, 16)},
-          "focused": {"w1": (1,), "chunk256": (1, 2), "w2": (8, 16)}}
+          "focused": {"w1": (1,), "chunk256": (1, 2), "w2": (8, 16)},
+          "schedule": {"w1": (1,), "chunk256": (1,), "w2": (8,)}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/tune_prefill_attention.txt")
     parser.add_argument("--focused", action="store_true", help="the narrower grid with V_WITH_K (see FOCUSED)")
+    parser.add_argument("--schedule", action="store_true", help="the launch order and mask split (see SCHEDULE)")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
     args = parser.parse_args()
-    knobs, splits = (FOCUSED, SPLITS["focused"]) if args.focused else (FULL, SPLITS["full"])
+    if args.schedule:
+        sweeps, splits = [SCHEDULE, SCHEDULED_TILES], SPLITS["schedule"]
+    else:
+        sweeps, splits = [FOCUSED if args.focused else FULL], SPLITS["focused" if args.focused else "full"]
     pool = random_fp8_pool(KVLayout(36, HKV, D, PAGE, 16, "fp8"))
     lines = []
-    for name, (new, ctx) in CASES.items():
+    for name in args.cases.split(","):
+        new, ctx = CASES[name]
         meta = PagedAttentionMetadata.build([new], [ctx], [list(range(-(-ctx // PAGE)))], PAGE, "cuda")
         q = torch.randn(new, HQ, D, dtype=torch.bfloat16, device="cuda")
         blocks = -(-new // (pp._BLOCK_ROWS // (HQ // HKV)))
         default_splits = pp.prefill_num_splits(new, blocks, HQ, HKV, D, ctx)
-        report = sweep_knobs(pp, knobs, splits[name], default_splits,
-                             lambda n, q=q, meta=meta: time_config(q, pool, meta, n),
-                             f"{name} ({new} new tokens, context {ctx})")
-        lines += report
-        print("\n".join(report), flush=True)
+        for knobs in sweeps:
+            report = sweep_knobs(pp, knobs, splits[name], default_splits,
+                                 lambda n, q=q, meta=meta: time_config(q, pool, meta, n),
+                                 f"{name} ({new} new tokens, context {ctx})")
+            lines += report
+            print("\n".join(report), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
 

@@ -377,9 +377,34 @@ def test_prefill_kernel_rows_do_not_depend_on_the_batch():
         start += n
 
 
-def test_prefill_blocks_layout():
+@needs_triton
+@pytest.mark.parametrize("knob", ["_HEAVIEST_FIRST", "_HEADS_FASTEST", "_SPLIT_MASKED"])
+def test_prefill_schedule_knobs_change_no_bit(knob, monkeypatch):
+    """The launch order (heaviest blocks first, heads fastest) and the unmasked leading tiles are schedules,
+    not arithmetic: with each one off, the prefill gives bitwise the same rows (tiles wholly visible exist
+    here: prefixes longer than a 128-key tile before their blocks)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=200, kv_dtype="fp8")
+    batch = Batch(lay, [(300, 21), (0, 170), (120, 20), (129, 3)], 4, 31, device=DEV)
+    kw.write_kv(batch.pool, 0, batch.meta.slot_mapping, batch.k_new, batch.v_new)
+    for splits in (1, 2):
+        default = pp.paged_prefill_attention(batch.q, batch.pool, 0, batch.meta, use_triton=True,
+                                             num_splits=splits)
+        monkeypatch.setattr(pp, knob, not getattr(pp, knob))
+        other = pp.paged_prefill_attention(batch.q, batch.pool, 0, batch.meta, use_triton=True,
+                                           num_splits=splits)
+        monkeypatch.undo()
+        assert torch.equal(default, other), f"{knob} changed the prefill's numbers at {splits} splits"
+
+
+def test_prefill_blocks_layout(monkeypatch):
+    """Packed order without `_HEAVIEST_FIRST`; with it, most keys read first (the block's last position)."""
+    monkeypatch.setattr(pp, "_HEAVIEST_FIRST", False)
     blocks = pp.prefill_blocks([3, 1, 5], [3, 7, 9], 2)
     assert blocks.tolist() == [[0, 0, 0, 2], [0, 2, 2, 1], [1, 3, 6, 1], [2, 4, 4, 2], [2, 6, 6, 2], [2, 8, 8, 1]]
+    assert pp.prefill_blocks([], [], 2).shape == (0, 4)
+    monkeypatch.setattr(pp, "_HEAVIEST_FIRST", True)
+    blocks = pp.prefill_blocks([3, 1, 5], [3, 7, 9], 2)
+    assert blocks.tolist() == [[2, 8, 8, 1], [2, 6, 6, 2], [1, 3, 6, 1], [2, 4, 4, 2], [0, 2, 2, 1], [0, 0, 0, 2]]
 
 
 @needs_triton

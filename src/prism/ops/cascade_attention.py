@@ -147,10 +147,10 @@ if HAVE_TRITON:
                     + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         bt_row = bt_ptr + tl.load(leader_ptr) * stride_bt
-        m_i, l_i, acc = _attend_keys(q, prefix - 1, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
-                                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+        m_i, l_i, acc = _attend_keys(q, prefix - 1, lo, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d,
+                                     dmask, stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES, NATIVE_FP8, V_WITH_K)
+                                     NUM_STAGES, NATIVE_FP8, V_WITH_K, False)
         _store_attention(m_i, l_i, acc, seq, head, rmask, d, dmask, q_ptr, 0, 0, part_acc_ptr, part_ml_ptr,
                          FIRST_SLOT + split, HQ, HEAD_DIM, SPLIT_SLOTS)
 

@@ -179,45 +179,72 @@ if HAVE_TRITON:
         return x, factor
 
     @triton.jit
-    def _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+    def _attend_tile(q, qpos, n0, hi, m_i, l_i, acc, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+                     BLOCK_N: tl.constexpr, KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     V_WITH_K: tl.constexpr, MASKED: tl.constexpr):
+        """One BLOCK_N-key tile [n0, n0 + BLOCK_N) folded into the online softmax (m_i, l_i, acc). MASKED=False
+        is for tiles that every row sees whole (all keys < hi and <= every qpos): the same numbers without
+        the causal and bounds selects."""
+        pos = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            pmask = pos < hi
+        else:
+            pmask = tl.full([BLOCK_N], 1, tl.int1)
+        page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
+        slot = page * page_size + pos % page_size  # int64: page ids are int64
+        k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                               sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE, NATIVE_FP8)
+        if V_WITH_K:
+            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE, NATIVE_FP8)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
+        if MASKED:
+            s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible stays at p = 0
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if not V_WITH_K:
+            v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
+                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE, NATIVE_FP8)
+        pv = (p * v_f[None, :]).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attend_keys(q, qpos, lo, full_hi, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr,
+                     SPLIT_MASKED: tl.constexpr):
         """Online softmax of the query rows `q` (pre-scaled, log2 units) over keys [lo, hi) of one sequence's
         pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc).
+        `SPLIT_MASKED`: the tiles [lo, full_hi) (whole tiles every row sees entirely; `full_hi` - lo a
+        multiple of BLOCK_N) skip the masks, as flash attention splits its causal loop; the tiles after them
+        are masked. Bitwise the single masked loop's result: a select that keeps everything changes nothing.
         `V_WITH_K`: issue a tile's V load beside its K load, so the two memory latencies overlap instead of
         following each other (the decode kernel waits on memory; the prefill kernel's larger tiles need the
         registers)."""
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):  # the next tiles' loads overlap this one
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pmask = pos < hi
-            page = tl.load(bt_row + pos // page_size, mask=pmask, other=0)
-            slot = page * page_size + pos % page_size  # int64: page ids are int64
-            k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
-                                   sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
-                                   NATIVE_FP8)
-            if V_WITH_K:
-                v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row,
-                                       stride_slot, sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
-                                       NATIVE_FP8)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
-            s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible stays at p = 0
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not V_WITH_K:
-                v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row,
-                                       stride_slot, sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE,
-                                       NATIVE_FP8)
-            pv = (p * v_f[None, :]).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-            m_i = m_new
+        first_masked = lo
+        if SPLIT_MASKED:
+            for n0 in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+                m_i, l_i, acc = _attend_tile(q, qpos, n0, hi, m_i, l_i, acc, bt_row, pay_ptr, sc_ptr, row_k,
+                                             row_v, hk, d, dmask, stride_row, stride_slot, sc_stride_row,
+                                             page_size, H, HEAD_DIM, BLOCK_N, KIND, DOT_DTYPE, PRECISION,
+                                             OFFSET_DTYPE, NATIVE_FP8, V_WITH_K, False)
+            first_masked = full_hi
+        for n0 in tl.range(first_masked, hi, BLOCK_N, num_stages=NUM_STAGES):  # the next tiles' loads overlap
+            m_i, l_i, acc = _attend_tile(q, qpos, n0, hi, m_i, l_i, acc, bt_row, pay_ptr, sc_ptr, row_k, row_v,
+                                         hk, d, dmask, stride_row, stride_slot, sc_stride_row, page_size, H,
+                                         HEAD_DIM, BLOCK_N, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
+                                         NATIVE_FP8, V_WITH_K, True)
         return m_i, l_i, acc
 
     @triton.jit
@@ -277,10 +304,10 @@ if HAVE_TRITON:
         q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         qpos = tl.zeros([BLOCK_G], tl.int32) + (ctx - 1)  # the new token: it sees its whole context
-        m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
+        m_i, l_i, acc = _attend_keys(q, qpos, lo, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES, NATIVE_FP8, V_WITH_K)
+                                     NUM_STAGES, NATIVE_FP8, V_WITH_K, False)
         _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
                          stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, SPLIT_SLOTS)
 

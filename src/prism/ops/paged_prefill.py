@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..kv.fp8 import KVPool
@@ -56,6 +57,15 @@ _NUM_STAGES = 1  # software pipelining of the key loop
 _TARGET_PROGRAMS = 512  # below this many (block, KV head) programs, split the keys too
 _MAX_SPLITS = 8  # a packed graph's fixed grid: W2's question in bucket 32 took 25.8 us at 16 splits, 22.1 at 8
 _MAX_PARTIAL_BYTES = 16 * 2**20
+# A causal prefill's blocks differ in work: the last block of a 1,600-token prompt reads 13 key tiles, the first
+# one. The blocks are listed heaviest first and a block's KV heads launched together, so the long programs
+# start first and the short ones fill the tail (longest-processing-time-first), and the tiles every row of a
+# block sees whole skip the causal mask. No row's numbers change: each program's work is the same. H200 sweep
+# (`tune_prefill_attention.py --schedule`), us per layer: 1,600-token prefill 134 -> 102 (order 134 -> 107, the
+# unmasked tiles 107 -> 102), W2's question 18.0 -> 16.1 (the unmasked tiles), a 256-token chunk 38 -> 35.
+_HEAVIEST_FIRST = True
+_HEADS_FASTEST = True
+_SPLIT_MASKED = True
 _V_WITH_K = False  # see `paged_attention._attend_keys`: with 64-row tiles it was slower (1,600-token prefill 134 -> 140 us)
 
 
@@ -74,33 +84,49 @@ def prefill_num_splits(num_tokens: int, num_blocks: int, num_q_heads: int, num_k
 
 def prefill_blocks(query_lens, context_lens, tokens_per_block: int) -> torch.Tensor:
     """Host int64 [num_blocks, 4]: (sequence, packed row of the block's first token, its absolute
-    position, tokens in the block) for every block of `tokens_per_block` new tokens."""
-    rows = []
-    start = 0
-    for b, (q, c) in enumerate(zip(query_lens, context_lens, strict=True)):
-        for lo in range(0, q, tokens_per_block):
-            rows.append((b, start + lo, c - q + lo, min(tokens_per_block, q - lo)))
-        start += q
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    position, tokens in the block) for every block of `tokens_per_block` new tokens; with `_HEAVIEST_FIRST`
+    ordered by the keys the block reads (its last position), most first, ties in packed order."""
+    q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    c = np.asarray(context_lens, dtype=np.int64).reshape(-1)
+    if q.shape != c.shape:
+        raise ValueError(f"{len(q)} query lengths for {len(c)} context lengths")
+    per_seq = -(-q // tokens_per_block)
+    seq = np.repeat(np.arange(len(q), dtype=np.int64), per_seq)
+    first_block = np.cumsum(per_seq) - per_seq
+    offset = (np.arange(len(seq), dtype=np.int64) - first_block[seq]) * tokens_per_block  # within the sequence
+    first_row = (np.cumsum(q) - q)[seq] + offset
+    first_pos = (c - q)[seq] + offset
+    count = np.minimum(tokens_per_block, q[seq] - offset)
+    rows = np.stack([seq, first_row, first_pos, count], axis=1)
+    if _HEAVIEST_FIRST:
+        rows = rows[np.argsort(-(first_pos + count), kind="stable")]
+    return torch.from_numpy(np.ascontiguousarray(rows))
 
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])  # as the decode kernel: bounded variants
+    @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v", "NUM_BLOCKS"])  # as the decode kernel: bounded variants
     def _prefill_kernel(q_ptr, out_ptr, pay_ptr, sc_ptr, bt_ptr, ctx_ptr, blocks_ptr,
                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                         row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
-                        part_acc_ptr, part_ml_ptr, H, HQ, GROUP, HEAD_DIM,
+                        part_acc_ptr, part_ml_ptr, H, HQ, GROUP, HEAD_DIM, NUM_BLOCKS,
                         KIND: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                         NUM_SPLITS: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
-        # grid = (blocks, KV heads, splits). Row r of the tile is token r // GROUP of the block, query head
-        # r % GROUP. With several splits, each takes a share of the block's keys (whole tiles) and writes a
-        # partial softmax that `_decode_reduce_kernel` merges per (token, head).
-        blk = tl.program_id(0)
-        hk = tl.program_id(1)
-        split = tl.program_id(2)
+                        NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr, SPLIT_MASKED: tl.constexpr,
+                        HEADS_FASTEST: tl.constexpr):
+        # grid = (blocks x KV heads, splits), the KV head varying fastest (HEADS_FASTEST) or slowest. Row r of
+        # the tile is token r // GROUP of the block, query head r % GROUP. With several splits, each takes a
+        # share of the block's keys (whole tiles) and writes a partial softmax that `_decode_reduce_kernel`
+        # merges per (token, head).
+        pid = tl.program_id(0)
+        if HEADS_FASTEST:
+            blk = pid // H
+            hk = pid % H
+        else:
+            blk = pid % NUM_BLOCKS
+            hk = pid // NUM_BLOCKS
+        split = tl.program_id(1)
         seq = tl.load(blocks_ptr + blk * 4)
         first_row = tl.load(blocks_ptr + blk * 4 + 1)
         first_pos = tl.load(blocks_ptr + blk * 4 + 2)
@@ -125,10 +151,12 @@ if HAVE_TRITON:
         split_len = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, end)
-        m_i, l_i, acc = _attend_keys(q, qpos, lo, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
-                                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
+        # Keys <= first_pos are visible to every row of the block: whole tiles of them need no mask.
+        full_hi = lo + tl.maximum(tl.minimum(first_pos + 1, hi) - lo, 0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _attend_keys(q, qpos, lo, full_hi, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d,
+                                     dmask, stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_M, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
-                                     NUM_STAGES, NATIVE_FP8, V_WITH_K)
+                                     NUM_STAGES, NATIVE_FP8, V_WITH_K, SPLIT_MASKED)
         _store_attention(m_i, l_i, acc, q_rows, head, rmask, d, dmask, out_ptr, stride_ot, stride_oh,
                          part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, NUM_SPLITS)
 
@@ -186,15 +214,16 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
     else:
         part_acc = part_ml = out  # unused placeholders
     with device_context(pool.device):
-        _prefill_kernel[(num_blocks, lay.num_kv_heads, num_splits)](
+        _prefill_kernel[(num_blocks * lay.num_kv_heads, num_splits)](
             q, out, pay, sc, meta.block_table, meta.context_lens, launch.blocks,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
             layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, sm_scale * _LOG2E,
-            part_acc, part_ml, lay.num_kv_heads, hq, group, dim,
+            part_acc, part_ml, lay.num_kv_heads, hq, group, dim, num_blocks,
             KIND=kv_write._KINDS[lay.kv_dtype], TOKENS=launch.tokens, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_DTYPE=dot, PRECISION=precision, NUM_SPLITS=num_splits,
             OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NUM_STAGES=_NUM_STAGES, NATIVE_FP8=native_fp8(pool.device),
-            V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+            V_WITH_K=_V_WITH_K, SPLIT_MASKED=_SPLIT_MASKED, HEADS_FASTEST=_HEADS_FASTEST, num_warps=_NUM_WARPS,
+            num_stages=_NUM_STAGES,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(n, hq)](
