@@ -23,3 +23,35 @@ def test_vision_rope_kernel_is_bitwise_hf_in_bf16(n):
     got = vr.vision_rope(q, k, emb.cos(), emb.sin(), use_triton=True)
     want = vr.vision_rope_reference(q, k, emb.cos(), emb.sin())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("n", [1, 6272])
+def test_add_layer_norm_kernel_in_bf16(n):
+    """The vision encoder's fused add + LayerNorm at its width: the sum bitwise torch's, the normed output within
+    one bf16 ulp of `torch.nn.LayerNorm` (the statistics' sums are ordered differently)."""
+    from prism.ops import layer_norm as ln
+
+    g = torch.Generator().manual_seed(n)
+    d = 1152
+    delta, residual = ((torch.randn(n, d, generator=g) * s).to("cuda", torch.bfloat16) for s in (2.0, 5.0))
+    weight, bias = (torch.randn(d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    want, want_sum = ln.add_layer_norm_reference(delta, residual, weight, bias, 1e-6)
+    got, got_sum = ln.add_layer_norm(delta, residual, weight, bias, 1e-6, use_triton=True)
+    assert torch.equal(got_sum, want_sum)
+    ulp = want.float().abs().clamp_min(2.0**-8) * 2.0**-7
+    assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert (got != want).float().mean().item() < 0.01
+
+
+def test_gelu_in_gemm_is_near_the_separate_gelu():
+    """`VisionBlock.mlp`'s cuBLASLt epilogue (bias + tanh-GELU on the fp32 accumulator) vs HF's linear then GELU:
+    the same values up to the bf16 rounding the fusion skips."""
+    from prism.model import vision
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(6272, 1152, generator=g).to("cuda", torch.bfloat16)
+    fc1 = torch.nn.Linear(1152, 4304).to("cuda", torch.bfloat16)
+    fused = torch._addmm_activation(fc1.bias, h, fc1.weight.t(), use_gelu=True)
+    separate = torch.nn.functional.gelu(fc1(h), approximate="tanh")
+    torch.testing.assert_close(fused.float(), separate.float(), atol=2e-2, rtol=1e-2)
+    assert vision.GELU_IN_GEMM

@@ -5,7 +5,9 @@ Owns: turning patchified pixels [P, C*T*p*p] (HF's layout: patches in spatial-me
 each flattened as (C, T, p, p)) plus each item's (t, h, w) grid into one LM-sized feature per merged
 token and one DeepStack feature per configured block. Attention runs within each temporal frame
 group of each item (as HF does: cu_seqlens over h*w per frame), never across items, so an item's
-features do not depend on what it is batched with. Grid metadata (interpolation taps, rotary
+features do not depend on what it is batched with. On CUDA a residual add and the LayerNorm after it
+are one kernel (`ops.layer_norm`) and a tanh-GELU runs inside its GEMM: about one ulp from HF's
+separate ops. Grid metadata (interpolation taps, rotary
 positions, segment lengths) is computed on the host from the grid list and cached per grid.
 """
 
@@ -20,11 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.host_copy import to_device
+from ..ops.layer_norm import add_layer_norm
 from ..ops.vision_rope import vision_rope
 from .attention import dense_varlen_attention, plan_free_sdpa
 from .config import VisionConfig
 
 Grid = tuple[int, int, int]
+# On CUDA, a tanh-GELU MLP's activation runs as its first GEMM's epilogue (`VisionBlock.mlp`). A module knob so
+# that a benchmark can compare it with HF's separate GELU in one process.
+GELU_IN_GEMM = True
 
 
 def normalize_grids(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> tuple[Grid, ...]:
@@ -118,6 +124,7 @@ class VisionBlock(nn.Module):
         self.fc1 = nn.Linear(e, cfg.intermediate_size, bias=True)
         self.fc2 = nn.Linear(cfg.intermediate_size, e, bias=True)
         self.act = _act(cfg.hidden_act)
+        self.gelu_tanh = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def attention(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
@@ -128,9 +135,17 @@ class VisionBlock(nn.Module):
         out = dense_varlen_attention(q, k, v, seq_lens, causal=False)
         return self.proj(out.reshape(n, -1))
 
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh and h.is_cuda and GELU_IN_GEMM:
+            # The bias and tanh-GELU as the GEMM's epilogue (cuBLASLt), on the fp32 accumulator: one pass over
+            # the [patches, intermediate] activation fewer, one rounding fewer than HF's separate GELU.
+            return self.fc2(torch._addmm_activation(self.fc1.bias, h, self.fc1.weight.t(), use_gelu=True))
+        return self.fc2(self.act(self.fc1(h)))
+
     def forward(self, x, cos, sin, seq_lens: Sequence[int]) -> torch.Tensor:
+        """One block alone, in HF's form (the encoder chains its blocks' residual adds into the next norm)."""
         x = x + self.attention(self.norm1(x), cos, sin, seq_lens)
-        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -214,8 +229,20 @@ class VisionEncoder(nn.Module):
         pos = (self.pos_embed(meta.taps) * meta.tap_weights[:, :, None]).sum(1)
         x = x + pos.to(dtype)
         deepstack = []
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, meta.cos, meta.sin, meta.seq_lens)
+        # Each residual add is fused with the norm that reads its sum (`add_layer_norm`): norm2 of the same
+        # block, norm1 of the next. h is the normed input of the block's next half, x the residual stream.
+        blocks = self.blocks
+        h = blocks[0].norm1(x) if len(blocks) else x
+        for i, blk in enumerate(blocks):
+            norm2 = blk.norm2
+            h, x = add_layer_norm(blk.attention(h, meta.cos, meta.sin, meta.seq_lens), x, norm2.weight,
+                                  norm2.bias, norm2.eps)
+            delta = blk.mlp(h)
+            if i + 1 < len(blocks):
+                norm1 = blocks[i + 1].norm1
+                h, x = add_layer_norm(delta, x, norm1.weight, norm1.bias, norm1.eps)
+            else:
+                x = x + delta
             j = self._deepstack_at.get(i)
             if j is not None:
                 deepstack.append(self.deepstack_mergers[j](x))
