@@ -12,6 +12,8 @@ Invariants checked, by name:
 - exact refcounts / no leaks: check_invariants after every rule; teardown frees every page
 - prefix identity + hit correctness: every computed position of every live sequence holds its own KV
 - >= 1 computed token: every hit leaves the last prompt token to compute and never ends inside an image
+- tail-copy threshold: a tail below `min_tail_tokens` is dropped only where that loses just its rows (the whole
+  pages before it end outside images); the hit is never shorter than without the threshold by more than that
 """
 
 from __future__ import annotations
@@ -78,16 +80,30 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _try_admit(self, content, chunk: int) -> int | None:
         """Admit with a random chunk; None if the pool cannot take it (which must change nothing)."""
         seq_id, self.next_id = self.next_id, self.next_id + 1
+        unthresholded = self._hit_without_copy_threshold(content)
         try:
             hit = self.world.admit(seq_id, content, chunk)
         except OutOfPages:
             assert seq_id not in self.m.seqs
             return None
         assert hit <= len(content) - 1, "a full hit must leave at least one token to compute"
-        assert hit % self.m.page_size == 0 or hit % self.m.page_size >= self.m.min_tail_tokens, \
-            f"a tail of {hit % self.m.page_size} tokens reused below min_tail_tokens={self.m.min_tail_tokens}"
         assert content.span_containing(hit) is None, "a hit must not end inside an image"
+        size, threshold = self.m.page_size, self.m.min_tail_tokens
+        rows = hit % size
+        assert not 0 < rows < threshold or content.span_containing(hit - rows) is not None, \
+            f"a tail of {rows} tokens reused below min_tail_tokens={threshold} where whole pages end outside images"
+        lost = unthresholded - hit
+        assert lost == 0 or (rows == 0 and lost < threshold), \
+            f"the tail-copy threshold dropped {lost} tokens of hit (min_tail_tokens={threshold})"
         return hit
+
+    def _hit_without_copy_threshold(self, content) -> int:
+        """What the lookup reuses when every partial page is worth its copy (min_tail_tokens 0)."""
+        keep, self.m.min_tail_tokens = self.m.min_tail_tokens, 0
+        try:
+            return self.m.lookup(content).num_tokens
+        finally:
+            self.m.min_tail_tokens = keep
 
     # -- rules -----------------------------------------------------------------------------------
     @rule(data=st.data(), chunk=st.integers(1, 12))

@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 from hypothesis import Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, run_state_machine_as_test
 
 from prism.kv import keys, prefix, transfers
 from prism.kv.manager import KVCacheManager, SequenceError
@@ -62,7 +63,8 @@ def test_publish_at_allocation_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
         return seq
 
     monkeypatch.setattr(KVCacheManager, "admit", admit_publishing_at_allocation)
-    _machine_fails("holds KV of other content|does not hold its content's KV")
+    # A hit on the prematurely published pages either reads KV of other content or is written into as shared.
+    _machine_fails("holds KV of other content|does not hold its content's KV|written into a shared page")
 
 
 def test_tail_copy_keeping_the_old_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,6 +129,36 @@ def test_tail_below_the_copy_threshold_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(KVCacheManager, "lookup", lookup_ignoring_threshold)
     _machine_fails("reused below min_tail_tokens")
+
+
+def test_threshold_dropping_a_tail_that_ends_an_image_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 11's threshold as first written: a short tail was always dropped and the hit walked back to a page
+    boundary outside images, so 4-image prompts at 256-token pages (whole pages ending inside the fourth image)
+    reused nothing. W5's hit rate fell from 83% to 9% and its FP8 throughput from 67 to 31 req/s."""
+    lookup = KVCacheManager.lookup
+
+    def lookup_dropping_every_short_tail(self, content, reuse="all"):
+        hit = lookup(self, content, reuse)
+        if hit.tail_source is None or hit.tail_rows >= self.min_tail_tokens:
+            return hit
+        tokens = len(hit.shared_pages) * self.page_size
+        while (span := content.span_containing(tokens)) is not None:
+            tokens = span.start // self.page_size * self.page_size
+        pages = tokens // self.page_size
+        return prefix.PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, hit.found_for)
+
+    monkeypatch.setattr(KVCacheManager, "lookup", lookup_dropping_every_short_tail)
+    with pytest.raises(AssertionError, match="the tail-copy threshold dropped"):
+        run_state_machine_as_test(_ThresholdMachine, settings=FIND_ONLY)
+
+
+class _ThresholdMachine(KVCacheMachine):
+    """The KV machine where a copy threshold exists and pages are long enough to end inside an image."""
+
+    @initialize(page_size=st.integers(3, 4), num_gpu_pages=st.integers(6, 12), num_cpu_pages=st.just(0),
+                min_tail_tokens=st.integers(2, 3))
+    def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int, min_tail_tokens: int) -> None:
+        super().setup(page_size, num_gpu_pages, num_cpu_pages, min_tail_tokens)
 
 
 def test_other_transfer_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -208,6 +208,20 @@ def test_media_runs_and_span_containing_equal_the_scan_over_every_span(data):
     assert content.span_containing(start) == inside
 
 
+@pytest.mark.parametrize("threshold", [0, 2, 3])
+def test_a_short_tail_after_pages_ending_inside_an_image_is_copied(threshold) -> None:
+    """Dropping the 1-row tail would end the hit inside the image, which walks it back to 0 tokens: the tail is
+    copied whatever the threshold (the tail-copy threshold may only cost the tail's own rows)."""
+    world = KVWorld(num_gpu_pages=8, page_size=4, min_tail_tokens=threshold)
+    image = (MediaSpan(1, 4, b"\xa1" * 16),)
+    world.admit(1, SeqContent([1, 9, 9, 9, 9, 2, 3, 1], image), chunk=8)
+    world.step()
+    world.release(1)
+    hit = world.manager.lookup(SeqContent([1, 9, 9, 9, 9, 3, 3], image))
+    assert hit.num_tokens == 5 and hit.tail_rows == 1 and hit.tail_source is not None
+    world.check_all()
+
+
 @pytest.mark.parametrize("threshold, reused", [(0, 8 + 3), (3, 8 + 3), (4, 8)])
 def test_a_tail_below_the_threshold_is_not_copied(threshold, reused) -> None:
     """A cached partial page is reused (rows copied into a private page) only if it saves `min_tail_tokens`

@@ -141,14 +141,19 @@ class KVCacheManager:
         if not self.enable_prefix_cache or reuse == "none":
             return PrefixHit((), (), None, 0, self.page_size, query)
         hit = self.index.lookup(content, self.root, len(content) - 1)
-        whole_pages = self.page_aligned_hits or reuse == "whole_pages" or hit.tail_rows < self.min_tail_tokens
-        if whole_pages and hit.tail_source is not None:
-            tokens = len(hit.shared_pages) * self.page_size
-            while (span := content.span_containing(tokens)) is not None:  # never end inside an image
-                tokens = span.start // self.page_size * self.page_size
-            pages = tokens // self.page_size
-            return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, query)
-        return replace(hit, found_for=query)
+        required = self.page_aligned_hits or reuse == "whole_pages"
+        if hit.tail_source is None or not (required or hit.tail_rows < self.min_tail_tokens):
+            return replace(hit, found_for=query)
+        tokens = len(hit.shared_pages) * self.page_size
+        while (span := content.span_containing(tokens)) is not None:  # never end inside an image
+            tokens = span.start // self.page_size * self.page_size
+        if not required and tokens < len(hit.shared_pages) * self.page_size:
+            # A short tail is dropped to save its copy only when that costs just the tail's rows. Here the whole
+            # pages end inside an image, so dropping it would recompute that image and everything after the page
+            # boundary before it (W5's 4-image prompts at 256-token pages: no hit at all, session 11).
+            return replace(hit, found_for=query)
+        pages = tokens // self.page_size
+        return PrefixHit(hit.shared_pages[:pages], hit.keys[:pages], None, 0, self.page_size, query)
 
     def _lookup_query(self, content: SeqContent, reuse: Reuse) -> tuple[int, int, str]:
         """What a lookup's result depends on besides the content's tokens (`PrefixHit.found_for`)."""
