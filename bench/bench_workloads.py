@@ -160,11 +160,17 @@ def workloads(smoke: bool) -> dict:
             "W5_bf16": lambda: {**w5, **w5_working_set(ckpt, "bf16", kv_w5, size, groups, clients, requests)}}
 
 
+_RESULT = "WORKLOAD RESULT "  # marks the child's result line among whatever else it prints
+
+
 def run_isolated(name: str, smoke: bool) -> dict:
-    """One workload in a fresh Python process; its result is the last line it prints."""
+    """One workload in a fresh Python process; its result is the line it prints after `_RESULT`."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--only", name] + (["--smoke"] if smoke else [])
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
+    if len(lines) != 1:
+        raise RuntimeError(f"workload {name} printed {len(lines)} result lines; its output:\n{done.stdout}")
+    return json.loads(lines[0][len(_RESULT):])
 
 
 def main() -> None:
@@ -172,7 +178,7 @@ def main() -> None:
     if "--only" in sys.argv:
         name = sys.argv[sys.argv.index("--only") + 1]
         result = workloads(smoke)[name]()
-        print(json.dumps({**result, "gpu": "cpu-smoke" if smoke else torch.cuda.get_device_name()}))
+        print(_RESULT + json.dumps({**result, "gpu": "cpu-smoke" if smoke else torch.cuda.get_device_name()}))
         return
     if not smoke and not (CKPT / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "bench" / "make_checkpoint.py"), "--ckpt", str(CKPT)], check=True)

@@ -33,6 +33,23 @@ def test_add_layer_norm_refuses_mismatched_shapes():
         ln.add_layer_norm(x, torch.zeros(3, 9), torch.ones(8), torch.zeros(8), 1e-6)
     with pytest.raises(ValueError, match="weight"):
         ln.add_layer_norm(x, x, torch.ones(9), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="share one of"):
+        ln.add_layer_norm(x, x.half(), torch.ones(8), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="share one of"):
+        ln.add_layer_norm(x.double(), x.double(), torch.ones(8), torch.zeros(8), 1e-6)
+
+
+@needs_triton
+def test_add_layer_norm_kernel_takes_strided_weights_and_rows():
+    """A weight, bias or row whose last dim is strided is made contiguous for the kernel, not misread."""
+    g = torch.Generator().manual_seed(8)
+    delta = torch.randn(5, 12, generator=g)
+    residual = torch.randn(12, 5, generator=g).t()  # last stride 5
+    weight, bias = torch.randn(12, 2, generator=g).unbind(1)  # strided vectors
+    want = ln.add_layer_norm_reference(delta, residual, weight, bias, 1e-6)
+    got = ln.add_layer_norm(delta, residual, weight, bias, 1e-6, use_triton=True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
 
 
 def test_reference_is_the_two_torch_ops():

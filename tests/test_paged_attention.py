@@ -380,9 +380,10 @@ def test_prefill_kernel_rows_do_not_depend_on_the_batch():
 @needs_triton
 @pytest.mark.parametrize("knob", ["_HEAVIEST_FIRST", "_HEADS_FASTEST", "_SPLIT_MASKED"])
 def test_prefill_schedule_knobs_change_no_bit(knob, monkeypatch):
-    """The launch order (heaviest blocks first, heads fastest) and the unmasked leading tiles are schedules,
-    not arithmetic: with each one off, the prefill gives bitwise the same rows (tiles wholly visible exist
-    here: prefixes longer than a 128-key tile before their blocks)."""
+    """The launch order (heaviest blocks first, heads fastest) is a schedule, not arithmetic: with each knob off
+    the prefill gives bitwise the same rows. So do the unmasked leading tiles in the interpreter, which does not
+    fuse multiply-adds (on CUDA they may change the last bits, see `_attend_keys`); here the check is that they
+    skip only masks that keep everything (tiles wholly visible exist: prefixes longer than a 128-key tile)."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=200, kv_dtype="fp8")
     batch = Batch(lay, [(300, 21), (0, 170), (120, 20), (129, 3)], 4, 31, device=DEV)
     kw.write_kv(batch.pool, 0, batch.meta.slot_mapping, batch.k_new, batch.v_new)

@@ -55,3 +55,32 @@ def test_gelu_in_gemm_is_near_the_separate_gelu():
     separate = torch.nn.functional.gelu(fc1(h), approximate="tanh")
     torch.testing.assert_close(fused.float(), separate.float(), atol=2e-2, rtol=1e-2)
     assert vision.GELU_IN_GEMM
+
+
+@pytest.mark.parametrize("knob", ["_HEAVIEST_FIRST", "_HEADS_FASTEST", "_SPLIT_MASKED"])
+def test_prefill_schedule_knobs_on_the_gpu(knob, monkeypatch):
+    """Compiled, at 8B's head shapes over scaled-FP8 pages: the launch order changes no bit; the unmasked leading
+    tiles may change the last bits (the compiler fuses their score scaling into the exponent), nothing more."""
+    from prism.kv.fp8 import KVLayout, KVPool
+    from prism.ops import kv_write as kw
+    from prism.ops import paged_prefill as pp
+    from prism.ops.attention_metadata import PagedAttentionMetadata
+
+    lay = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, page_size=256, num_pages=16, kv_dtype="fp8")
+    pool = KVPool.allocate(lay, "cuda")
+    g = torch.Generator().manual_seed(12)
+    prefix, new = 300, 700
+    ctx = prefix + new
+    table = [list(range(-(-ctx // 256)))]
+    written = PagedAttentionMetadata.build([ctx], [ctx], table, 256, "cuda")
+    k, v = (torch.randn(ctx, 8, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    kw.write_kv(pool, 0, written.slot_mapping, k, v)
+    meta = PagedAttentionMetadata.build([new], [ctx], table, 256, "cuda")
+    q = torch.randn(new, 32, 128, generator=g).to("cuda", torch.bfloat16)
+    default = pp.paged_prefill_attention(q, pool, 0, meta, num_splits=1)
+    monkeypatch.setattr(pp, knob, not getattr(pp, knob))
+    other = pp.paged_prefill_attention(q, pool, 0, meta, num_splits=1)
+    if knob == "_SPLIT_MASKED":
+        torch.testing.assert_close(other, default, atol=2e-2, rtol=2e-2)
+    else:
+        assert torch.equal(other, default), f"{knob} changed the prefill's numbers"

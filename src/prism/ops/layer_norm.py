@@ -21,6 +21,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def add_layer_norm_reference(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,18 +55,20 @@ if HAVE_TRITON:
 
 def add_layer_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float, *, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(LayerNorm(residual + delta), residual + delta) over the last dim of 2-D [rows, D] tensors with a unit
-    last stride; one launch on CUDA instead of an add kernel and a norm kernel."""
+    """(LayerNorm(residual + delta), residual + delta) over the last dim of 2-D [rows, D] tensors of one float
+    dtype; one launch on CUDA instead of an add kernel and a norm kernel."""
     if delta.shape != residual.shape or delta.dim() != 2:
         raise ValueError(f"add_layer_norm: delta {tuple(delta.shape)} and residual {tuple(residual.shape)} "
                          "must be the same [rows, D]")
     if weight.shape != (delta.shape[1],) or bias.shape != (delta.shape[1],):
         raise ValueError(f"add_layer_norm: weight {tuple(weight.shape)} / bias {tuple(bias.shape)} do not "
                          f"match D = {delta.shape[1]}")
+    if delta.dtype != residual.dtype or delta.dtype not in _DTYPES:
+        raise ValueError(f"add_layer_norm: delta and residual must share one of {_DTYPES}, got {delta.dtype} and "
+                         f"{residual.dtype}")
     if not _want_triton(delta.device, use_triton) or delta.numel() == 0:
         return add_layer_norm_reference(delta, residual, weight, bias, eps)
-    if delta.stride(1) != 1 or residual.stride(1) != 1:
-        raise ValueError("add_layer_norm: the last dim must be contiguous")
+    delta, residual, weight, bias = (t if t.stride(-1) == 1 else t.contiguous() for t in (delta, residual, weight, bias))
     out = torch.empty(delta.shape, dtype=delta.dtype, device=delta.device)
     summed = torch.empty_like(out)
     d = delta.shape[1]

@@ -225,7 +225,10 @@ if HAVE_TRITON:
         pages, in BLOCK_N-key tiles, each row seeing keys <= its `qpos`. Returns (max, sum, unnormalized acc).
         `SPLIT_MASKED`: the tiles [lo, full_hi) (whole tiles every row sees entirely; `full_hi` - lo a
         multiple of BLOCK_N) skip the masks, as flash attention splits its causal loop; the tiles after them
-        are masked. Bitwise the single masked loop's result: a select that keeps everything changes nothing.
+        are masked. The same arithmetic as the masked loop, but on CUDA the compiler may fuse an unmasked
+        tile's score scaling into the exponent's argument (an FMA: one rounding fewer; with the select between
+        them the masked loop rounds the score first), so rows can differ from the single masked loop's in the
+        last bits. The interpreter does not fuse: there the two are bitwise equal.
         `V_WITH_K`: issue a tile's V load beside its K load, so the two memory latencies overlap instead of
         following each other (the decode kernel waits on memory; the prefill kernel's larger tiles need the
         registers)."""

@@ -10,8 +10,10 @@ Layout: the new tokens of each sequence are cut into blocks; one program serves 
 head, its rows being (token, query head of the GQA group) pairs, so each key tile is loaded once for the
 whole group. A step with few blocks (a short question after a long cached prefix) also splits each
 block's keys over programs and merges the partial softmaxes. For a given split count, each row's result
-depends only on its own query and its own context, iterated in fixed tiles: nothing else in the batch
-changes it.
+depends only on its own query, its own context, iterated in fixed tiles, and (on CUDA, through the unmasked
+tiles, `_SPLIT_MASKED`) on where its block starts, i.e. on its own sequence's chunk start: nothing else in the
+batch changes it. Deterministic mode's page-aligned tiles start every block at the same positions whether a
+prefix was a hit or computed in the same step.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ _MAX_PARTIAL_BYTES = 16 * 2**20
 # A causal prefill's blocks differ in work: the last block of a 1,600-token prompt reads 13 key tiles, the first
 # one. The blocks are listed heaviest first and a block's KV heads launched together, so the long programs
 # start first and the short ones fill the tail (longest-processing-time-first), and the tiles every row of a
-# block sees whole skip the causal mask. No row's numbers change: each program's work is the same. H200 sweep
+# block sees whole skip the causal mask. The order changes no row's numbers; the unmasked tiles can change the
+# last bits on CUDA (FMA fusion, see `paged_attention._attend_keys`; found by review after the GPU runs). H200 sweep
 # (`tune_prefill_attention.py --schedule`), us per layer: 1,600-token prefill 134 -> 102 (order 134 -> 107, the
 # unmasked tiles 107 -> 102), W2's question 18.0 -> 16.1 (the unmasked tiles), a 256-token chunk 38 -> 35.
 _HEAVIEST_FIRST = True
