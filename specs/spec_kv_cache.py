@@ -87,6 +87,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert seq_id not in self.m.seqs
             return None
         assert hit <= len(content) - 1, "a full hit must leave at least one token to compute"
+        if self.m.page_aligned_hits:
+            assert hit % self.m.page_size == 0, "a deterministic-mode hit must end at a page boundary"
+            assert hit == self._whole_pages_found(content), "a deterministic-mode hit must take every whole page found"
+            return hit
         assert content.span_containing(hit) is None, "a hit must not end inside an image"
         size, threshold = self.m.page_size, self.m.min_tail_tokens
         rows = hit % size
@@ -96,6 +100,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert lost == 0 or (rows == 0 and lost < threshold), \
             f"the tail-copy threshold dropped {lost} tokens of hit (min_tail_tokens={threshold})"
         return hit
+
+    def _whole_pages_found(self, content) -> int:
+        """Tokens of the recorded whole pages `content` starts with (recomputed by key, independently of lookup)."""
+        parent, found, size = self.m.root, 0, self.m.page_size
+        while found + size <= len(content) - 1:
+            tokens = content.tokens[found : found + size]
+            key = page_key(parent, tuple(tokens), content.media_runs(found, found + size))
+            if key not in self.m.index._by_key:
+                break
+            parent, found = key, found + size
+        return found
 
     def _hit_without_copy_threshold(self, content) -> int:
         """What the lookup reuses when every partial page is worth its copy (min_tail_tokens 0)."""
@@ -254,3 +269,16 @@ class LongKVCacheRuns(KVCacheMachine):
 
 LongKVCacheRuns.TestCase.settings = settings(max_examples=25, stateful_step_count=400, deadline=None)
 test_long_kv_cache_runs = LongKVCacheRuns.TestCase
+
+
+class DeterministicKVCacheMachine(KVCacheMachine):
+    """The same machine with deterministic mode's whole-page hits, which may end inside an image."""
+
+    @initialize(page_size=st.integers(1, 4), num_gpu_pages=st.integers(3, 12), num_cpu_pages=st.integers(0, 4))
+    def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int) -> None:
+        self.world = KVWorld(num_gpu_pages=num_gpu_pages, page_size=page_size, num_cpu_pages=num_cpu_pages,
+                             page_aligned_hits=True)
+
+
+DeterministicKVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+test_deterministic_kv_cache_machine = DeterministicKVCacheMachine.TestCase

@@ -20,15 +20,17 @@ TARGET = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0]},
 PARAMS = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
 
 
-def run_with(companions: int, *, deterministic: bool, warm: bool = False, seed: int = 0):
-    """The target's logits rows (one per generated token), next to `companions` random requests."""
+def run_with(companions: int, *, deterministic: bool, warm: bool = False, seed: int = 0,
+             warm_question: str = "What does the picture show, roughly?"):
+    """The target's logits rows (one per generated token), next to `companions` random requests. `warm`: the
+    same image was asked `warm_question` first."""
     torch.set_num_threads(1)
     llm = LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=8, num_gpu_pages=512, max_num_seqs=64,
               deterministic=deterministic, check_invariants=True)
     engine = llm.engine
     if warm:  # the same image with another question: the target's image prefix becomes a cache hit
         llm.generate([[{"role": "user", "content": [{"type": "image", "image": IMAGES[0]},
-                                                    {"type": "text", "text": "What does the picture show, roughly?"}]}]], PARAMS)
+                                                    {"type": "text", "text": warm_question}]}]], PARAMS)
     captured: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -79,6 +81,15 @@ def test_hit_equals_miss_bitwise(alone):
     logits, cached = run_with(3, deterministic=True, warm=True, seed=5)
     assert cached > 0, "the target must have hit the cache"
     assert torch.equal(logits, alone[0]), "a cache hit changed the logits"
+
+
+def test_a_hit_ending_inside_an_image_equals_a_miss_bitwise(alone):
+    """The earlier prompt shares only the image (tokens 4-67 at 8-token pages), so the last whole shared page ends
+    at 64, inside it: the hit stops there and the image's last rows take its features at an offset, in the tile a
+    miss computes them in. (Walked back to a boundary outside images, as before session 12, nothing was reused.)"""
+    logits, cached = run_with(3, deterministic=True, warm=True, seed=6, warm_question="Describe it.")
+    assert cached == 64, f"the hit should end at the last whole page, inside the image (cached {cached})"
+    assert torch.equal(logits, alone[0]), "a hit ending inside an image changed the logits"
 
 
 def test_negative_control_default_mode(alone, record_property):

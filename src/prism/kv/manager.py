@@ -140,8 +140,14 @@ class KVCacheManager:
         query = self._lookup_query(content, reuse)
         if not self.enable_prefix_cache or reuse == "none":
             return PrefixHit((), (), None, 0, self.page_size, query)
+        if self.page_aligned_hits:
+            # Deterministic mode computes in page-aligned tiles, an image cut at a page boundary taking its features
+            # at an offset, exactly as a miss computes that page: a whole-page hit may end inside an image. (Walked
+            # back to a boundary outside images, an 8-image prompt at 256-token pages reused nothing.)
+            pages, keys = self.index.whole_pages(content, self.root, len(content) - 1)
+            return PrefixHit(tuple(pages), tuple(keys), None, 0, self.page_size, query)
         hit = self.index.lookup(content, self.root, len(content) - 1)
-        required = self.page_aligned_hits or reuse == "whole_pages"
+        required = reuse == "whole_pages"
         if hit.tail_source is None or not (required or hit.tail_rows < self.min_tail_tokens):
             return replace(hit, found_for=query)
         tokens = len(hit.shared_pages) * self.page_size

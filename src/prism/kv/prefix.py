@@ -201,8 +201,9 @@ class PrefixIndex:
         return tail_page, tail_rows
 
     # -- lookup --------------------------------------------------------------------------------------
-    def lookup(self, content: SeqContent, root: bytes, max_tokens: int) -> PrefixHit:
-        """Longest reusable prefix of `content` within its first `max_tokens` tokens."""
+    def whole_pages(self, content: SeqContent, root: bytes, max_tokens: int) -> tuple[list[int], list[bytes]]:
+        """The longest chain of recorded full pages that `content` starts with, within `max_tokens` tokens:
+        (pages, their keys). Its end may fall inside an image (`lookup` snaps; deterministic mode does not)."""
         size = self.page_size
         parent = root
         pages: list[int] = []
@@ -218,7 +219,13 @@ class PrefixIndex:
             pages.append(record.page)
             keys.append(key)
             parent = key
+        return pages, keys
 
+    def lookup(self, content: SeqContent, root: bytes, max_tokens: int) -> PrefixHit:
+        """Longest reusable prefix of `content` within its first `max_tokens` tokens."""
+        size = self.page_size
+        pages, keys = self.whole_pages(content, root, max_tokens)
+        parent = keys[-1] if keys else root
         start = len(pages) * size
         tail_page, tail_rows = None, 0
         limit = min(size, max_tokens - start)

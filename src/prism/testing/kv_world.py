@@ -77,12 +77,13 @@ class KVWorld:
     num_kv_heads: int = 1
     head_dim: int = 4
     min_tail_tokens: int = 0
+    page_aligned_hits: bool = False  # deterministic mode's hits
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)
     steps: int = 0
 
     def __post_init__(self) -> None:
         self.manager = KVCacheManager(self.num_gpu_pages, self.page_size, self.namespace, self.num_cpu_pages,
-                                      min_tail_tokens=self.min_tail_tokens)
+                                      min_tail_tokens=self.min_tail_tokens, page_aligned_hits=self.page_aligned_hits)
         layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, self.num_gpu_pages, "fp8")
         self.gpu = KVPool.allocate(layout, torch.device("cpu"))
         self.cpu = KVPool.allocate(layout.with_num_pages(max(self.num_cpu_pages, 1)), torch.device("cpu"))
