@@ -311,6 +311,22 @@ def test_encoding_ahead_beside_a_prefill_is_caught(monkeypatch: pytest.MonkeyPat
                 "encoded media ahead and computed a prefill")
 
 
+def test_a_chunk_cutting_the_rest_of_an_image_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review (session 12): once deterministic mode's hits could end inside an image, a chunk starting
+    there was not snapped (only spans starting at or after the chunk start were), so the image's rest could be
+    split over steps, against the scheduler's promise that a chunk never cuts a visual span."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    def snap_ignoring_a_span_begun_before(content, start, end):
+        span = content.span_containing(end)
+        return span.start if span is not None and span.start >= start else end
+
+    monkeypatch.setattr(scheduler_module, "snap_chunk_end", snap_ignoring_a_span_begun_before)
+    monkeypatch.setattr(scheduler_module, "chunk_starts_in_span", lambda span, start: span.start == start)
+    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_with_deterministic_hits, "cut a visual span")
+
+
 def test_each_rank_using_its_own_page_count_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Historical: every TP rank sized its KV pool from its own free memory, so page ids rank 0 handed out
     pointed past a smaller rank's pool (divergent KV), and a rank without room left the others hanging."""

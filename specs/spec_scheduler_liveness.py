@@ -60,12 +60,36 @@ def prompts(draw) -> FakePrompt:
     return FakePrompt(tokens, tuple(spans))
 
 
+@st.composite
+def prompts_sharing_images(draw) -> list[FakePrompt]:
+    """Prompts made of leading blocks (images, text) of a few shared bases plus a question of their own, so later
+    ones hit what earlier ones computed, whole-page hits often ending inside an image."""
+    bases = [draw(st.lists(st.one_of(st.tuples(st.integers(2, 10), st.integers(1, 3)),
+                                     st.lists(st.integers(1, 4), min_size=1, max_size=4)), min_size=1, max_size=4))
+             for _ in range(draw(st.integers(1, 2)))]
+    out = []
+    for _ in range(draw(st.integers(2, 6))):
+        base = draw(st.sampled_from(bases))
+        tokens: list[int] = []
+        spans = []
+        for block in base[: draw(st.integers(1, len(base)))]:
+            if isinstance(block, tuple):  # an image: (length, which digest)
+                spans.append(MediaSpan(len(tokens), block[0], bytes([block[1]]) * 16))
+                tokens += [9] * block[0]
+            else:
+                tokens += block
+        tokens += draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))  # the question
+        out.append(FakePrompt(tokens, tuple(spans)))
+    return out
+
+
 def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int,
-        interleave: int | None = None, encode_ahead: bool = False, forgetful_encoder: bool = False) -> dict:
+        interleave: int | None = None, encode_ahead: bool = False, forgetful_encoder: bool = False,
+        page_aligned_hits: bool = False) -> dict:
     config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
                           preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget,
                           interleave_prefill_tokens=interleave, encode_media_ahead=encode_ahead)
-    kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages)
+    kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages, page_aligned_hits=page_aligned_hits)
     scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
     encoded: set[bytes] = set()  # the stand-in encoder cache
     scheduler.is_media_encoded = encoded.__contains__
@@ -155,6 +179,27 @@ def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, po
     arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
     cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
     run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, encode_ahead, forgetful_encoder)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shared=prompts_sharing_images(),
+    data=st.data(),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    pool_pages=st.integers(8, 16),
+    budget=st.integers(10, 16),  # the step's budget left for a chunk is often below an image's rest
+    interleave=st.one_of(st.none(), st.integers(1, 2), st.integers(1, 6)),  # an image's rest after a page is < 4
+)
+def spec_every_request_terminates_with_deterministic_hits(shared, data, preemption, pool_pages, budget,
+                                                         interleave) -> None:
+    """Deterministic mode's whole-page hits, which may end inside an image: a chunk starting there takes the
+    image's rest whole (never cut, even under an interleave limit), and every request still terminates. The
+    first request decodes long and the others arrive later: they hit its pages while it decodes."""
+    requests = [(prompt, data.draw(st.integers(6, 12) if i == 0 else st.integers(1, 8)))
+                for i, prompt in enumerate(shared)]
+    arrivals = [0] + data.draw(st.lists(st.integers(2, 12), min_size=len(requests) - 1, max_size=len(requests) - 1))
+    cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
+    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, page_aligned_hits=True)
 
 
 # The counterexample this spec found: a 15-token prompt leaves its pages cached; a 29-token prompt on an

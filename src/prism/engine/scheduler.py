@@ -8,7 +8,8 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
 - Swapped requests come back before new ones are admitted, when they fit without preempting anyone.
 - Waiting requests are admitted through the KV manager's exact capacity check (prefix hit included),
   up to `max_num_seqs` and the step's token budget. A chunk never cuts a visual span: its end snaps
-  down to the span start; a span larger than the whole budget is rejected with a reason.
+  down to the span start (a chunk starting inside a span, after a deterministic-mode hit, takes the span's
+  rest whole or waits); a span larger than the whole budget is rejected with a reason.
 - Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
   yet has them encoded in a step that computes no prefill (`media_ahead`) and is admitted in a later one.
   Each item is sent ahead once (if its features are evicted meanwhile, the prefill encodes it): a request is
@@ -24,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..kv.content import SeqContent
+from ..kv.content import MediaSpan, SeqContent
 from ..kv.manager import REUSE_FALLBACKS, KVCacheManager
 from ..kv.pages import OutOfPages
 from ..kv.prefix import PrefixHit
@@ -56,9 +57,17 @@ class SchedulerOutput:
 
 
 def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
-    """The largest end <= `end` that does not cut a media span starting at or after `start`."""
+    """The largest end <= `end` that does not cut a media span. A chunk starting inside a span (deterministic
+    mode's whole-page hits may end inside an image) ends after the span's rest or computes nothing this step."""
     span = content.span_containing(end)
-    return span.start if span is not None and span.start >= start else end
+    if span is None:
+        return end
+    return span.start if span.start >= start else start
+
+
+def chunk_starts_in_span(span: MediaSpan, start: int) -> bool:
+    """Whether a chunk starting at `start` begins with `span` or inside it (after a deterministic-mode hit)."""
+    return span.start <= start
 
 
 class Scheduler:
@@ -185,7 +194,7 @@ class Scheduler:
         limit = self.config.interleave_prefill_tokens
         if limit is not None and self._decoding and start < request.num_prompt_tokens and end - start > limit:
             span = content.span_containing(start + limit)
-            if span is not None and span.start == start:  # a span longer than the limit goes whole
+            if span is not None and chunk_starts_in_span(span, start):  # longer than the limit: goes whole
                 end = min(end, span.end)
             else:
                 end = snap_chunk_end(content, start, start + limit)
