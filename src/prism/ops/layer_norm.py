@@ -32,7 +32,7 @@ def add_layer_norm_reference(delta: torch.Tensor, residual: torch.Tensor, weight
 
 
 if HAVE_TRITON:
-    _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+    from .fused_norms import _TL_DTYPE
 
     @triton.jit
     def _add_layer_norm_kernel(d_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, stride_d, stride_r, stride_o,

@@ -21,6 +21,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .fused_norms import _TL_DTYPE
+
 
 def vision_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +60,6 @@ if HAVE_TRITON:
         out = dst + t * H * 2 * HALF + h[:, None].to(tl.int64) * (2 * HALF)
         tl.store(out + j[None, :], o1.to(DTYPE), mask=mask)
         tl.store(out + HALF + j[None, :], o2.to(DTYPE), mask=mask)
-
-    _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def vision_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
