@@ -311,6 +311,17 @@ def test_encoding_ahead_beside_a_prefill_is_caught(monkeypatch: pytest.MonkeyPat
                 "encoded media ahead and computed a prefill")
 
 
+def test_admission_during_the_encoding_beside_the_decodes_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 13: the media encoded ahead run on a side stream beside the decodes; a request admitted before that
+    encoding has finished makes its first prefill step wait for the encoder on the device, and the decodes with it."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_media_ahead_in_flight", lambda self, request: False)
+    _spec_fails(spec_scheduler_liveness.spec_every_request_terminates_on_a_tight_pool,
+                "admitted while its media encoded ahead may still be encoding")
+
+
 def test_a_chunk_cutting_the_rest_of_an_image_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found in review (session 12): once deterministic mode's hits could end inside an image, a chunk starting
     there was not snapped (only spans starting at or after the chunk start were), so the image's rest could be

@@ -7,7 +7,10 @@ be (a computed slice is published; a slice that reaches the end samples a token)
 - no chunk ever cuts a visual span, and a running request is only ever preempted by an older one;
 - the KV manager's accounting is exact after every step, and nothing leaks at the end;
 - with encoding ahead (`encode_media_ahead`, over a stand-in encoder cache that may forget everything after
-  every step), each media item of a request is encoded ahead at most once, and never in a step with a prefill.
+  every step), each media item of a request is encoded ahead at most once, and never in a step with a prefill;
+  with that encoding running beside the decodes for a random number of steps (a stand-in for the runner's side
+  stream, `media_ahead_pending`), a request whose media were sent ahead is never admitted while it may still run
+  and others decode, and every request still terminates.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def prompts_sharing_images(draw) -> list[FakePrompt]:
 
 def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int,
         interleave: int | None = None, encode_ahead: bool = False, forgetful_encoder: bool = False,
-        page_aligned_hits: bool = False) -> dict:
+        page_aligned_hits: bool = False, encode_steps: list[int] | None = None) -> dict:
     config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
                           preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget,
                           interleave_prefill_tokens=interleave, encode_media_ahead=encode_ahead)
@@ -93,6 +96,11 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
     encoded: set[bytes] = set()  # the stand-in encoder cache
     scheduler.is_media_encoded = encoded.__contains__
+    # The stand-in side stream: each encoding ahead runs for the next of `encode_steps` steps (0: done at once).
+    durations = list(encode_steps or [])
+    busy_until = {"step": 0}
+    if encode_steps is not None:
+        scheduler.media_ahead_pending = lambda: step < busy_until["step"]
     held_back: dict[tuple[str, bytes], int] = {}
     live: dict[str, Request] = {}
     terminal: dict[str, int] = {}
@@ -119,7 +127,16 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
         pending = [p for p in pending if p[0] > step]
         if step in cancels and live:
             finish(sorted(live.values(), key=lambda r: r.arrival_order)[cancels[step] % len(live)], FinishReason.ABORT)
+        pending_now = encode_steps is not None and step < busy_until["step"]
+        decoding = any(r.output_token_ids for r in scheduler.running)
+        waiting_before = {r.request_id for r in scheduler.waiting}
         out = scheduler.schedule()
+        for s in out.slices:
+            admitted = s.request.request_id in waiting_before
+            assert not (admitted and s.request.media_sent_ahead and pending_now and decoding), \
+                "a request was admitted while its media encoded ahead may still be encoding beside the decodes"
+        if out.media_ahead and encode_steps is not None:
+            busy_until["step"] = step + 1 + (durations.pop(0) if durations else 0)
         for victim, preemptor in out.preempted:
             assert victim.priority > preemptor.priority, "a request was preempted by a younger one"
         for request, _reason in out.failed:
@@ -173,12 +190,14 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     interleave=st.one_of(st.none(), st.integers(1, 12)),
     encode_ahead=st.booleans(),
     forgetful_encoder=st.booleans(),
+    encode_steps=st.one_of(st.none(), st.lists(st.integers(0, 4), max_size=6)),
 )
 def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, pool_pages, budget,
-                                                   interleave, encode_ahead, forgetful_encoder) -> None:
+                                                   interleave, encode_ahead, forgetful_encoder, encode_steps) -> None:
     arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
     cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
-    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, encode_ahead, forgetful_encoder)
+    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, encode_ahead, forgetful_encoder,
+        encode_steps=encode_steps if encode_ahead else None)
 
 
 @settings(max_examples=60, deadline=None)

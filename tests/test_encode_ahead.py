@@ -4,6 +4,8 @@ for the vision encoder and the prefill in the same step. Real engine, tiny check
 
 from __future__ import annotations
 
+import pytest
+
 from prism.engine.llm import LLM
 from prism.engine.request import RequestState
 from prism.engine.sampling import SamplingParams
@@ -145,3 +147,55 @@ def test_an_image_whose_early_encoding_fails_is_encoded_by_its_prefill(monkeypat
     run_until_done(eng, [cold])
     assert len(cold.output_token_ids) == GREEDY.max_tokens and eng.runner.stats.vision_items_encoded == len(IMAGES)
 
+
+
+def held_back_while_pending(eng, pending_steps: int) -> tuple[list, list[str], dict[str, list[int]]]:
+    """The cold request among decodes, with the runner's encoding beside the decodes reported as unfinished for
+    `pending_steps` queries after its media were sent ahead (the CPU has no side stream: the query is faked).
+    Returns (every request, the cold request's state after each step until it runs, the tokens at the end)."""
+    queries = {"left": pending_steps}
+
+    def pending() -> bool:
+        if queries["left"] == 0:
+            return False
+        queries["left"] -= 1
+        return True
+
+    eng.scheduler.media_ahead_pending = pending
+    texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
+                             SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
+    for _ in range(3):
+        eng.step()
+    cold = eng.add_request("cold", cold_request(), GREEDY)
+    states, decoded = [], []
+    while cold.state is RequestState.WAITING:
+        before = [len(t.output_token_ids) for t in texts]
+        eng.step()
+        states.append(cold.state.name)
+        decoded.append([len(t.output_token_ids) for t in texts] > before)
+    assert all(decoded), "the running requests decode in every step the cold one waits"
+    return [*texts, cold], states, run_until_done(eng, [*texts, cold])
+
+
+def check_waits_for_media_encoded_beside_the_decodes() -> None:
+    _, states, tokens = held_back_while_pending(engine(), pending_steps=3)
+    assert states == ["WAITING"] * 4 + ["RUNNING"], states  # the encoding step, then 3 pending queries
+    _, states_plain, tokens_plain = held_back_while_pending(engine(), pending_steps=0)
+    assert states_plain == ["WAITING", "RUNNING"]
+    assert tokens == tokens_plain
+
+
+def test_a_request_waits_for_its_media_encoded_beside_the_decodes():
+    """Media encoded ahead on the runner's side stream (`encode_ahead_beside_decodes`): the request is admitted
+    once that encoding has finished, never while it may still run (its prefill would wait for it on the device,
+    holding the decodes of its step); the tokens are those of an engine that never waits."""
+    check_waits_for_media_encoded_beside_the_decodes()
+
+
+def test_the_wait_for_media_encoded_beside_the_decodes_can_fail(monkeypatch):
+    """Planted: a scheduler that does not ask whether the encoding has finished admits the request at once."""
+    from prism.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_media_ahead_in_flight", lambda self, request: False)
+    with pytest.raises(AssertionError):
+        check_waits_for_media_encoded_beside_the_decodes()

@@ -135,6 +135,20 @@ def test_cuda_graph_decode_matches_eager(ckpt_8b):
     print(f"batch-1, 64 tokens incl. prefill, CUDA graphs + FP8 KV: {(time.perf_counter() - start) / 64 * 1e3:.2f} ms/token")
 
 
+def two_requests_decoding(eng) -> dict:
+    """Two text requests of STEPS tokens added to `eng` and stepped until they decode; their completions so far."""
+    from prism.engine.llm import LLM as _LLM
+
+    params = SamplingParams.greedy(max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    for i in range(2):
+        eng.add_request(f"t{i}", f"Count to twenty, number {i}.", params)
+    completions: dict = {}
+    for _ in range(4):
+        for event in eng.step():
+            _LLM._accumulate(completions, event)
+    return completions
+
+
 def test_encoding_ahead_with_graph_decodes_changes_no_token(ckpt_8b):
     """A cold image request arriving while others decode (graph steps): its images are encoded in a decode
     step, its prefill runs in the next, and every request's tokens are those of the engine that encodes in
@@ -146,13 +160,7 @@ def test_encoding_ahead_with_graph_decodes_changes_no_token(ckpt_8b):
         # images encoded while the cold request is prepared would leave nothing to encode ahead in a step
         llm = engine(ckpt_8b, "fp8", encode_media_ahead=ahead, encode_media_while_preparing=False)
         eng = llm.engine
-        params = SamplingParams.greedy(max_tokens=STEPS, ignore_eos=True, logprobs=5)
-        for i in range(2):
-            eng.add_request(f"t{i}", f"Count to twenty, number {i}.", params)
-        completions: dict = {}
-        for _ in range(4):
-            for event in eng.step():
-                _LLM._accumulate(completions, event)
+        completions = two_requests_decoding(eng)
         cold = eng.add_request("cold", chat(IMAGES[0], IMAGES[2], "Compare them."), GREEDY)
         steps = eng.runner.stats.steps
         while eng.runner.stats.steps == steps:  # async scheduling: a first call may only commit the step in flight
@@ -174,6 +182,63 @@ def test_encoding_ahead_with_graph_decodes_changes_no_token(ckpt_8b):
     for request_id in ("t0", "t1", "cold"):
         assert len(ahead[request_id].token_ids) == STEPS
         assert_same_or_near_tie(ahead[request_id], plain[request_id])
+
+
+def cold_among_decodes(ckpt, images, *, beside: bool, slow_side_stream: bool = False, admit_at_once: bool = False,
+                       order_main_stream: bool = True):
+    """Two text requests decode; a cold request with `images` arrives, its images encoded ahead (beside the
+    decodes on the runner's side stream where `beside`). `slow_side_stream`: the side stream sleeps ~0.1 s before
+    each encoding; `admit_at_once`: the scheduler does not wait for that encoding; `order_main_stream` False plants
+    the bug (the main stream is not ordered after the side stream). (completions, side-stream encodings)."""
+    from prism.engine.llm import LLM as _LLM
+
+    llm = engine(ckpt, "fp8", encode_media_while_preparing=False, encode_ahead_beside_decodes=beside)
+    eng = llm.engine
+    background = eng.runner.background
+    assert (background is not None) == beside
+    if admit_at_once:
+        eng.scheduler.media_ahead_pending = lambda: False
+    if slow_side_stream:
+        run = background.run
+
+        def delayed(encode):
+            def slow():
+                torch.cuda._sleep(200_000_000)
+                return encode()
+            return run(slow)
+        background.run = delayed
+    if not order_main_stream:
+        background.order_main_after = lambda b=background: setattr(b, "_done", None)
+    completions = two_requests_decoding(eng)
+    eng.add_request("cold", chat(*images, "Compare them."), GREEDY)
+    while eng.has_unfinished_requests():
+        for event in eng.step():
+            _LLM._accumulate(completions, event)
+    launches = background.launches if background is not None else 0
+    del llm, eng, background
+    release_gpu_memory()
+    return completions, launches
+
+
+def test_media_encoded_beside_the_decodes_are_read_after_they_are_written(ckpt_8b):
+    """The encoding ahead on the side stream (the default) changes no token; with a side stream slowed down and
+    the request admitted at once, the device's ordering alone keeps its prefill after the encoder. Planted: without
+    that ordering the prefill reads features not yet written (run first, on images no run has encoded before, so
+    no freed memory holds their features)."""
+    fresh = random_images([(448, 448), (320, 480)], seed=44)
+    planted, launches = cold_among_decodes(ckpt_8b, fresh, beside=True, slow_side_stream=True, admit_at_once=True,
+                                           order_main_stream=False)
+    assert launches >= 1
+    plain, _ = cold_among_decodes(ckpt_8b, fresh, beside=False)
+    first_gap = abs(planted["cold"].logprobs[0].logprob - plain["cold"].logprobs[0].logprob)
+    assert planted["cold"].token_ids != plain["cold"].token_ids or first_gap > 0.05, \
+        "the planted bug must show: the prefill read the features before the side stream wrote them"
+    for slow in (False, True):
+        ours, launches = cold_among_decodes(ckpt_8b, fresh, beside=True, slow_side_stream=slow, admit_at_once=slow)
+        assert launches >= 1, "the images must have been encoded on the side stream"
+        for request_id in ("t0", "t1", "cold"):
+            assert len(ours[request_id].token_ids) == STEPS
+            assert_same_or_near_tie(ours[request_id], plain[request_id])
 
 
 def test_async_scheduling_changes_no_token(ckpt_8b):

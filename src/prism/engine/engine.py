@@ -92,6 +92,7 @@ class Engine:
         )
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.scheduler.is_media_encoded = self.runner.is_encoder_cached
+        self.scheduler.media_ahead_pending = self.runner.encoding_in_background
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
         self._generators: dict[str, torch.Generator] = {}

@@ -31,6 +31,7 @@ from ..ops.dispatch import kernels_override
 from ..ops.host_copy import to_device
 from ..ops.paged_attention import PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
+from .background_encoding import BackgroundEncoding
 from .cuda_graphs import GraphRows, RowGraphs
 from .packed_graphs import PackedGraphs, PackedStep
 from .scheduler import ScheduledSlice
@@ -98,6 +99,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         cascade_min_batch: int = 0,
         vision_graphs: int = 0,
+        background_encoding: bool = False,
         check_invariants: bool = False,
     ) -> None:
         self.model = model
@@ -125,6 +127,10 @@ class ModelRunner:
             else None
         )
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
+        # Media encoded ahead (read by no forward of their step) on a stream of their own, beside the decodes.
+        self.background: BackgroundEncoding | None = (
+            BackgroundEncoding(self.device)
+            if background_encoding and self.device.type == "cuda" and self.group.world_size == 1 else None)
         self.stats = RunnerStats()
         self.graphs: RowGraphs | None = None
         if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
@@ -154,6 +160,8 @@ class ModelRunner:
         """Destroy every captured graph (decode rows, packed prefill, vision encoder); steps run eagerly after.
         A tensor-parallel rank does this before it leaves its group: its graphs captured NCCL collectives, which
         pin the communicators (`tp_workers.leave_group`)."""
+        if self.background is not None:
+            self.background.wait()
         for holder in (self.graphs, self.packed, self.vision_graphs):
             if holder is not None:
                 holder.release()
@@ -228,10 +236,19 @@ class ModelRunner:
         """Encode media items into the encoder cache now, between steps (one rank: the followers run steps only)."""
         if self.publish is not None:
             raise RuntimeError("encoding outside a step needs a single rank")
+        self._order_after_background()
         self._encode(items)
 
     def is_encoder_cached(self, digest: bytes) -> bool:
         return CacheKey(digest, "vision") in self.encoder_cache
+
+    def encoding_in_background(self) -> bool:
+        """Whether media encoded ahead beside the decodes may still be encoding (a query: never waits)."""
+        return self.background is not None and self.background.pending()
+
+    def _order_after_background(self) -> None:
+        if self.background is not None:
+            self.background.order_main_after()
 
     def _graph_for(self, pieces: list[PieceInput], media: list[MediaSlice]) -> str:
         """Which captured graphs run this forward ("rows", "packed" or "" for an eager forward). Decodes replay
@@ -260,7 +277,13 @@ class ModelRunner:
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:
             return torch.empty(0)
-        features = self._encode(payload.media, may_capture=not payload.beside_decodes) if payload.media else {}
+        ahead = self._media_read_by_no_forward(payload) if self.background is not None else []
+        ahead_digests = {m.digest for m in ahead}
+        media = [m for m in payload.media if m.digest not in ahead_digests]
+        features = {}
+        if media:
+            self._order_after_background()
+            features = self._encode(media, may_capture=not payload.beside_decodes)
         out = []
         for forward in payload.forwards:
             if forward.graph == "rows":
@@ -269,11 +292,20 @@ class ModelRunner:
                 logits = self._packed_step(forward, features)
             else:
                 logits = self._forward(forward, features)
-            if len(payload.forwards) == 1:
-                return logits
-            if any(p.sample for p in forward.pieces):
+            if len(payload.forwards) == 1 or any(p.sample for p in forward.pieces):
                 out.append(logits)
+        if ahead:  # queued after the forwards, so the host launches the decodes first
+            assert self.background is not None
+            self.background.run(lambda: self._encode(ahead, may_capture=False))
+        if len(payload.forwards) == 1:
+            return out[0]
         return torch.cat(out) if out else torch.empty(0)
+
+    @staticmethod
+    def _media_read_by_no_forward(payload: StepPayload) -> list[MediaWork]:
+        """The items this step encodes for a later one (encoded ahead): no forward of the step reads them."""
+        read = {m.digest for forward in payload.forwards for m in forward.media}
+        return [m for m in payload.media if m.encode and m.digest not in read]
 
     def _forward(self, forward: ForwardInput, features: dict[bytes, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One packed forward over the pieces; fp32 logits of the sampling pieces' last real rows."""

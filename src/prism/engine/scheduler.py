@@ -15,7 +15,9 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
   Each item is sent ahead once (if its features are evicted meanwhile, the prefill encodes it): a request is
   held back at most once per item. The decoders wait for the vision encoder and for a prefill in different
   steps. (Spreading one request's items over several steps under interleaving was measured and dropped:
-  bench/NOTES.md, session 4.)
+  bench/NOTES.md, session 4.) Where the runner encodes them beside the decodes (a stream of its own), the request
+  waits until that encoding has finished (`media_ahead_pending`) while others decode, so its first prefill step
+  does not wait for the encoder (and the decodes with it).
 Nothing here touches tensors: the result is a list of slices plus the KV manager's transfer plan.
 """
 
@@ -83,6 +85,8 @@ class Scheduler:
         # Whether a media item's features are in the encoder cache (the engine sets the runner's); None: no
         # encoding ahead.
         self.is_media_encoded: Callable[[bytes], bool] | None = None
+        # Whether media sent ahead may still be encoding beside the decodes (the engine sets the runner's).
+        self.media_ahead_pending: Callable[[], bool] | None = None
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -150,6 +154,8 @@ class Scheduler:
                     out.media_ahead.extend(ahead)
                     out.media_ahead_for = request
                 break  # admitted once its features are ready; FCFS: nobody overtakes it meanwhile
+            if self._media_ahead_in_flight(request):
+                break  # ... and those encoded beside the decodes are ready when that encoding has finished
             admitted = self._admit(request, content, budget, hit)
             if admitted is None:
                 break  # wait for running requests to finish or be preempted
@@ -176,6 +182,12 @@ class Scheduler:
                      if any(start + length > hit_tokens for start, length in item.spans)
                      and item.digest not in request.media_sent_ahead
                      and not self.is_media_encoded(item.digest)}.values())
+
+    def _media_ahead_in_flight(self, request: Request) -> bool:
+        """Whether `request`'s media sent ahead may still be encoding beside the decodes (it would otherwise wait
+        for the encoder on the device, in a step with the decodes)."""
+        return (bool(request.media_sent_ahead) and self._decoding and self.media_ahead_pending is not None
+                and self.media_ahead_pending())
 
     @staticmethod
     def _encodes_ahead_in(step_prefills: bool) -> bool:
