@@ -41,6 +41,8 @@ def test_shipped_configs_load(path):
         ({"vision_cuda_graphs": True}, "vision_cuda_graphs must be 0 \\(off\\)"),
         ({"min_tail_copy_tokens": -1}, "min_tail_copy_tokens must be a non-negative integer or null"),
         ({"min_tail_copy_tokens": "8"}, "min_tail_copy_tokens must be a non-negative integer or null"),
+        ({"python_switch_interval_ms": 0}, "python_switch_interval_ms must be a positive number or null"),
+        ({"python_switch_interval_ms": True}, "python_switch_interval_ms must be a positive number or null"),
         ([1, 2], "must be a JSON object"),
     ],
 )
@@ -53,6 +55,23 @@ def test_the_tail_copy_threshold_is_an_eighth_of_a_page_unless_given():
     assert EngineConfig(page_size=256).tail_copy_threshold == 32
     assert EngineConfig(page_size=16).tail_copy_threshold == 2
     assert EngineConfig(page_size=256, min_tail_copy_tokens=0).tail_copy_threshold == 0
+
+
+def test_the_engine_sets_the_gil_switch_interval_unless_told_not_to():
+    import sys
+
+    from prism.engine.engine import Engine
+    from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        Engine(ensure_tiny_checkpoint(), EngineConfig(python_switch_interval_ms=None, num_gpu_pages=32))
+        assert sys.getswitchinterval() == 0.005
+        Engine(ensure_tiny_checkpoint(), EngineConfig(num_gpu_pages=32))
+        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_config_from_bad_json(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class EngineStats:
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        if self.config.python_switch_interval_ms is not None:
+            sys.setswitchinterval(self.config.python_switch_interval_ms / 1e3)
         self.model_dir = Path(model_dir)
         model_id = self.config.model_id or str(self.model_dir.resolve())
         self._followers: Followers | None = None
