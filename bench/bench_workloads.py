@@ -6,7 +6,12 @@ harness. Writes bench/results/<date>-<gpu>-workloads.json/.md.
 Each workload runs in a process of its own (`--only NAME` prints its result as JSON), and this one never initializes
 CUDA. H200, session 12, same code: W5's FP8 engine served 54 req/s measured after the three W4 engines in one
 process, 56 in a process of its own started by a parent that held a CUDA context, and 66-74 in processes started
-alone (four runs); BF16 served ~51 in every arrangement. The cause was not established."""
+alone (four runs); BF16 served ~51 in every arrangement. Session 13: 67-69 with this harness, 45.7 in another
+process, then 79-82 once the engine set the GIL switch interval to 0.5 ms (`python_switch_interval_ms`): FP8's W5 is
+host-bound, its step loop sharing the GIL with 8 preparation threads, so it was at the mercy of Python's 5 ms
+hand-offs.
+
+No device sync between the steps of a workload (a server has none): W4's gaps are those a client would see."""
 
 from __future__ import annotations
 
@@ -47,18 +52,19 @@ def chat(images, text: str) -> list[dict]:
 def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave: int | None = None) -> dict:
     """8 long decodes run; a cold request with `n_images` new images arrives: the running streams' token gaps.
     `interleave`: the engine's interleave_prefill_tokens (None: the default). Also measures, first, the
-    same kind of cold request alone on this engine (its TTFT is the W1 baseline of the ratio)."""
+    same kind of cold request alone on this engine (its TTFT, preparation included, is the W1 baseline of the
+    ratio)."""
     llm = LLM(ckpt, kv_memory_bytes=kv_bytes, page_size=256 if size >= 448 else 16,
               interleave_prefill_tokens=interleave)
     engine = llm.engine
     alone = []
     one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
     for seed in (90, 91, 92):  # the first warms up
-        prompt = engine.inputs.prepare_chat(chat(random_images([(size, size)] * n_images, seed=seed), "Describe all."))
+        messages = chat(random_images([(size, size)] * n_images, seed=seed), "Describe all.")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate([prompt], one)
+        t = time.perf_counter()  # preparation included, as in W1 and as for the injected request below
+        llm.generate([engine.inputs.prepare_chat(messages)], one)
         alone.append(time.perf_counter() - t)
     for i in range(8):
         engine.add_request(f"long{i}", f"Tell a very long story, number {i}.",
@@ -78,6 +84,7 @@ def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave
         if preparing is not None and preparing.done():
             engine.add_request("cold", preparing.result(), SamplingParams.greedy(max_tokens=4, ignore_eos=True))
             preparing = None
+        # No device sync between steps (a server has none): a token counts when `step` hands it over.
         for event in engine.step():
             now = time.perf_counter()
             if event.request_id == "cold":
@@ -88,8 +95,6 @@ def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave
                 if event.request_id in last and steps >= 35:
                     gaps.append(now - last[event.request_id])
                 last[event.request_id] = now
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         steps += 1
     cold_ms = (cold_ttft or float("nan")) * 1e3
     alone_ms = min(alone[1:]) * 1e3
@@ -156,6 +161,7 @@ def workloads(smoke: bool) -> dict:
     return {"W4": lambda: w4_injection(ckpt, size, 8, kv_w4),
             "W4_interleave_256": lambda: w4_injection(ckpt, size, 8, kv_w4, interleave=256),
             "W4_interleave_512": lambda: w4_injection(ckpt, size, 8, kv_w4, interleave=512),
+            "W4_interleave_640": lambda: w4_injection(ckpt, size, 8, kv_w4, interleave=640),
             "W5_fp8": lambda: {**w5, **w5_working_set(ckpt, "fp8", kv_w5, size, groups, clients, requests)},
             "W5_bf16": lambda: {**w5, **w5_working_set(ckpt, "bf16", kv_w5, size, groups, clients, requests)}}
 
@@ -198,7 +204,8 @@ def main() -> None:
         *(f"| {name} | {r['max_itl_ms']:.1f} ms | {r['p95_itl_ms']:.1f} ms | {r['median_itl_ms']:.1f} ms | "
           f"{r['cold_ttft_ms']:.1f} ms | {r['cold_alone_ttft_ms']:.1f} ms | {r['cold_ttft_over_alone']:.2f}x |"
           for name, r in (("default", out["W4"]), ("interleave 256", out["W4_interleave_256"]),
-                          ("interleave 512", out["W4_interleave_512"]))),
+                          ("interleave 512", out["W4_interleave_512"]),
+                          ("interleave 640", out["W4_interleave_640"]))),
         "",
         f"W5: {f8['clients']} clients, {f8['groups']} image groups (4 images each), Zipf 1.1, {f8['requests']} requests, "
         f"same KV budget ({f8['kv_bytes'] / 2**30:.2f} GiB)",

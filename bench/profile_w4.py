@@ -2,9 +2,9 @@
 `bench_workloads.py` with the vision encoder's SDPA on cuDNN (torch's default on Hopper) and without it, in
 the default and the interleaved mode, and print the slowest engine steps with what they computed and where
 their time went (prepare, vision, decoder). `--timeline N ...`: instead, for interleave budgets N (`none` for the
-default), the steps from ~16 before the cold request's first token to it, in order, without extra syncs (the
-harness syncs after every step anyway): each step's wall time, tokens computed and encoder calls. Not part of
-`nox -s bench`."""
+default), the steps from ~16 before the cold request's first token to it, in order, without syncs (neither the
+harness nor a server syncs between steps): each `step()` call's wall time (the device may still be running what
+it launched), tokens computed, running requests and encoder calls. Not part of `nox -s bench`."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def timeline(budgets: list[int | None]) -> None:
         rec = {"t": time.perf_counter(), "encodes": 0}
         steps.append(rec)
         out = step(self)
-        sync()
         rec["ms"] = (time.perf_counter() - rec["t"]) * 1e3
+        rec["running"] = len(self.scheduler.running)
         rec["tokens"] = self.runner.stats.tokens_computed
         rec["cold"] = any(e.request_id == "cold" and e.new_token_ids for e in out)
         return out
@@ -91,8 +91,8 @@ def timeline(budgets: list[int | None]) -> None:
         last = next(i for i, s in enumerate(steps) if s["cold"])
         t0 = steps[max(0, last - 16)]["t"]
         for s in steps[max(0, last - 16): last + 2]:
-            print(f"  +{(s['t'] - t0) * 1e3:7.1f} ms  step {s['ms']:6.1f} ms  tokens {s['new']:5d}  encoder calls "
-                  f"{s['encodes']}{'  <- cold first token' if s is steps[last] else ''}")
+            print(f"  +{(s['t'] - t0) * 1e3:7.1f} ms  step {s['ms']:6.1f} ms  tokens "
+                  f"{s['new']:5d}  running {s['running']}  encoder calls {s['encodes']}{'  <- cold first token' if s is steps[last] else ''}")
         sys.stdout.flush()
 
 
