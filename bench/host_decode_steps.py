@@ -40,7 +40,7 @@ def main() -> None:
                            SamplingParams.greedy(max_tokens=200, ignore_eos=True))
     while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()  # the prefills, through the real model
-    cuda_graphs.RowGraphs._forward = lambda self, b, context_lens_host=None: torch.zeros(b, vocab)
+    cuda_graphs.RowGraphs._forward = lambda self, key, context_lens_host=None: torch.zeros(key[0], vocab)
     steps = 50
     start = time.perf_counter()
     for _ in range(steps):
