@@ -51,11 +51,12 @@ def chat(images, text: str) -> list[dict]:
 
 def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave: int | None = None) -> dict:
     """8 long decodes run; a cold request with `n_images` new images arrives: the running streams' token gaps.
-    `interleave`: the engine's interleave_prefill_tokens (None: the default). Also measures, first, the
+    `interleave`: the engine's interleave_prefill_tokens (None: the default), with its media encoded beside the
+    decodes (`encode_ahead_beside_decodes`: the interleaving mode is both settings). Also measures, first, the
     same kind of cold request alone on this engine (its TTFT, preparation included, is the W1 baseline of the
     ratio)."""
     llm = LLM(ckpt, kv_memory_bytes=kv_bytes, page_size=256 if size >= 448 else 16,
-              interleave_prefill_tokens=interleave)
+              interleave_prefill_tokens=interleave, encode_ahead_beside_decodes=interleave is not None)
     engine = llm.engine
     alone = []
     one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)

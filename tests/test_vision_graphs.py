@@ -83,6 +83,20 @@ def test_no_capture_beside_decodes_until_a_step_without_them_or_a_hot_list():
     assert captured == [tuple(A), tuple(B)], "the fourth encoding of a list beside decodes captures it"
 
 
+def test_no_capture_at_all_on_the_side_stream():
+    """The runner's encodings beside the decodes (`capture_overdue=False`) never capture, however hot the list:
+    a capture's warm-up runs on a stream from torch's pool, which may be the decoder graphs' capture stream and so
+    share their cuBLAS workspace while they replay. A list already held is replayed there."""
+    calls, captured = [], []
+    graphs = VisionGraphs(encoder(calls), buffer_capture(captured, encoder([])), max_graphs=2)
+    for seed in range(6):
+        graphs.encode(pixels_for(A, seed), A, may_capture=False, capture_overdue=False)
+    assert captured == [] and len(calls) == 6
+    graphs.encode(pixels_for(A, 9), A)
+    graphs.encode(pixels_for(A, 10), A, may_capture=False, capture_overdue=False)
+    assert captured == [tuple(A)] and graphs.replays == 2
+
+
 def test_the_least_recently_used_grid_list_is_dropped():
     captured = []
     graphs = VisionGraphs(encoder([]), buffer_capture(captured, encoder([])), max_graphs=1)

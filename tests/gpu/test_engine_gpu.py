@@ -135,11 +135,12 @@ def test_cuda_graph_decode_matches_eager(ckpt_8b):
     print(f"batch-1, 64 tokens incl. prefill, CUDA graphs + FP8 KV: {(time.perf_counter() - start) / 64 * 1e3:.2f} ms/token")
 
 
-def two_requests_decoding(eng) -> dict:
-    """Two text requests of STEPS tokens added to `eng` and stepped until they decode; their completions so far."""
+def two_requests_decoding(eng, max_tokens: int = STEPS) -> dict:
+    """Two text requests of `max_tokens` tokens added to `eng` and stepped until they decode; their completions so
+    far."""
     from prism.engine.llm import LLM as _LLM
 
-    params = SamplingParams.greedy(max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    params = SamplingParams.greedy(max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     for i in range(2):
         eng.add_request(f"t{i}", f"Count to twenty, number {i}.", params)
     completions: dict = {}
@@ -208,7 +209,7 @@ def cold_among_decodes(ckpt, images, *, beside: bool, slow_side_stream: bool = F
             return run(slow)
         background.run = delayed
     if not order_main_stream:
-        background.order_main_after = lambda b=background: setattr(b, "_done", None)
+        background.order_main_after = lambda b=background: setattr(b, "_unordered", None)
     completions = two_requests_decoding(eng)
     eng.add_request("cold", chat(*images, "Compare them."), GREEDY)
     while eng.has_unfinished_requests():
@@ -221,24 +222,65 @@ def cold_among_decodes(ckpt, images, *, beside: bool, slow_side_stream: bool = F
 
 
 def test_media_encoded_beside_the_decodes_are_read_after_they_are_written(ckpt_8b):
-    """The encoding ahead on the side stream (the default) changes no token; with a side stream slowed down and
-    the request admitted at once, the device's ordering alone keeps its prefill after the encoder. Planted: without
-    that ordering the prefill reads features not yet written (run first, on images no run has encoded before, so
-    no freed memory holds their features)."""
+    """The encoding ahead on the side stream (`encode_ahead_beside_decodes`) changes no token; with a side stream
+    slowed down and the request admitted at once, the device's ordering alone keeps its prefill after the encoder.
+    Planted: without that ordering the prefill reads features not yet written (run first, on images no run has
+    encoded before, so no freed memory holds their features); its first logprob must differ from the same slowed,
+    correctly ordered run's, which runs the same kernels in the same order."""
     fresh = random_images([(448, 448), (320, 480)], seed=44)
     planted, launches = cold_among_decodes(ckpt_8b, fresh, beside=True, slow_side_stream=True, admit_at_once=True,
                                            order_main_stream=False)
     assert launches >= 1
     plain, _ = cold_among_decodes(ckpt_8b, fresh, beside=False)
-    first_gap = abs(planted["cold"].logprobs[0].logprob - plain["cold"].logprobs[0].logprob)
-    assert planted["cold"].token_ids != plain["cold"].token_ids or first_gap > 0.05, \
-        "the planted bug must show: the prefill read the features before the side stream wrote them"
+    runs = {}
     for slow in (False, True):
-        ours, launches = cold_among_decodes(ckpt_8b, fresh, beside=True, slow_side_stream=slow, admit_at_once=slow)
+        runs[slow], launches = cold_among_decodes(ckpt_8b, fresh, beside=True, slow_side_stream=slow,
+                                                  admit_at_once=slow)
         assert launches >= 1, "the images must have been encoded on the side stream"
         for request_id in ("t0", "t1", "cold"):
-            assert len(ours[request_id].token_ids) == STEPS
-            assert_same_or_near_tie(ours[request_id], plain[request_id])
+            assert len(runs[slow][request_id].token_ids) == STEPS
+            assert_same_or_near_tie(runs[slow][request_id], plain[request_id])
+    first_gap = abs(planted["cold"].logprobs[0].logprob - runs[True]["cold"].logprobs[0].logprob)
+    assert planted["cold"].token_ids != runs[True]["cold"].token_ids or first_gap > 0.01, \
+        "the planted bug must show: the prefill read the features before the side stream wrote them"
+
+
+def test_captured_vision_graphs_beside_the_decode_graphs_change_no_token(ckpt_8b):
+    """A grid list captured (encoded twice alone), then encoded ahead three times beside two decoding requests: its
+    vision graph replays on the side stream while the decode graphs replay on the main one. cuBLAS keeps a workspace
+    per stream and a graph replays its capture stream's, so the two families are captured on streams of their own
+    (found by review: both on torch's one capture stream would share a workspace). The tokens are those of an
+    engine that encodes on the main stream (or part only at a near-tie of that run)."""
+    from prism.engine.llm import LLM as _LLM
+
+    sizes = [(448, 448), (320, 480)]
+
+    def run(beside: bool):
+        llm = engine(ckpt_8b, "fp8", encode_media_while_preparing=False, encode_ahead_beside_decodes=beside)
+        eng = llm.engine
+        for seed in (60, 61):
+            llm.generate([chat(*random_images(sizes, seed=seed), "Describe.")], SamplingParams.greedy(max_tokens=1))
+        assert eng.runner.vision_graphs.captures >= 1, "the grid list must be captured before the injections"
+        completions = two_requests_decoding(eng, max_tokens=128)
+        for k, seed in enumerate((70, 71, 72)):
+            cold = eng.add_request(f"cold{k}", chat(*random_images(sizes, seed=seed), "Compare them."), GREEDY)
+            while not cold.is_finished:
+                for event in eng.step():
+                    _LLM._accumulate(completions, event)
+        while eng.has_unfinished_requests():
+            for event in eng.step():
+                _LLM._accumulate(completions, event)
+        replays = eng.runner.vision_graphs.replays
+        launches = eng.runner.background.launches if beside else 0
+        del llm, eng
+        release_gpu_memory()
+        return completions, replays, launches
+
+    ours, replays, launches = run(True)
+    assert launches >= 3 and replays >= 3, (launches, replays)
+    plain, _, _ = run(False)
+    for request_id, reference in plain.items():
+        assert_same_or_near_tie(ours[request_id], reference)
 
 
 def test_async_scheduling_changes_no_token(ckpt_8b):

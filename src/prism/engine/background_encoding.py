@@ -3,21 +3,27 @@
 Owns *features encoded ahead are read only after they are written*. The media of a waiting request encoded
 ahead of its admission (`Scheduler`, `encode_media_ahead`) are not read by the step that encodes them, so the
 step's decodes need not wait for the encoder to finish: it runs on a side stream while the decodes go on on the
-main one. W4 on the H200: the step that encoded 8 images ahead and then decoded took 21.5-22.5 ms, the running
+main one. (`EngineConfig.encode_ahead_beside_decodes`, off by default until the workspace fix below has run on a
+GPU.) W4 on the H200: the step that encoded 8 images ahead and then decoded took 21.5-22.5 ms, the running
 streams' longest gap; beside each other, the decode still waits for SMs behind the encoder's kernels (16.5 ms),
 so the gap became 16-17 ms, and the cold request's TTFT grew 2-12 ms (session 13).
 
 Ordering, all on the device (the host never waits):
-- the side stream starts after everything queued before it on the main stream (the pixels were staged there,
-  and an encoding there may still use the vision graphs' shared memory pool);
+- the side stream starts after everything queued before it on the main stream (an encoding there may still use
+  the vision graphs' shared memory pool or a buffer the side stream is about to reuse);
 - whatever touches the vision encoder or reads media features on the main stream waits for the side stream's
   event first (`order_main_after`);
 - the features are marked as used by the main stream (`record_stream`), so when the encoder cache drops them
   their memory is not handed to the side stream while the main one may still read it.
-`pending` asks whether the event has completed (a query, not a wait): the scheduler admits the request whose
-media were sent ahead once it has, so that request's first prefill step does not wait for the encoder inside
-a step, with the decodes. One rank only: under TP the encoder's collective beside the decode graphs'
+`pending` asks whether the last encoding has finished (a query, not a wait): the scheduler admits the request
+whose media were sent ahead once it has, so that request's first prefill step does not wait for the encoder
+inside a step, with the decodes. One rank only: under TP the encoder's collective beside the decode graphs'
 all-reduces could be ordered differently on the ranks.
+
+Work on two streams at once must not share a cuBLAS workspace, which cuBLAS keeps per stream and a CUDA graph
+bakes in from its capture stream (found by review, session 13): the side stream is none of the capture streams
+(`stream_apart`), the vision graphs replayed on it were captured on a stream other than the decoder graphs'
+(the runner's), and nothing is captured while encoding on it.
 """
 
 from __future__ import annotations
@@ -29,10 +35,20 @@ import torch
 Features = dict[bytes, tuple[torch.Tensor, torch.Tensor]]
 
 
+def stream_apart(device: torch.device, taken: list[torch.cuda.Stream]) -> torch.cuda.Stream:
+    """A new stream that is none of `taken` (torch hands out the streams of a fixed pool in turn)."""
+    for _ in range(64):
+        stream = torch.cuda.Stream(device)
+        if all(stream != other for other in taken):
+            return stream
+    raise RuntimeError("no CUDA stream apart from the capture streams")
+
+
 class BackgroundEncoding:
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-        self._done: torch.cuda.Event | None = None
+    def __init__(self, device: torch.device, apart_from: list[torch.cuda.Stream]) -> None:
+        self.stream = stream_apart(device, apart_from)
+        self._launched: torch.cuda.Event | None = None  # the last encoding's end, for `pending`
+        self._unordered: torch.cuda.Event | None = None  # ... until the main stream has been ordered after it
         self.launches = 0
 
     def run(self, encode: Callable[[], Features]) -> Features:
@@ -48,22 +64,21 @@ class BackgroundEncoding:
                     deepstack.record_stream(main)
         finally:  # even a failed encoding may have queued work that uses the vision pool: order after it
             done.record(self.stream)
-            self._done = done
+            self._launched = self._unordered = done
         self.launches += 1
         return features
 
     def pending(self) -> bool:
         """Whether the last encoding launched here may still be running (never waits)."""
-        return self._done is not None and not self._done.query()
+        return self._launched is not None and not self._launched.query()
 
     def order_main_after(self) -> None:
         """The main stream's next work waits (on the device) for the encodings launched here."""
-        if self._done is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(self._done)
-            self._done = None
+        if self._unordered is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self._unordered)
+            self._unordered = None
 
     def wait(self) -> None:
-        """The host waits for the encodings launched here (before their graphs or buffers are destroyed)."""
-        if self._done is not None:
-            self._done.synchronize()
-            self._done = None
+        """The host waits for everything queued on the side stream (before graphs or buffers it uses go)."""
+        self.stream.synchronize()
+        self._unordered = None

@@ -57,10 +57,13 @@ def destroy_graphs(graphs: dict, outputs: dict) -> None:
 
 
 @torch.inference_mode()
-def capture_buckets(device: torch.device, buckets, forward, prepare=None, pool=None) -> tuple[dict, dict]:
+def capture_buckets(device: torch.device, buckets, forward, prepare=None, pool=None,
+                    stream: torch.cuda.Stream | None = None) -> tuple[dict, dict]:
     """`forward(key)` of every key (a bucket, or anything sortable naming one) captured in a CUDA graph (largest
     first, sharing one memory pool: `pool`, else a new one), each after `prepare(key)` and two eager runs on a side
-    stream, which compile the Triton kernels and settle the allocations outside the capture.
+    stream, which compile the Triton kernels and settle the allocations outside the capture. `stream`: the capture
+    stream (default: torch's one for every capture). cuBLAS keeps a workspace per stream and a graph replays the one
+    of its capture stream, so graphs that may replay at the same time on two streams need two capture streams.
     ({key: graph}, {key: output}); nothing is captured off CUDA."""
     graphs, outputs = {}, {}
     if device.type != "cuda":
@@ -77,7 +80,7 @@ def capture_buckets(device: torch.device, buckets, forward, prepare=None, pool=N
                     forward(b)
             torch.cuda.current_stream().wait_stream(side)
             graphs[b] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[b], pool=memory):
+            with torch.cuda.graph(graphs[b], pool=memory, stream=stream):
                 outputs[b] = forward(b)
         torch.cuda.synchronize()
     except BaseException:  # the buckets captured so far go with the failure, not with its traceback

@@ -111,6 +111,8 @@ class Engine:
         if this rank's leaving its group did not finish in time (logged)."""
         if self._followers is not None:
             return self._followers.close()
+        if self.runner.background is not None:  # its encodings may still use buffers that are about to be freed
+            self.runner.background.wait()
         return True
 
     # -- requests --------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from ..ops.dispatch import kernels_override
 from ..ops.host_copy import to_device
 from ..ops.paged_attention import PagedKVBackend
 from ..ops.paged_prefill import compile_attention_variants
-from .background_encoding import BackgroundEncoding
+from .background_encoding import BackgroundEncoding, stream_apart
 from .cuda_graphs import GraphRows, RowGraphs
 from .packed_graphs import PackedGraphs, PackedStep
 from .scheduler import ScheduledSlice
@@ -127,10 +127,7 @@ class ModelRunner:
             else None
         )
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
-        # Media encoded ahead (read by no forward of their step) on a stream of their own, beside the decodes.
-        self.background: BackgroundEncoding | None = (
-            BackgroundEncoding(self.device)
-            if background_encoding and self.device.type == "cuda" and self.group.world_size == 1 else None)
+        self.background: BackgroundEncoding | None = None
         self.stats = RunnerStats()
         self.graphs: RowGraphs | None = None
         if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
@@ -143,15 +140,26 @@ class ModelRunner:
                 self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
                                         cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
                 self.graphs.capture()
-            if vision_graphs and self.device.type == "cuda" and not deterministic:
-                self.vision_graphs = VisionGraphs(
-                    model.encode_media,
-                    functools.partial(capture_encoder, model.visual, pool=torch.cuda.graph_pool_handle()),
-                    max_graphs=vision_graphs)
             if use_packed:
                 self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
                                            max_num_seqs, max_model_len)
                 self.packed.capture()
+            background_encoding = background_encoding and self.device.type == "cuda" and self.group.world_size == 1
+            vision_capture = None
+            if background_encoding:
+                # The decoder's graphs were captured on torch's capture stream; the vision graphs get their own, and
+                # the encodings beside the decodes a third stream (one cuBLAS workspace each: background_encoding.py).
+                if torch.cuda.graph.default_capture_stream is None:  # made now, as torch would make it later
+                    torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+                taken = [torch.cuda.graph.default_capture_stream]
+                vision_capture = stream_apart(self.device, taken)
+                self.background = BackgroundEncoding(self.device, [*taken, vision_capture])
+            if vision_graphs and self.device.type == "cuda" and not deterministic:
+                self.vision_graphs = VisionGraphs(
+                    model.encode_media,
+                    functools.partial(capture_encoder, model.visual, pool=torch.cuda.graph_pool_handle(),
+                                      stream=vision_capture),
+                    max_graphs=vision_graphs)
         except BaseException:  # graphs captured before the failure would pin a TP group's communicators
             self.release_cuda_graphs()
             raise
@@ -284,6 +292,9 @@ class ModelRunner:
         if media:
             self._order_after_background()
             features = self._encode(media, may_capture=not payload.beside_decodes)
+        if ahead:  # before the forwards: if it fails, the step fails with its request, as on the main stream
+            assert self.background is not None
+            self.background.run(lambda: self._encode(ahead, may_capture=False, capture_overdue=False))
         out = []
         for forward in payload.forwards:
             if forward.graph == "rows":
@@ -294,9 +305,6 @@ class ModelRunner:
                 logits = self._forward(forward, features)
             if len(payload.forwards) == 1 or any(p.sample for p in forward.pieces):
                 out.append(logits)
-        if ahead:  # queued after the forwards, so the host launches the decodes first
-            assert self.background is not None
-            self.background.run(lambda: self._encode(ahead, may_capture=False))
         if len(payload.forwards) == 1:
             return out[0]
         return torch.cat(out) if out else torch.empty(0)
@@ -392,11 +400,12 @@ class ModelRunner:
             deepstack=torch.cat(deepstack, dim=1),
         )
 
-    def _encode(self, work: list[MediaWork],
-                may_capture: bool = True) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
+    def _encode(self, work: list[MediaWork], may_capture: bool = True,
+                capture_overdue: bool = True) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
         """Vision features of each item: from the encoder cache (kept identical on every rank: the same
         gets and puts in the same order), or encoded data-parallel over the ranks in one pass. `may_capture`:
-        whether a grid list due for a vision graph may be captured in this step (not beside decodes)."""
+        whether a grid list due for a vision graph may be captured in this step (not beside decodes);
+        `capture_overdue`: whether one overdue may be (`VisionGraphs.encode`; never on the side stream)."""
         features: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
         missing = []
         for m in work:
@@ -414,7 +423,8 @@ class ModelRunner:
         encoded = encode_media_items(
             self.model, [m.grid for m in missing], [m.pixels for m in missing], self.group,
             one_at_a_time=self.deterministic,
-            encode=(functools.partial(self.vision_graphs.encode, may_capture=may_capture)
+            encode=(functools.partial(self.vision_graphs.encode, may_capture=may_capture,
+                                      capture_overdue=capture_overdue)
                     if self.vision_graphs is not None else None),
         )
         for m, value in zip(missing, encoded, strict=True):

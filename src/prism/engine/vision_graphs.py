@@ -59,14 +59,15 @@ class CapturedEncoder:
 
 
 def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence[Grid], *,
-                    pool: tuple | None = None) -> CapturedEncoder:
-    """`visual` over patches of `grids` captured in a CUDA graph (in memory pool `pool`, else a private one), the way
-    the decoder's graphs are (`cuda_graphs.capture_buckets`). The grid metadata (host work and copies, which a
-    capture cannot hold) is made first."""
+                    pool: tuple | None = None, stream: torch.cuda.Stream | None = None) -> CapturedEncoder:
+    """`visual` over patches of `grids` captured in a CUDA graph (in memory pool `pool`, else a private one; on capture
+    stream `stream`), the way the decoder's graphs are (`cuda_graphs.capture_buckets`). The grid metadata (host work
+    and copies, which a capture cannot hold) is made first."""
     meta = visual.grid_metadata([list(g) for g in grids])
     static = pixels.clone()
     with torch.cuda.device(static.device):
-        graphs, outputs = capture_buckets(static.device, [0], lambda _: visual.encode(static, meta), pool=pool)
+        graphs, outputs = capture_buckets(static.device, [0], lambda _: visual.encode(static, meta), pool=pool,
+                                          stream=stream)
     return CapturedEncoder(graphs[0], static, outputs[0], meta)
 
 
@@ -90,15 +91,17 @@ class VisionGraphs:
         return _key(grids) in self._graphs
 
     @torch.inference_mode()
-    def encode(self, pixels: torch.Tensor, grids: Sequence[Sequence[int]], may_capture: bool = True) -> VisionOutput:
+    def encode(self, pixels: torch.Tensor, grids: Sequence[Sequence[int]], may_capture: bool = True,
+               capture_overdue: bool = True) -> VisionOutput:
         """The features of `pixels` (patches of `grids`): replayed, captured now, or eager. Captured at the list's
         `capture_after`-th encoding or later where `may_capture` (the runner's: the step does not also decode),
-        and at its `2 * capture_after`-th whatever the step (see the module docstring)."""
+        and at its `2 * capture_after`-th whatever the step (see the module docstring) unless not
+        `capture_overdue` (the runner's encodings on its side stream, which never capture)."""
         key = _key(grids)
         captured = self._graphs.get(key)
         count = self._count(key)
         due = captured is None and count >= self.capture_after and key not in self._uncapturable
-        if due and (may_capture or count >= 2 * self.capture_after):
+        if due and (may_capture or (capture_overdue and count >= 2 * self.capture_after)):
             captured = self._capture_held(key, pixels)
         if captured is None:
             return self.encode_eagerly(pixels, [list(g) for g in key])
