@@ -30,3 +30,17 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_the_gil_switch_interval():
+    """An engine sets the process's GIL switch interval (`EngineConfig.python_switch_interval_ms`): each test starts
+    with the one it found."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)

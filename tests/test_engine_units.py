@@ -41,8 +41,9 @@ def test_shipped_configs_load(path):
         ({"vision_cuda_graphs": True}, "vision_cuda_graphs must be 0 \\(off\\)"),
         ({"min_tail_copy_tokens": -1}, "min_tail_copy_tokens must be a non-negative integer or null"),
         ({"min_tail_copy_tokens": "8"}, "min_tail_copy_tokens must be a non-negative integer or null"),
-        ({"python_switch_interval_ms": 0}, "python_switch_interval_ms must be a positive number or null"),
-        ({"python_switch_interval_ms": True}, "python_switch_interval_ms must be a positive number or null"),
+        ({"python_switch_interval_ms": 0}, "python_switch_interval_ms must be a finite number >= 0.001 or null"),
+        ({"python_switch_interval_ms": True}, "python_switch_interval_ms must be a finite number >= 0.001 or null"),
+        ({"python_switch_interval_ms": float("inf")}, "python_switch_interval_ms must be a finite number"),
         ([1, 2], "must be a JSON object"),
     ],
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -59,7 +60,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
     # Tokens of the largest captured packed step (prefill chunks, questions, media tokens, beside decodes); larger
-    # steps run eagerly. 0: no packed graphs. Their padding writes scratch KV pages for this many tokens, allocated
+    # steps run eagerly. 0: no packed graphs. One graph per bucket (`packed_graphs.BUCKETS`: 17 up to 1024), each
+    # holding its own [max_num_seqs + 1, vocab] bf16 logits (8B: ~5 MB per bucket at 16 sequences). Their padding writes scratch KV pages for this many tokens, allocated
     # beside kv_memory_bytes (8B shapes, FP8: ~75 MB for 1024).
     cuda_graph_max_packed_tokens: int = 1024
     # Async scheduling: while a step runs, its sampled tokens stay on the device and the next decode step of the same
@@ -102,8 +104,9 @@ class EngineConfig:
     # Ranks of one host (GPUs, or CPU processes over gloo): the text decoder is split over them (KV heads
     # too), the vision encoder runs data parallel. Rank 0 is this process; the engine spawns the others.
     tensor_parallel_size: int = 1
-    # The process's GIL switch interval (`sys.setswitchinterval`), set when the engine starts; None leaves Python's
-    # 5 ms. The step loop shares the GIL with the media-preparation threads: at 5 ms a thread waiting for it may
+    # The process's GIL switch interval (`sys.setswitchinterval`), set once the engine is built (process-wide: it
+    # applies to every thread of an application that embeds the engine, and the last engine built sets it; the TP
+    # follower ranks are processes of their own and keep Python's); None leaves Python's 5 ms. The step loop shares the GIL with the media-preparation threads: at 5 ms a thread waiting for it may
     # wait that long while another runs Python. W5 on the H200 (session 13, the harness): FP8 67-69 -> 79.4 req/s,
     # BF16 53-54 -> 56.2 at 0.5 ms.
     python_switch_interval_ms: float | None = 0.5
@@ -130,8 +133,9 @@ class EngineConfig:
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         switch = self.python_switch_interval_ms
-        if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float)) or not switch > 0):
-            raise ConfigError(f"python_switch_interval_ms must be a positive number or null, got {switch!r}")
+        if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
+                                   or not math.isfinite(switch) or switch < 0.001):
+            raise ConfigError(f"python_switch_interval_ms must be a finite number >= 0.001 or null, got {switch!r}")
         packed = self.cuda_graph_max_packed_tokens
         if not isinstance(packed, int) or isinstance(packed, bool) or packed < 0 or 0 < packed < 32:
             raise ConfigError(f"cuda_graph_max_packed_tokens must be 0 (off) or an integer >= 32, got {packed!r}")

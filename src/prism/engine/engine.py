@@ -57,8 +57,6 @@ class EngineStats:
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
-        if self.config.python_switch_interval_ms is not None:
-            sys.setswitchinterval(self.config.python_switch_interval_ms / 1e3)
         self.model_dir = Path(model_dir)
         model_id = self.config.model_id or str(self.model_dir.resolve())
         self._followers: Followers | None = None
@@ -103,6 +101,8 @@ class Engine:
         self._arrivals = 0
         self._inflight: InflightStep | None = None  # sampled on the device, not yet read by the host
         self.stats = EngineStats()
+        if self.config.python_switch_interval_ms is not None:  # process-wide: the last engine made sets it
+            sys.setswitchinterval(self.config.python_switch_interval_ms / 1e3)
         log.info("engine ready: %s, KV %s x %d pages of %d tokens, tensor parallel %d", self.model_dir,
                  layout.kv_dtype, layout.num_pages, layout.page_size, group.world_size)
 

@@ -37,8 +37,8 @@ from ..ops.attention_metadata import PagedAttentionMetadata
 from ..ops.paged_attention import PagedKVBackend
 from .cuda_graphs import capture_buckets, destroy_graphs, page_table
 
-# A step replays its bucket's whole size: the padding rows cost what real ones do (a step of 598 chunk tokens and
-# 8 decodes in the 768 bucket took 18.4 ms on the H200, about 768 rows' worth), so the buckets are 64 tokens apart up to 1024.
+# A step replays its bucket's whole size, padding rows included (a step of 598 chunk tokens and 8 decodes took
+# 18.4 ms in the 768 bucket on the H200, 16.2 in the 640 one), so the buckets are 64 tokens apart up to 1024.
 BUCKETS = (32, 64, 128, *range(192, 1024 + 1, 64), 1536, 2048)
 # Rows of the packed per-token host inputs: token id, 3 M-RoPE positions, slot, is-a-media-token.
 _ID, _POS, _SLOT, _MEDIA = 0, slice(1, 4), 4, 5
