@@ -5,8 +5,10 @@ W4's interleaved shape on the tiny checkpoint: 8 requests decoding, then a cold 
 beside the decodes. The decoder's forwards (graph rows and packed steps) are replaced by ones returning zero
 logits once the decodes run, so a step costs only its scheduling, payload, graph-input, media placement and commit
 work: on the GPU, what the device waits for between two chunk steps, since a chunk step is only prepared once the
-step before it has returned its tokens. Prints the host time of each step from the cold request's encoding ahead to
-its first token, then a cProfile of those steps.
+step before it has returned its tokens. Prints the host time of each step from the one after its images were
+encoded ahead (with one rank on the CPU there is no side stream: it is admitted at once) to its first token, then
+a cProfile of those steps (sorted by the second argument, default cumulative). On the CPU the device ops (the media
+features' concatenation and copies) count as host time, and pageable copies cost no stream sync: on CUDA both differ.
 
     PYTHONPATH=src python bench/host_chunk_steps.py [interleave tokens, default 640]
 """
@@ -61,7 +63,7 @@ def main() -> None:
         rows.append(((time.perf_counter() - start) * 1e3, engine.runner.stats.tokens_computed - before))
     for ms, tokens in rows:
         print(f"step: {tokens:4d} tokens, host {ms:6.2f} ms")
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(profiler).sort_stats(sys.argv[2] if len(sys.argv) > 2 else "cumulative").print_stats(30)
 
 
 if __name__ == "__main__":
