@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prism.ops import host_copy
-from prism.ops.host_copy import concatenated_on, copy_bytes, staged_in_pinned_memory, to_device
+from prism.ops.host_copy import concatenated_on, copy_bytes, copy_into, staged_in_pinned_memory, to_device
 from prism.testing.host_reads import host_copies
 
 DTYPES = [torch.uint8, torch.int64, torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.float8_e4m3fn]
@@ -65,3 +65,10 @@ def test_lazily_conjugated_and_negated_tensors_are_staged_as_their_values():
     assert torch.equal(concatenated_on([z.conj()], "cpu").view(torch.complex64), z.conj().resolve_conj().flatten())
     with pytest.raises(ValueError, match="host tensors"):
         concatenated_on([torch.zeros(2, device="meta")], "cpu")
+
+
+def test_copy_into_fills_a_host_buffer_slice_from_an_array_or_a_tensor():
+    buffer = torch.zeros(3, 8, dtype=torch.int64)
+    copy_into(buffer[:, :4], np.arange(12, dtype=np.int64).reshape(3, 4))
+    copy_into(buffer[:, 4:], torch.full((3, 4), 7, dtype=torch.int64))
+    assert torch.equal(buffer[:, :4], torch.arange(12).view(3, 4)) and bool((buffer[:, 4:] == 7).all())

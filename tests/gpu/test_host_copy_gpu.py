@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism.ops.host_copy import concatenated_on, staged_in_pinned_memory, to_device
+from prism.ops.host_copy import concatenated_on, copy_into, staged_in_pinned_memory, to_device
 from prism.testing.host_reads import host_copies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -20,6 +20,25 @@ def test_to_device_is_bitwise_and_the_source_is_free_at_once(dtype):
     got = to_device(src, "cuda")
     src.view(torch.uint8).fill_(0)  # the staging buffer, not `src`, is what the queued copy reads
     assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_copy_into_a_device_buffer_does_not_wait_for_the_stream():
+    """The packed graphs' inputs (`PackedGraphs._fill`): copied into a slice of a static device buffer behind ~25 ms
+    of queued work, the call returns without waiting for it, and the values arrive bitwise."""
+    import time
+
+    import numpy as np
+
+    buffer = torch.zeros(6, 1024, dtype=torch.int64, device="cuda")
+    host = np.arange(6 * 640, dtype=np.int64).reshape(6, 640)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    start = time.perf_counter()
+    copy_into(buffer[:, :640], host)
+    returned_after = time.perf_counter() - start
+    host[:] = -1  # staged: the queued copy does not read the caller's array
+    assert torch.equal(buffer[:, :640].cpu(), torch.arange(6 * 640).view(6, 640))
+    assert returned_after < 0.005, f"copy_into waited {returned_after * 1e3:.1f} ms for the stream"
 
 
 def test_a_staging_buffer_is_not_reused_before_its_copy_has_run():

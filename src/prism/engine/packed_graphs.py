@@ -34,6 +34,7 @@ from ..kv.fp8 import KVPool
 from ..model.qwen3_vl import DenseMultimodal, MultimodalEmbeddings, Qwen3VLModel
 from ..ops import paged_prefill
 from ..ops.attention_metadata import PagedAttentionMetadata
+from ..ops.host_copy import copy_into
 from ..ops.paged_attention import PagedKVBackend
 from .cuda_graphs import capture_buckets, destroy_graphs, page_table
 
@@ -192,11 +193,13 @@ class PackedGraphs:
         blocks[: len(real_blocks)] = real_blocks
         logits_index = np.zeros(self.max_seqs + 1, dtype=np.int64)
         logits_index[: len(step.sample_rows)] = step.sample_rows
-        self.token_inputs[:, :b].copy_(torch.from_numpy(host), non_blocking=True)
-        self.context_lens[:seqs].copy_(torch.from_numpy(np.asarray(context_lens, dtype=np.int64)), non_blocking=True)
-        self.block_table[:seqs].copy_(torch.from_numpy(table), non_blocking=True)
-        self.blocks[: len(blocks)].copy_(torch.from_numpy(blocks), non_blocking=True)
-        self.logits_index.copy_(torch.from_numpy(logits_index), non_blocking=True)
+        # Pinned staging: a pageable copy would make the host wait for the work queued before it (a vision
+        # encoding in the same step, or a step still running).
+        copy_into(self.token_inputs[:, :b], host)
+        copy_into(self.context_lens[:seqs], np.asarray(context_lens, dtype=np.int64))
+        copy_into(self.block_table[:seqs], table)
+        copy_into(self.blocks[: len(blocks)], blocks)
+        copy_into(self.logits_index, logits_index)
         if self._deepstack_dirty:
             self.media_deepstack[:, : self._deepstack_dirty].zero_()
             self._deepstack_dirty = 0

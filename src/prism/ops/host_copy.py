@@ -41,6 +41,16 @@ def to_device(values: torch.Tensor | np.ndarray | Sequence[float], device: torch
     return staged_in_pinned_memory(host).to(device, non_blocking=True)
 
 
+def copy_into(dst: torch.Tensor, values: torch.Tensor | np.ndarray) -> None:
+    """`dst[...] = values` (a host tensor or array of dst's shape) without waiting for the work queued on dst's
+    device: staged in pinned memory on CUDA (a copy from pageable memory waits for the stream first)."""
+    host = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else values
+    if dst.device.type != "cuda":
+        dst.copy_(host)
+        return
+    dst.copy_(staged_in_pinned_memory(host), non_blocking=True)
+
+
 def staged_in_pinned_memory(host: torch.Tensor, pin: bool = True) -> torch.Tensor:
     """A contiguous copy of host tensor `host` in pinned memory (PyTorch's caching host allocator), filled by one
     thread. pin=False: the same in pageable memory, for hosts without a GPU."""
