@@ -64,15 +64,11 @@ def test_the_engine_sets_the_gil_switch_interval_unless_told_not_to():
     from prism.engine.engine import Engine
     from prism.testing.checkpoints import ensure_tiny_checkpoint
 
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        Engine(ensure_tiny_checkpoint(), EngineConfig(python_switch_interval_ms=None, num_gpu_pages=32))
-        assert sys.getswitchinterval() == 0.005
-        Engine(ensure_tiny_checkpoint(), EngineConfig(num_gpu_pages=32))
-        assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
-    finally:
-        sys.setswitchinterval(before)
+    sys.setswitchinterval(0.005)  # conftest's autouse fixture restores the interval after the test
+    Engine(ensure_tiny_checkpoint(), EngineConfig(python_switch_interval_ms=None, num_gpu_pages=32))
+    assert sys.getswitchinterval() == 0.005
+    Engine(ensure_tiny_checkpoint(), EngineConfig(num_gpu_pages=32))
+    assert abs(sys.getswitchinterval() - 0.0005) < 1e-9
 
 
 def test_config_from_bad_json(tmp_path):

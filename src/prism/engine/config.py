@@ -61,8 +61,9 @@ class EngineConfig:
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
     # Tokens of the largest captured packed step (prefill chunks, questions, media tokens, beside decodes); larger
     # steps run eagerly. 0: no packed graphs. One graph per bucket (`packed_graphs.BUCKETS`: 17 up to 1024), each
-    # holding its own [max_num_seqs + 1, vocab] bf16 logits (8B: ~5 MB per bucket at 16 sequences). Their padding writes scratch KV pages for this many tokens, allocated
-    # beside kv_memory_bytes (8B shapes, FP8: ~75 MB for 1024).
+    # holding its own [max_num_seqs + 1, vocab] bf16 logits (8B: ~5 MB per bucket at 16 sequences). Their padding
+    # writes scratch KV pages for this many tokens, allocated beside kv_memory_bytes (8B shapes, FP8: ~75 MB for
+    # 1024).
     cuda_graph_max_packed_tokens: int = 1024
     # Async scheduling: while a step runs, its sampled tokens stay on the device and the next decode step of the same
     # sequences is launched on them (when nothing else needs scheduling), so the host's work between steps
@@ -106,8 +107,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # The process's GIL switch interval (`sys.setswitchinterval`), set once the engine is built (process-wide: it
     # applies to every thread of an application that embeds the engine, and the last engine built sets it; the TP
-    # follower ranks are processes of their own and keep Python's); None leaves Python's 5 ms. The step loop shares the GIL with the media-preparation threads: at 5 ms a thread waiting for it may
-    # wait that long while another runs Python. W5 on the H200 (session 13, the harness): FP8 67-69 -> 79.4 req/s,
+    # follower ranks are processes of their own and keep Python's); None leaves Python's 5 ms. The step loop shares
+    # the GIL with the media-preparation threads: at 5 ms a thread waiting for it may wait that long while another
+    # runs Python. W5 on the H200 (session 13, the harness): FP8 67-69 -> 79.4 req/s,
     # BF16 53-54 -> 56.2 at 0.5 ms.
     python_switch_interval_ms: float | None = 0.5
     distributed_timeout_s: float = 300.0  # bounds every collective: a dead rank fails the others, no hang

@@ -27,12 +27,7 @@ def to_device(values: torch.Tensor | np.ndarray | Sequence[float], device: torch
               dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (a host tensor, an array or a list of numbers) on `device` (as `dtype` if given), without waiting
     for the work queued there."""
-    if isinstance(values, np.ndarray):
-        host = torch.from_numpy(np.ascontiguousarray(values))
-    elif isinstance(values, torch.Tensor):
-        host = values
-    else:
-        host = torch.tensor(values, dtype=dtype)
+    host = _host_tensor(values, dtype)
     if dtype is not None:
         host = host.to(dtype)
     device = torch.device(device)
@@ -44,7 +39,7 @@ def to_device(values: torch.Tensor | np.ndarray | Sequence[float], device: torch
 def copy_into(dst: torch.Tensor, values: torch.Tensor | np.ndarray) -> None:
     """`dst[...] = values` (a host tensor or array of dst's shape) without waiting for the work queued on dst's
     device: staged in pinned memory on CUDA (a copy from pageable memory waits for the stream first)."""
-    host = torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else values
+    host = _host_tensor(values)
     if dst.device.type != "cuda":
         dst.copy_(host)
         return
@@ -75,6 +70,15 @@ def concatenated_on(tensors: Sequence[torch.Tensor], device: torch.device | str)
         copy_bytes(staged[offset : offset + size], _materialized(t).reshape(-1).view(torch.uint8))
         offset += size
     return staged.to(device, non_blocking=True) if pin else staged.to(device)
+
+
+def _host_tensor(values: torch.Tensor | np.ndarray | Sequence[float], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` as a tensor (an array's memory shared when it is contiguous; a list made a tensor of `dtype`)."""
+    if isinstance(values, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(values))
+    if isinstance(values, torch.Tensor):
+        return values
+    return torch.tensor(values, dtype=dtype)
 
 
 def _materialized(host: torch.Tensor) -> torch.Tensor:
