@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -30,6 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from ..engine.sampling import (
     MAX_LOGPROBS,
@@ -139,14 +141,17 @@ UserPart = Annotated[
         custom_error_message="unknown content part type; expected text, image_url, video_url or video",
     ),
 ]
-TextOnlyPart = Annotated[
-    Annotated[TextPart, Tag("type=text")],
-    Discriminator(
-        _by_key("type"),
-        custom_error_type="content_part_type",
-        custom_error_message="only text parts are allowed in system and assistant messages",
-    ),
-]
+
+
+def _only_text_parts(value: Any) -> Any:
+    # A one-member tagged union would say this too, but pydantic 2.11 refuses a Discriminator
+    # on one type ("must be used with a Union type").
+    if _by_key("type")(value) != "type=text":
+        raise PydanticCustomError("content_part_type", "only text parts are allowed in system and assistant messages")
+    return value
+
+
+TextOnlyPart = Annotated[TextPart, BeforeValidator(_only_text_parts)]
 
 
 SystemContent = _text_or_parts(TextOnlyPart, "text parts")
