@@ -648,3 +648,20 @@ def test_media_digests_kept_after_their_pages_are_forgotten_are_caught(monkeypat
 
     monkeypatch.setattr(prefix.PrefixIndex, "_count_media", count_up_only)
     _machine_fails("media digests disagree")
+
+
+def test_continuation_chunk_steps_without_the_device_tokens_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling with chunks: decode rows launched beside a prefill chunk replay the packed graphs, and
+    their input ids are the previous step's device tokens, copied after the host's ids. Planted: the device
+    tokens never reach the packed step (the rows keep the host's placeholder ids)."""
+    from prism.engine.packed_graphs import PackedGraphs
+    from specs import spec_async_scheduling
+
+    run = PackedGraphs.run
+
+    def without_device_tokens(self, step, multimodal, token_ids=None):
+        return run(self, step, multimodal)
+
+    monkeypatch.setattr(PackedGraphs, "run", without_device_tokens)
+    _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
+                "async scheduling changed the")

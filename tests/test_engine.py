@@ -223,6 +223,54 @@ def test_interleaving_bounds_prefill_chunks_while_decoding_and_changes_no_token(
     assert any((a, b) in spans and b - a > limit for a, b in prefill), "the test needs a span longer than the limit"
 
 
+def test_async_chunks_launch_the_scheduled_chunks_early_and_change_no_token(ckpt):
+    """Async scheduling with a prompt interleaved beside decodes: each of its chunks after the first is launched
+    while the previous step runs (beside the decode rows, in the packed step), and the chunks, their order and
+    the tokens are those of the engine that schedules every step."""
+    common = dict(page_size=4, num_gpu_pages=160, max_num_batched_tokens=256, interleave_prefill_tokens=8,
+                  graph_rows_without_cuda=True, cuda_graph_max_packed_tokens=128, check_invariants=True)
+    long_text = "A long text prompt that is prefilled while the first request decodes. " * 3
+
+    def run(llm: LLM) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+        engine = llm.engine
+        runner = engine.runner
+        chunks: list[tuple[int, int]] = []
+        execute, execute_decode_rows = runner.execute, runner.execute_decode_rows
+
+        def recording(slices, kv, *rest):
+            chunks.extend((s.start, s.end) for s in slices
+                          if s.request.request_id == "late" and s.start < s.request.num_prompt_tokens)
+            return execute(slices, kv, *rest)
+
+        def recording_rows(slices, kv, token_ids, chunk=None):
+            if chunk is not None:
+                chunks.append((chunk.start, chunk.end))
+            return execute_decode_rows(slices, kv, token_ids, chunk=chunk)
+
+        runner.execute, runner.execute_decode_rows = recording, recording_rows
+        for i in range(2):
+            engine.add_request(f"d{i}", f"Count to twenty, number {i}.",
+                               SamplingParams.greedy(max_tokens=60, ignore_eos=True))
+        for _ in range(3):
+            engine.step()  # both decode now
+        engine.add_request("late", engine.inputs.prepare_chat(chat(IMAGES[0], long_text)),
+                           SamplingParams.greedy(max_tokens=6, ignore_eos=True))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for event in engine.step():
+                tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
+        return tokens, chunks
+
+    want_tokens, want_chunks = run(LLM(ckpt, async_scheduling=False, **common))
+    llm = LLM(ckpt, **common)
+    got_tokens, got_chunks = run(llm)
+    assert got_tokens == want_tokens
+    assert got_chunks == want_chunks, "the continuation's chunks are not the scheduler's"
+    assert len(want_chunks) >= 4, f"the test needs a prompt in several chunks: {want_chunks}"
+    # The first chunk is scheduled (the request is admitted); each later one follows the step in flight.
+    assert llm.engine.stats.async_chunk_steps == len(want_chunks) - 1, (llm.engine.stats, want_chunks)
+
+
 def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt):
     """Async scheduling: while requests decode, each call launches the next decode step and returns the previous
     step's tokens. When a new request arrives (the next step must be scheduled: it has a prefill), the call that
@@ -262,11 +310,11 @@ def test_async_scheduling_commits_the_step_in_flight_when_the_launched_one_fails
     execute_decode_rows = llm.engine.runner.execute_decode_rows
     calls = []
 
-    def third_fails(*args):
+    def third_fails(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("planted failure")
-        return execute_decode_rows(*args)
+        return execute_decode_rows(*args, **kwargs)
 
     llm.engine.runner.execute_decode_rows = third_fails
     (done,) = llm.generate(["Count to twenty please."], greedy)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prism.kv.content import ContentError, MediaSpan, SeqContent
-from prism.kv.manager import KVCacheManager, SequenceError
+from prism.kv.manager import PENDING_TOKEN, KVCacheManager, SequenceError
 from prism.kv.pages import OutOfPages, PagePool, PageRefError
 from prism.kv.transfers import Move, PlanConflict, TransferPlan
 from prism.testing.kv_world import KVWorld
@@ -69,6 +69,32 @@ def test_manager_errors_change_nothing() -> None:
         m.reserve(1, 9)
     with pytest.raises(SequenceError, match="unknown sequence 5"):
         m.release(5)
+    m.check_invariants()
+
+
+def test_pending_tokens_with_a_chunk_are_reserved_all_or_nothing() -> None:
+    """Async scheduling: decode rows' pending slots and a prefill chunk beside them get their pages together, or
+    nothing changes (the engine then schedules the step, which may preempt)."""
+    m = KVCacheManager(num_gpu_pages=4, page_size=4)
+    m.admit(1, SeqContent([1, 2, 3, 4]), 4)
+    m.publish_computed(1, 0, 4)
+    m.append_tokens(1, [5])
+    m.reserve(1, 1)
+    m.publish_computed(1, 4, 5)  # decoding: 5 tokens computed, two pages
+    m.admit(2, SeqContent(list(range(10, 20))), 4)  # a 10-token prompt, its first chunk of 4 scheduled
+    m.publish_computed(2, 0, 4)
+    free = m.gpu.num_free
+    assert free == 1
+    # The chunk [4, 10) needs two more pages, the pending slot none: one page is free, so nothing happens.
+    assert not m.reserve_pending([1], chunk=(2, 6))
+    assert m.gpu.num_free == free and m.seqs[1].content.tokens[-1] == 5 and len(m.seqs[2].pages) == 1
+    assert not m.reserve_pending([1], chunk=(1, 1)), "a decode row is not its own chunk"
+    assert not m.reserve_pending([1], chunk=(2, 7)), "a chunk past the sequence's known tokens"
+    assert m.reserve_pending([1], chunk=(2, 4))
+    assert m.seqs[1].content.tokens[-1] == PENDING_TOKEN and len(m.seqs[2].pages) == 2 and m.gpu.num_free == 0
+    m.publish_computed(2, 4, 8)
+    m.fill_pending(1, 6)
+    m.publish_computed(1, 5, 6)
     m.check_invariants()
 
 

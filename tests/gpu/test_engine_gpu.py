@@ -301,6 +301,45 @@ def test_async_scheduling_changes_no_token(ckpt_8b):
         assert_same_or_near_tie(ours, ref)
 
 
+def test_async_chunks_beside_the_decodes_change_no_token(ckpt_8b):
+    """Interleaving (256-token chunks) with async scheduling: a cold two-image request's chunks after the first
+    are launched while the previous step runs, in the packed graphs, the decode rows fed the device's tokens
+    (copied after the host's ids into the same static buffer). The tokens are those of the engine that schedules
+    every step (or part only at a near-tie of that run), also with the stream held ~10 ms before every replay
+    (the host then prepares each step far ahead of the device), and the chunks did go ahead."""
+    from prism.engine.llm import LLM as _LLM
+
+    def run(on: bool, slow: bool = False):
+        llm = engine(ckpt_8b, "fp8", interleave_prefill_tokens=256, async_scheduling=on)
+        eng = llm.engine
+        if slow:
+            for graphs in (eng.runner.graphs, eng.runner.packed):
+                def held(*args, _run=graphs.run, **kwargs):
+                    torch.cuda._sleep(20_000_000)  # ~10 ms of spinning, ahead of this step's input copies
+                    return _run(*args, **kwargs)
+
+                graphs.run = held
+        completions = two_requests_decoding(eng, max_tokens=64)
+        eng.add_request("cold", chat(IMAGES[0], IMAGES[2], "Compare them."), GREEDY)
+        while eng.has_unfinished_requests():
+            for event in eng.step():
+                _LLM._accumulate(completions, event)
+        chunk_steps, replays = eng.stats.async_chunk_steps, eng.runner.packed.replays
+        del llm, eng
+        release_gpu_memory()
+        return completions, chunk_steps, replays
+
+    ours, chunk_steps, replays = run(True)
+    slowed, slow_chunk_steps, _ = run(True, slow=True)
+    plain, _, _ = run(False)
+    for request_id, reference in plain.items():
+        assert_same_or_near_tie(ours[request_id], reference)
+        assert_same_or_near_tie(slowed[request_id], reference)
+    # The prompt goes in 2 chunks beside the decodes (H200, session 14): the first scheduled, the second ahead.
+    assert chunk_steps >= 1 and slow_chunk_steps == chunk_steps and replays >= chunk_steps, \
+        (chunk_steps, slow_chunk_steps, replays)
+
+
 def test_async_scheduling_is_unchanged_by_a_slow_device(ckpt_8b):
     """Async scheduling's hazards live on the device timeline (a pinned input buffer rewritten before its copy ran,
     tokens read before their copy's event): with the stream held ~10 ms before every graph replay, so the host

@@ -8,7 +8,11 @@ sampled tokens appended, and events emitted. Owns *exactly one terminal event pe
 Async scheduling (`EngineConfig.async_scheduling`): a step's sampled tokens stay on the device
 (`inflight.InflightStep`) while, when nothing else needs scheduling, the next decode step of the same
 sequences is launched on them; the host then reads and commits the first step's tokens while the second
-runs. A sequence that stopped on the token the host just read has one wasted row, dropped.
+runs. A sequence that stopped on the token the host just read has one wasted row, dropped. When the one
+request not decoding is the youngest and still in its prompt (a prompt interleaved beside decodes), the
+launched step also carries its next chunk, the one the scheduler would give it: a chunk step's host work
+then overlaps the previous step's device time instead of following it (W4: each chunk step waited 2-3 ms of
+host work, `bench/host_chunk_steps.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
 from ..media.prepare import PreparedImage
 from .config import EngineConfig
+from .continuation import Continuation, plan_continuation
 from .detokenize import TextStream
 from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
@@ -36,7 +41,7 @@ from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
 from .sampler import make_generator, sample, take_rows
 from .sampling import SamplingParams
-from .scheduler import ScheduledSlice, Scheduler
+from .scheduler import Scheduler
 from .step_payload import MediaWork
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
@@ -52,6 +57,7 @@ class EngineStats:
     requests_finished: int = 0
     preemptions: int = 0
     async_steps: int = 0  # decode steps launched before the host read the previous step's tokens
+    async_chunk_steps: int = 0  # ... of which carried a prefill chunk beside the decode rows
 
 
 class Engine:
@@ -172,8 +178,8 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, commit. Returns the events of this step (including earlier aborts). With a step in
-        flight (async scheduling), launch the next decode step of its sequences when nothing else needs
-        scheduling, and commit it; its events return at once, before any step that must be scheduled (running
+        flight (async scheduling), launch the next step of its sequences (and of a prompt's chunks beside them)
+        when nothing else needs scheduling, and commit it; its events return at once, before any step that must be scheduled (running
         one first would hold them back behind it: a longer gap between tokens)."""
         if self._inflight is not None:
             self._advance_inflight()
@@ -256,61 +262,44 @@ class Engine:
 
     # -- async scheduling --------------------------------------------------------------------------
     def _advance_inflight(self) -> None:
-        """Launch the next decode step of the in-flight step's sequences when nothing else needs scheduling,
-        then commit the in-flight step's tokens (waiting for them, not for the launch); the launched step
-        becomes the one in flight."""
+        """Launch the next step of the in-flight step's sequences when nothing else needs scheduling (their
+        decode rows, and the next prefill chunk of the one request still in its prompt), then commit the
+        in-flight step's tokens (waiting for them, not for the launch); the launched step becomes the one in
+        flight."""
         current, self._inflight = self._inflight, None
         assert current is not None
         continuation = self._continuation_of(current)
-        pending = {s.request.request_id for _, s in continuation}
+        rows, chunk = continuation.rows, continuation.chunk
+        slices = continuation.slices
+        pending = {s.request.request_id for _, s in rows}
         try:
             logits = self.runner.execute_decode_rows(
-                [s for _, s in continuation], self.kv, current.device_tokens_of([row for row, _ in continuation])
-            ) if continuation else None
+                [s for _, s in rows], self.kv, current.device_tokens_of([row for row, _ in rows]), chunk=chunk
+            ) if rows else None
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
             log.exception("step failed")
             self._accept_tokens(current, pending)
-            self._fail([s.request for _, s in continuation], error)
+            self._fail([s.request for s in slices], error)
             return
-        if continuation:
+        if rows:
             self.stats.async_steps += 1
+            self.stats.async_chunk_steps += chunk is not None
         self._accept_tokens(current, pending)
-        live = [(i, s) for i, (_, s) in enumerate(continuation) if not s.request.is_finished]
-        if not live:
-            return
+        # Logits rows: one per decode row, then the chunk's if it ends its prompt (it samples like a decode).
+        live = [(i, s) for i, s in enumerate(slices) if not s.request.is_finished]
         for _, s in live:
             self.kv.publish_computed(s.request.request_id, s.start, s.end)
-        slices = [s for _, s in live]
-        logits = take_rows(logits, [i for i, _ in live])
-        self._inflight = InflightStep.launch(slices, self._sample(slices, logits))
+        sampled = [(i, s) for i, s in live if s.sample]
+        if not sampled:
+            return
+        logits = take_rows(logits, [i for i, _ in sampled])
+        sampling = [s for _, s in sampled]
+        self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
 
-    def _continuation_of(self, current: InflightStep) -> list[tuple[int, ScheduledSlice]]:
-        """The next decode step of `current`'s sequences, as (sampling row of `current`, slice), with each
-        position reserved as a pending token; [] when the step must be scheduled normally instead: async
-        scheduling off, several ranks, requests waiting that could be admitted, swapped or not decoding, a
-        pending transfer, a page that needs copying or preempting, a step the graphs do not replay."""
-        scheduler = self.scheduler
-        if not self.config.async_scheduling or self._followers is not None or scheduler.swapped:
-            return []
-        if scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs:
-            return []
-        rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
-        if len(rows) != len(scheduler.running) or not self.kv.plan.is_empty():
-            return []  # someone running is not decoding in this step
-        rows = [(i, r) for i, r in rows if not self._stops_by_length_after_next(r)]
-        if not rows:
-            return []
-        seqs = [self.kv.seqs[r.request_id] for _, r in rows]
-        if not self.runner.replays_decode_rows(len(rows), max(len(seq.content) for seq in seqs) + 1):
-            return []
-        if not self.kv.reserve_pending([r.request_id for _, r in rows]):
-            return []
-        return [(i, ScheduledSlice(r, seq.num_computed, seq.num_computed + 1)) for (i, r), seq in zip(rows, seqs, strict=True)]
-
-    def _stops_by_length_after_next(self, request: Request) -> bool:
-        """Whether the token in flight ends `request` by length (no next step to launch for it)."""
-        n = len(request.output_token_ids) + 1
-        return n >= request.params.max_tokens or request.num_prompt_tokens + n >= self.max_model_len
+    def _continuation_of(self, current: InflightStep) -> Continuation:
+        if not self.config.async_scheduling or self._followers is not None:
+            return Continuation([])
+        return plan_continuation(current, self.scheduler, self.kv, self.runner, self.max_model_len)
 
     def _accept_tokens(self, step: InflightStep, pending: set[str]) -> None:
         """Commit `step`'s sampled tokens: append (or fill the pending slot of a continued sequence), stream,

@@ -212,12 +212,18 @@ class PackedGraphs:
         return b, (query_lens, context_lens)
 
     @torch.inference_mode()
-    def run(self, step: PackedStep, multimodal: MultimodalEmbeddings | None) -> torch.Tensor:
-        """One step; logits [len(step.sample_rows), vocab] in fp32."""
+    def run(self, step: PackedStep, multimodal: MultimodalEmbeddings | None,
+            token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One step; logits [len(step.sample_rows), vocab] in fp32. `token_ids` ([k], on the device): the input
+        ids of the step's first k rows, which the host has not read (async scheduling: decode rows first)."""
         if not self.fits(step.num_tokens, len(step.query_lens), max(step.context_lens, default=0)):
             raise ValueError(f"{step.num_tokens} tokens of {len(step.query_lens)} sequences do not fit the "
                              "captured packed graphs")
+        if token_ids is not None and not token_ids.numel() <= step.num_tokens:
+            raise ValueError(f"{token_ids.numel()} device token ids for a step of {step.num_tokens} rows")
         b, real = self._fill(step, multimodal)
+        if token_ids is not None:  # after the host ids' copy, on the same stream
+            self.token_inputs[_ID, : token_ids.numel()].copy_(token_ids)
         if b in self._graphs:
             self._graphs[b].replay()
             self.replays += 1

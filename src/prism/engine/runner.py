@@ -280,8 +280,9 @@ class ModelRunner:
 
     # -- every rank: running the payload ---------------------------------------------------------
     @torch.inference_mode()
-    def run(self, payload: StepPayload) -> torch.Tensor:
-        """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows."""
+    def run(self, payload: StepPayload, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows. `token_ids`: the
+        input ids of the first rows, on the device (`execute_decode_rows`; one forward)."""
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:
             return torch.empty(0)
@@ -298,9 +299,9 @@ class ModelRunner:
         out = []
         for forward in payload.forwards:
             if forward.graph == "rows":
-                logits = self._graph_step(forward)
+                logits = self._graph_step(forward, token_ids)
             elif forward.graph == "packed":
-                logits = self._packed_step(forward, features)
+                logits = self._packed_step(forward, features, token_ids)
             else:
                 logits = self._forward(forward, features)
             if len(payload.forwards) == 1 or any(p.sample for p in forward.pieces):
@@ -345,25 +346,49 @@ class ModelRunner:
         """Whether `execute_decode_rows` takes a decode step of `num_rows` sequences up to `max_context`."""
         return self.graphs is not None and self.publish is None and self.graphs.fits(num_rows, max_context)
 
+    def replays_chunk_beside_rows(self, num_rows: int, chunk_tokens: int, max_context: int) -> bool:
+        """Whether `execute_decode_rows` takes `num_rows` decode rows and a chunk of `chunk_tokens` (the packed
+        graphs)."""
+        return (self.packed is not None and self.publish is None
+                and self.packed.fits(num_rows + chunk_tokens, num_rows + 1, max_context))
+
     @torch.inference_mode()
-    def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager,
-                            token_ids: torch.Tensor) -> torch.Tensor:
+    def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager, token_ids: torch.Tensor,
+                            chunk: ScheduledSlice | None = None) -> torch.Tensor:
         """Async scheduling: a decode step whose input tokens the host has not seen. Slice i computes position
         `start` of its sequence with input `token_ids[i]` (on the device: sampled by the step still running),
-        replayed as graph rows. One rank only (the followers would need the tokens too). fp32 logits, one row
-        per slice. The KV manager holds a pending token at each position and no transfer."""
-        if self.graphs is None or self.publish is not None:
-            raise RuntimeError("decode rows with device tokens need the CUDA graphs and a single rank")
+        replayed as graph rows; with `chunk` (a prefill chunk, its tokens known), the rows and the chunk after
+        them replay the packed graphs. One rank only (the followers would need the tokens too). fp32 logits,
+        one row per slice, then the chunk's if it samples. The KV manager holds a pending token at each row's
+        position and no transfer."""
+        if self.publish is not None or (self.graphs if chunk is None else self.packed) is None:
+            raise RuntimeError("a step with device tokens needs the CUDA graphs and a single rank")
         if not kv.plan.is_empty():
-            raise RuntimeError("a decode step with device tokens cannot run a transfer plan")
+            raise RuntimeError("a step with device tokens cannot run a transfer plan")
         pieces = [
             PieceInput([0], token_positions(s.request, s.start, s.end), s.start, s.end, 0,
                        [page for _, page in kv.seqs[s.request.request_id].pages], True)
             for s in slices
         ]
-        if any(p.end - p.start != 1 for p in pieces) or self._graph_for(pieces, []) != "rows":
-            raise ValueError("only one-token decode rows that fit the captured graphs take device tokens")
-        return self._graph_step(ForwardInput(pieces, [], graph="rows"), token_ids)
+        if any(p.end - p.start != 1 for p in pieces):
+            raise ValueError("only one-token decode rows take device tokens")
+        if chunk is None:
+            if self._graph_for(pieces, []) != "rows":
+                raise ValueError("decode rows with device tokens must fit the captured row graphs")
+            return self._graph_step(ForwardInput(pieces, [], graph="rows"), token_ids)
+        pieces.append(PieceInput(chunk.request.token_ids_between(chunk.start, chunk.end),
+                                 token_positions(chunk.request, chunk.start, chunk.end), chunk.start, chunk.end,
+                                 0, [page for _, page in kv.seqs[chunk.request.request_id].pages], chunk.sample))
+        media, used = media_slices(pieces, [s.request for s in slices] + [chunk.request])
+        if self._graph_for(pieces, media) != "packed":
+            raise ValueError("decode rows and a chunk with device tokens must fit the captured packed graphs")
+        forward = ForwardInput(pieces, media, graph="packed")
+        plan = kv.take_plan()
+        try:
+            return self.run(StepPayload(plan, [forward], media_work(used, self.is_encoder_cached), True),
+                            token_ids)
+        finally:
+            kv.finish_plan(plan)
 
     def _graph_step(self, forward: ForwardInput, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.graphs is not None
@@ -374,10 +399,10 @@ class ModelRunner:
         self.stats.tokens_computed += rows.num_rows
         return logits
 
-    def _packed_step(self, forward: ForwardInput, features) -> torch.Tensor:
+    def _packed_step(self, forward: ForwardInput, features, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.packed is not None
         step = PackedStep.from_pieces(forward.pieces, forward.media, self.page_size)
-        logits = self.packed.run(step, self._place_media(forward.media, features))
+        logits = self.packed.run(step, self._place_media(forward.media, features), token_ids)
         self.stats.steps += 1
         self.stats.packed_graph_steps += 1
         self.stats.tokens_computed += step.num_tokens

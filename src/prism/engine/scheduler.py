@@ -121,7 +121,7 @@ class Scheduler:
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
             seq = self.kv.seqs[request.request_id]
-            end = self._chunk_end(request, seq.content, seq.num_computed, budget)
+            end = self.chunk_end(request, seq.content, seq.num_computed, budget)
             if end <= seq.num_computed:
                 if budget == self.config.max_num_batched_tokens:  # could never progress: fail, don't spin
                     out.failed.append((request, self._unschedulable_reason(seq.content, seq.num_computed)))
@@ -140,7 +140,7 @@ class Scheduler:
             request = self.waiting[0]
             content = self.content_of(request)
             hit = self.kv.lookup(content)
-            end = self._chunk_end(request, content, hit.num_tokens, budget)
+            end = self.chunk_end(request, content, hit.num_tokens, budget)
             if end <= hit.num_tokens:
                 if budget == self.config.max_num_batched_tokens:
                     self.waiting.popleft()
@@ -198,13 +198,18 @@ class Scheduler:
         prompt = request.prompt.kv_content()
         return SeqContent(prompt.tokens + request.output_token_ids, prompt.media)
 
-    def _chunk_end(self, request: Request, content: SeqContent, start: int, budget: int) -> int:
+    def chunk_end(self, request: Request, content: SeqContent, start: int, budget: int,
+                  decoding: bool | None = None) -> int:
+        """Where a chunk of `request` starting at `start` ends within `budget` tokens: no visual span cut, and at
+        most `interleave_prefill_tokens` of its prompt while others decode (a longer span goes whole).
+        `decoding`: whether others decode in that step (default: as this step's schedule found)."""
+        decoding = self._decoding if decoding is None else decoding
         remaining = len(content) - start
         if not self.config.enable_chunked_prefill and start < request.num_prompt_tokens:
             return start + remaining if remaining <= budget else start
         end = snap_chunk_end(content, start, start + min(remaining, budget))
         limit = self.config.interleave_prefill_tokens
-        if limit is not None and self._decoding and start < request.num_prompt_tokens and end - start > limit:
+        if limit is not None and decoding and start < request.num_prompt_tokens and end - start > limit:
             span = content.span_containing(start + limit)
             if span is not None and chunk_starts_in_span(span, start):  # longer than the limit: goes whole
                 end = min(end, span.end)
@@ -221,7 +226,7 @@ class Scheduler:
         fallbacks = REUSE_FALLBACKS if not self.running and not self.swapped else REUSE_FALLBACKS[:1]
         for reuse in fallbacks:
             hit = whole_hit if reuse == "all" else self.kv.lookup(content, reuse)
-            end = self._chunk_end(request, content, hit.num_tokens, budget)
+            end = self.chunk_end(request, content, hit.num_tokens, budget)
             if end <= hit.num_tokens:
                 continue
             try:

@@ -238,10 +238,11 @@ class KVCacheManager:
             self.gpu.decref(src)
         seq.pages.extend(("gpu", p) for p in self._allocate_gpu(new))
 
-    def reserve_pending(self, seq_ids: list[SeqId]) -> bool:
+    def reserve_pending(self, seq_ids: list[SeqId], chunk: tuple[SeqId, int] | None = None) -> bool:
         """Async scheduling: each sequence, fully computed, gets a `PENDING_TOKEN` and a writable slot for it,
-        all of them or none. False (nothing changed) when a slot would need a copy-on-write (a transfer) or
-        the pages do not fit without preempting anyone: the caller then schedules the step normally."""
+        and `chunk` = (sequence, n), if given, its next n known positions writable (a prefill chunk launched
+        beside them), all of them or none. False (nothing changed) when a slot would need a copy-on-write (a
+        transfer) or the pages do not fit without preempting anyone: the caller then schedules the step normally."""
         new_pages = 0
         for seq_id in seq_ids:
             seq = self._seq(seq_id)
@@ -252,11 +253,24 @@ class KVCacheManager:
                 new_pages += 1
             elif self._is_shared(seq.pages[n // self.page_size][1]):
                 return False
+        if chunk is not None:
+            seq_id, num_tokens = chunk
+            seq = self._seq(seq_id)
+            start, end = seq.num_computed, seq.num_computed + num_tokens
+            if (seq_id in seq_ids or not seq.is_resident or num_tokens <= 0 or end > len(seq.content)
+                    or PENDING_TOKEN in seq.content.tokens[start:end]):
+                return False
+            written = range(start // self.page_size, min(len(seq.pages), self._pages_for(end)))
+            if any(self._is_shared(seq.pages[j][1]) for j in written):
+                return False
+            new_pages += max(0, self._pages_for(end) - len(seq.pages))
         if not self.can_allocate(new_pages):
             return False
         for seq_id in seq_ids:
             self.seqs[seq_id].content.tokens.append(PENDING_TOKEN)
             self.reserve(seq_id, 1)
+        if chunk is not None:
+            self.reserve(*chunk)
         return True
 
     def fill_pending(self, seq_id: SeqId, token: int) -> None:
