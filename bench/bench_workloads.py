@@ -49,14 +49,16 @@ def chat(images, text: str) -> list[dict]:
                                          {"type": "text", "text": text}]}]
 
 
-def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave: int | None = None) -> dict:
+def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave: int | None = None,
+                 beside: bool | None = None, **overrides) -> dict:
     """8 long decodes run; a cold request with `n_images` new images arrives: the running streams' token gaps.
-    `interleave`: the engine's interleave_prefill_tokens (None: the default), with its media encoded beside the
-    decodes (`encode_ahead_beside_decodes`: the interleaving mode is both settings). Also measures, first, the
+    `interleave`: the engine's interleave_prefill_tokens (None: the default); `beside`: its
+    `encode_ahead_beside_decodes` (None: the default, on with interleaving); `overrides`: other engine settings
+    (A/B runs). Also measures, first, the
     same kind of cold request alone on this engine (its TTFT, preparation included, is the W1 baseline of the
     ratio)."""
     llm = LLM(ckpt, kv_memory_bytes=kv_bytes, page_size=256 if size >= 448 else 16,
-              interleave_prefill_tokens=interleave, encode_ahead_beside_decodes=interleave is not None)
+              interleave_prefill_tokens=interleave, encode_ahead_beside_decodes=beside, **overrides)
     engine = llm.engine
     alone = []
     one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
@@ -107,7 +109,9 @@ def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave
     engine.runner.encoder_cache.clear()
     alone_tokens = llm.generate([engine.inputs.prepare_chat(cold_messages)],
                                 SamplingParams.greedy(max_tokens=4, ignore_eos=True))[0].token_ids
-    return {"interleave_prefill_tokens": interleave, "encode_ahead_beside_decodes": interleave is not None,
+    return {"interleave_prefill_tokens": interleave,
+            "encode_ahead_beside_decodes": llm.engine.config.encodes_ahead_beside_decodes,
+            "async_chunk_steps": engine.stats.async_chunk_steps,
             "gil_switch_interval_ms": sys.getswitchinterval() * 1e3,
             "max_itl_ms": max(gaps) * 1e3, "p95_itl_ms": pct(gaps, 0.95) * 1e3,
             "median_itl_ms": pct(gaps, 0.5) * 1e3, "cold_ttft_ms": cold_ms, "cold_alone_ttft_ms": alone_ms,
@@ -211,14 +215,16 @@ def main() -> None:
         "W4: 8 running decodes, a cold 8-image request injected (targets: max ITL <= 70 ms by default; interleaving "
         "<= 20 ms with cold TTFT <= 1.3x the same request alone)",
         "",
-        "Interleave rows: `interleave_prefill_tokens` N and `encode_ahead_beside_decodes`; the last column compares the",
-        "cold request's greedy tokens with the same request's alone and uncached (a sanity check).",
+        "Interleave rows: `interleave_prefill_tokens` N (its media encoded beside the decodes, as that mode does by",
+        "default); chunks ahead: chunk steps launched while the previous step ran (async scheduling). The last column",
+        "compares the cold request's greedy tokens with the same request's alone and uncached (a sanity check: a",
+        "chunked bf16 prefill may part from the whole one at a near-tie).",
         "",
-        "| mode | max ITL | p95 ITL | median ITL | cold TTFT | same request alone | ratio | tokens = alone |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | max ITL | p95 ITL | median ITL | cold TTFT | same request alone | ratio | chunks ahead | tokens = alone |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         *(f"| {name} | {r['max_itl_ms']:.1f} ms | {r['p95_itl_ms']:.1f} ms | {r['median_itl_ms']:.1f} ms | "
           f"{r['cold_ttft_ms']:.1f} ms | {r['cold_alone_ttft_ms']:.1f} ms | {r['cold_ttft_over_alone']:.2f}x | "
-          f"{'yes' if r['cold_tokens_equal_alone'] else 'NO'} |"
+          f"{r.get('async_chunk_steps', 0)} | {'yes' if r['cold_tokens_equal_alone'] else 'NO'} |"
           for name, r in (("default", out["W4"]), ("interleave 256", out["W4_interleave_256"]),
                           ("interleave 512", out["W4_interleave_512"]),
                           ("interleave 640", out["W4_interleave_640"]))),

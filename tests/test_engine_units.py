@@ -44,12 +44,20 @@ def test_shipped_configs_load(path):
         ({"python_switch_interval_ms": 0}, "python_switch_interval_ms must be a finite number >= 0.001 or null"),
         ({"python_switch_interval_ms": True}, "python_switch_interval_ms must be a finite number >= 0.001 or null"),
         ({"python_switch_interval_ms": float("inf")}, "python_switch_interval_ms must be a finite number"),
+        ({"encode_ahead_beside_decodes": "yes"}, "encode_ahead_beside_decodes must be true, false or null"),
         ([1, 2], "must be a JSON object"),
     ],
 )
 def test_bad_configs_are_refused_with_a_reason(raw, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_dict(raw)
+
+
+def test_media_are_encoded_beside_the_decodes_with_interleaving_unless_set():
+    assert not EngineConfig().encodes_ahead_beside_decodes
+    assert EngineConfig(interleave_prefill_tokens=512).encodes_ahead_beside_decodes
+    assert not EngineConfig(interleave_prefill_tokens=512, encode_ahead_beside_decodes=False).encodes_ahead_beside_decodes
+    assert EngineConfig(encode_ahead_beside_decodes=True).encodes_ahead_beside_decodes
 
 
 def test_the_tail_copy_threshold_is_an_eighth_of_a_page_unless_given():

@@ -3,8 +3,8 @@
 Owns *features encoded ahead are read only after they are written*. The media of a waiting request encoded
 ahead of its admission (`Scheduler`, `encode_media_ahead`) are not read by the step that encodes them, so the
 step's decodes need not wait for the encoder to finish: it runs on a side stream while the decodes go on on the
-main one. (`EngineConfig.encode_ahead_beside_decodes`, off by default until the workspace fix below has run on a
-GPU.) W4 on the H200: the step that encoded 8 images ahead and then decoded took 21.5-22.5 ms, the running
+main one. (`EngineConfig.encode_ahead_beside_decodes`: on with interleaving unless set; the workspace fix below
+passed its GPU test in session 14.) W4 on the H200: the step that encoded 8 images ahead and then decoded took 21.5-22.5 ms, the running
 streams' longest gap; beside each other, the decode still waits for SMs behind the encoder's kernels (16.5 ms),
 so the gap became 16-17 ms, and the cold request's TTFT grew 2-12 ms (session 13).
 

@@ -47,9 +47,10 @@ class EngineConfig:
     encode_media_ahead: bool = True
     # ... and on CUDA with one rank, that encoding runs on a stream of its own beside the decodes (the request is
     # admitted once it has finished), so no step runs the encoder and a decode in series
-    # (`engine/background_encoding.py`; W4 on the H200: longest gap 21.6 -> 16.7 ms, TTFT 2-12 ms longer). Off by
-    # default until its cuBLAS-workspace fix (found by review after the GPU runs) has run on a GPU.
-    encode_ahead_beside_decodes: bool = False
+    # (`engine/background_encoding.py`; W4 on the H200: longest gap 21.6 -> 16.7 ms, TTFT 2-12 ms longer).
+    # None: on with interleaving (the interleaving mode is both), off without it (then a prefill step is the
+    # longest gap anyway, and the request would only pay the TTFT).
+    encode_ahead_beside_decodes: bool | None = None
     enable_prefix_cache: bool = True
     preemption: Preemption = "recompute"
     dtype: str = "auto"  # model weights/activations: auto = bfloat16 on CUDA, float32 on CPU
@@ -115,6 +116,13 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0  # bounds every collective: a dead rank fails the others, no hang
 
     @property
+    def encodes_ahead_beside_decodes(self) -> bool:
+        """`encode_ahead_beside_decodes`, resolved: with interleaving unless set."""
+        if self.encode_ahead_beside_decodes is not None:
+            return self.encode_ahead_beside_decodes
+        return self.interleave_prefill_tokens is not None
+
+    @property
     def tail_copy_threshold(self) -> int:
         """The fewest tokens a reused partial page must hold (`min_tail_copy_tokens`, resolved)."""
         return self.page_size // 8 if self.min_tail_copy_tokens is None else self.min_tail_copy_tokens
@@ -134,6 +142,8 @@ class EngineConfig:
         for f in dataclasses.fields(self):  # a JSON "false" string would otherwise switch a feature on
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
+            if f.type == "bool | None" and getattr(self, f.name) not in (None, True, False):
+                raise ConfigError(f"{f.name} must be true, false or null, got {getattr(self, f.name)!r}")
         switch = self.python_switch_interval_ms
         if switch is not None and (isinstance(switch, bool) or not isinstance(switch, (int, float))
                                    or not math.isfinite(switch) or switch < 0.001):
