@@ -89,31 +89,6 @@ def test_images_already_encoded_are_not_held_back():
     assert again.state is RequestState.RUNNING and not again.media_encoded_ahead
 
 
-def test_a_step_failing_while_encoding_ahead_also_fails_the_held_back_request(monkeypatch):
-    """If the step that encodes a request's media ahead fails, that request fails with it (its media may be
-    the cause) instead of failing the next step's requests again; nothing leaks, the engine keeps serving."""
-    eng = engine()
-    texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
-                             SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
-    for _ in range(3):
-        eng.step()
-    cold = eng.add_request("cold", cold_request(), GREEDY)
-
-    def encoder_out_of_memory(work, may_capture=True):
-        raise RuntimeError("vision encoder out of memory")
-
-    monkeypatch.setattr(eng.runner, "_encode", encoder_out_of_memory)
-    events = eng.step()
-    assert cold.state is RequestState.FINISHED and "out of memory" in (cold.error or "")
-    assert all(t.state is RequestState.FINISHED for t in texts)
-    assert {e.request_id for e in events if e.finished} == {"text0", "text1", "cold"}
-    monkeypatch.undo()
-    assert not eng.kv.seqs and not eng.has_unfinished_requests()
-    after = eng.add_request("after", cold_request(), GREEDY)
-    run_until_done(eng, [after])
-    assert len(after.output_token_ids) == GREEDY.max_tokens
-
-
 def test_images_of_chat_messages_are_encoded_while_the_others_are_prepared():
     """Chat messages given to the engine: each new image is encoded as soon as it is prepared (before any step),
     the prefill then reads the encoder cache; the tokens are the engine's without it. Images whose pages the
@@ -199,3 +174,41 @@ def test_the_wait_for_media_encoded_beside_the_decodes_can_fail(monkeypatch):
     monkeypatch.setattr(Scheduler, "_media_ahead_in_flight", lambda self, request: False)
     with pytest.raises(AssertionError):
         check_waits_for_media_encoded_beside_the_decodes()
+
+
+def decodes_beside_a_failing_encoding(monkeypatch) -> tuple[dict, dict, object]:
+    """Two text requests decode; a cold image request arrives and the vision encoder fails on its images (planted)
+    in the step that encodes them ahead. Returns (the decoders' tokens, the same decoders' tokens with no cold
+    request, the cold request)."""
+    from prism.engine import runner as runner_module
+
+    def plain_decodes():
+        eng = engine()
+        texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
+                                 SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
+        return run_until_done(eng, texts)
+
+    want = plain_decodes()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("planted vision failure")
+
+    monkeypatch.setattr(runner_module, "encode_media_items", failing)
+    eng = engine()
+    requests, _, _, _ = inject_cold_into_decodes(eng)
+    got = run_until_done(eng, requests[:2])
+    assert not eng.kv.seqs and not eng.has_unfinished_requests()
+    monkeypatch.undo()  # the engine keeps serving
+    after = eng.add_request("after", cold_request(), GREEDY)
+    run_until_done(eng, [after])
+    assert len(after.output_token_ids) == GREEDY.max_tokens
+    return got, want, requests[-1]
+
+
+def test_a_failed_encoding_ahead_fails_its_request_and_not_the_decodes(monkeypatch):
+    """The media encoded ahead belong to a waiting request: if the encoder fails on them, that request ends with
+    an error and the requests decoding in the same step go on, their tokens unchanged; nothing leaks, and the
+    engine keeps serving (until session 14 the whole step failed, every decode in it with an error)."""
+    got, want, cold = decodes_beside_a_failing_encoding(monkeypatch)
+    assert got == want, "the decoders must finish as if the cold request had never come"
+    assert cold.is_finished and cold.finish_reason.value == "error" and "planted vision failure" in cold.error

@@ -213,6 +213,10 @@ class Engine:
                 failed = [s.request for s in out.slices] + [r for r in (out.media_ahead_for,) if r is not None]
                 self._fail(failed, error)
             else:
+                failure = self.runner.take_encode_ahead_failure()
+                if failure is not None:  # the request the media were for fails, not this step's requests
+                    log.error("encoding media ahead failed", exc_info=failure)
+                    self._fail([r for r in (out.media_ahead_for,) if r is not None], failure)
                 self._commit(out.slices, logits)
 
     def _encode_while_preparing(self, image: PreparedImage) -> None:

@@ -128,6 +128,7 @@ class ModelRunner:
         )
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
         self.background: BackgroundEncoding | None = None
+        self._encode_ahead_failure: Exception | None = None
         self.stats = RunnerStats()
         self.graphs: RowGraphs | None = None
         if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
@@ -283,19 +284,19 @@ class ModelRunner:
     def run(self, payload: StepPayload, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows. `token_ids`: the
         input ids of the first rows, on the device (`execute_decode_rows`; one forward)."""
+        self._encode_ahead_failure = None
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:
             return torch.empty(0)
-        ahead = self._media_read_by_no_forward(payload) if self.background is not None else []
+        ahead = self._media_read_by_no_forward(payload)
         ahead_digests = {m.digest for m in ahead}
         media = [m for m in payload.media if m.digest not in ahead_digests]
         features = {}
         if media:
             self._order_after_background()
             features = self._encode(media, may_capture=not payload.beside_decodes)
-        if ahead:  # before the forwards: if it fails, the step fails with its request, as on the main stream
-            assert self.background is not None
-            self.background.run(lambda: self._encode(ahead, may_capture=False, capture_overdue=False))
+        if ahead:
+            self._encode_ahead_in_step(ahead, payload.beside_decodes)
         out = []
         for forward in payload.forwards:
             if forward.graph == "rows":
@@ -309,6 +310,26 @@ class ModelRunner:
         if len(payload.forwards) == 1:
             return out[0]
         return torch.cat(out) if out else torch.empty(0)
+
+    def _encode_ahead_in_step(self, work: list[MediaWork], beside_decodes: bool) -> None:
+        """Encode items for a later step's prefill (a step that has them reads no media: the scheduler sends them
+        ahead only when no prefill runs), on the side stream beside the decodes when there is one. With one rank a
+        failure is the waiting request's alone: it is kept for the engine (`take_encode_ahead_failure`) and this
+        step's requests go on. With several it fails the step (the ranks' encoder caches must stay the same)."""
+        try:
+            if self.background is not None:
+                self.background.run(lambda: self._encode(work, may_capture=False, capture_overdue=False))
+            else:
+                self._encode(work, may_capture=not beside_decodes)
+        except Exception as error:
+            if self.group.world_size > 1:
+                raise
+            self._encode_ahead_failure = error
+
+    def take_encode_ahead_failure(self) -> Exception | None:
+        """The error of the last step's encoding ahead, if it failed (then cleared)."""
+        failure, self._encode_ahead_failure = self._encode_ahead_failure, None
+        return failure
 
     @staticmethod
     def _media_read_by_no_forward(payload: StepPayload) -> list[MediaWork]:
