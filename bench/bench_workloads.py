@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from results_io import write_results  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
+from prism.engine.request import FinishReason  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
 from prism.testing.checkpoints import ensure_tiny_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
@@ -119,10 +120,12 @@ def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave
             "cold_tokens_equal_alone": cold_tokens == alone_tokens, "gaps_ms": [g * 1e3 for g in gaps]}
 
 
-def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: int, clients: int, requests: int) -> dict:
-    """`clients` requests in flight at all times over `groups` image sets with Zipf(1.1) popularity."""
-    llm = LLM(ckpt, kv_dtype=kv_dtype, kv_memory_bytes=kv_bytes, page_size=256 if size >= 448 else 16,
-              max_num_seqs=clients)
+def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: int, clients: int, requests: int,
+                   **overrides) -> dict:
+    """`clients` requests in flight at all times over `groups` image sets with Zipf(1.1) popularity. `overrides`:
+    other engine settings (`host_w5.py` runs it on the tiny checkpoint with the pool of the 8B's pages)."""
+    llm = LLM(ckpt, **{"kv_dtype": kv_dtype, "kv_memory_bytes": kv_bytes, "page_size": 256 if size >= 448 else 16,
+                       "max_num_seqs": clients, **overrides})
     engine = llm.engine
     rng = random.Random(0)
     weights = [1 / (k + 1) ** 1.1 for k in range(groups)]
@@ -133,7 +136,7 @@ def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: 
     preparing: dict[str, object] = {}
     arrivals: dict[str, float] = {}
     ttft: list[float] = []
-    submitted = finished = 0
+    submitted = finished = steps = 0
 
     def submit() -> None:
         nonlocal submitted
@@ -154,17 +157,22 @@ def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: 
         if not engine.has_unfinished_requests():
             time.sleep(0.0005)  # every request is still being prepared
             continue
+        steps += 1
         for event in engine.step():
             if event.new_token_ids and event.request_id in arrivals:
                 ttft.append(time.perf_counter() - arrivals.pop(event.request_id))
             if event.finished:
+                if event.finish_reason is FinishReason.ERROR:  # a failed request is no throughput
+                    raise RuntimeError(f"W5 request {event.request_id} failed: {event.error}")
                 finished += 1
     elapsed = time.perf_counter() - start
     media_pool.shutdown()
     kv = engine.kv
     return {"req_per_s": requests / elapsed, "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
             "hit_rate": kv.stats.hit_tokens / max(kv.stats.queries_tokens, 1), "evictions": kv.entries.evictions,
-            "pool_pages": kv.gpu.num_pages}
+            "pool_pages": kv.gpu.num_pages, "steps": steps, "async_steps": engine.stats.async_steps,
+            "scheduled_ahead_steps": engine.stats.scheduled_ahead_steps,
+            "async_admissions": engine.config.async_admissions}
 
 
 def workloads(smoke: bool) -> dict:

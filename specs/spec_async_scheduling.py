@@ -18,6 +18,7 @@ row's token, or a stopped request's logits row taken for another's, changes them
 from __future__ import annotations
 
 import functools
+import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,7 @@ from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
 
 IMAGE = random_images([(64, 64)], seed=31)[0]
+_IDS = itertools.count()
 TEXTS = ("Hi.", "Tell me a story about a cat.", "What is two plus two?", "Name three colours, please.")
 
 
@@ -40,10 +42,16 @@ def chat(text: int, with_image: bool) -> list[dict]:
 
 
 @functools.cache
-def engine(async_scheduling: bool, chunks: bool = False) -> LLM:
+def engine(async_scheduling: bool, chunks: bool = False, admissions: bool = False) -> LLM:
     """`chunks`: the packed graphs too, prompts interleaved 8 tokens at a time beside the decodes and a step
     budget smaller than a few prompts, so a later prompt's chunks go beside the decode rows (a continuation
-    carries the next chunk of the one request still in its prompt)."""
+    carries the next chunk of the one request still in its prompt). `admissions`: the packed graphs, and the
+    scheduler runs while a step is in flight when requests wait (`async_admissions`)."""
+    if admissions:
+        return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=16, num_gpu_pages=24, max_num_seqs=4,
+                   max_num_batched_tokens=256, graph_rows_without_cuda=True, cuda_graph_max_batch=4,
+                   cuda_graph_max_packed_tokens=256, async_scheduling=async_scheduling,
+                   async_admissions=async_scheduling, check_invariants=True)
     if chunks:
         return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=16, num_gpu_pages=24, max_num_seqs=5,
                    max_num_batched_tokens=96, interleave_prefill_tokens=8, graph_rows_without_cuda=True,
@@ -65,10 +73,11 @@ def params_of(kind: str, max_tokens: int, seed: int, vocab: int) -> SamplingPara
 
 class AsyncSchedulingMachine(RuleBasedStateMachine):
     chunks = False
+    admissions = False
 
     @initialize()
     def setup(self) -> None:
-        self.llm = engine(True, self.chunks)
+        self.llm = engine(True, self.chunks, self.admissions)
         self.engine = self.llm.engine
         self.engine.kv.clear_cache()
         self.vocab = self.engine.runner.model.config.text.vocab_size
@@ -154,8 +163,16 @@ class AsyncChunksMachine(AsyncSchedulingMachine):
     chunks = True
 
 
+class AsyncAdmissionsMachine(AsyncSchedulingMachine):
+    """The same, where the scheduler admits waiting requests while a step is in flight (`admissions=True`)."""
+
+    admissions = True
+
+
 AsyncChunksMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)
 test_async_chunks_commit_what_the_host_read = AsyncChunksMachine.TestCase
+AsyncAdmissionsMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
+test_async_admissions_commit_what_the_host_read = AsyncAdmissionsMachine.TestCase
 
 
 @settings(max_examples=12, deadline=None)
@@ -201,3 +218,63 @@ def outcomes(llm: LLM, prompts, params) -> list[tuple]:
     llm.engine.kv.clear_cache()
     return [(c.token_ids, c.finish_reason, [(lp.token_id, lp.logprob) for lp in c.logprobs or []])
             for c in llm.generate(prompts, params)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, len(TEXTS) - 1), st.booleans(), st.integers(1, 10),
+                                   st.sampled_from(["greedy", "seeded", "stops", "logprobs"]), st.integers(0, 99),
+                                   st.integers(0, 6)),
+                         min_size=2, max_size=7))
+def spec_async_admissions_give_the_tokens_of_scheduled_steps(requests) -> None:
+    """Requests arriving while others decode (more than run at once, so some wait for a seat): with the scheduler
+    running while a step is in flight, each request's tokens and finish reason are those of the engine that
+    schedules every step after reading the last one's tokens, the logprobs within 1e-2: a request may be admitted
+    a step later than there (a row whose token in flight ends it keeps its seat until that token is read), so
+    beside other rows, and fp32 GEMMs over other batches round differently, which the FP8 KV can turn into a
+    rounding step (measured: 1e-4). A decode row
+    fed another row's token, a pending slot the scheduler preempts or publishes, or an admitted prompt's rows
+    fed the device's tokens change them."""
+    vocab = engine(False, admissions=True).engine.runner.model.config.text.vocab_size
+    params = []
+    for _, _, n, kind, seed, _ in requests:
+        if kind == "greedy":
+            params.append(SamplingParams.greedy(max_tokens=n, ignore_eos=True))
+        elif kind == "seeded":
+            params.append(SamplingParams(temperature=0.9, seed=seed, max_tokens=n, ignore_eos=True))
+        else:
+            params.append(params_of(kind, n, seed, vocab))
+    got = staggered(engine(True, admissions=True), requests, params)
+    want = staggered(engine(False, admissions=True), requests, params)
+    for rid in want:
+        assert got[rid][:2] == want[rid][:2], f"{rid}: async admissions changed the tokens: {got[rid]} vs {want[rid]}"
+        assert all(t == u and abs(a - b) < 1e-2 for (t, a), (u, b) in zip(got[rid][2], want[rid][2], strict=True)), \
+            f"{rid}: async admissions changed the logprobs: {got[rid][2]} vs {want[rid][2]}"
+
+
+def staggered(llm: LLM, requests, params) -> dict[str, tuple]:
+    """Request i added after the engine's `arrival_i`-th step call from the previous arrival; each request's
+    (tokens, finish reason, logprobs)."""
+    eng = llm.engine
+    eng.kv.clear_cache()
+    out: dict[str, list] = {}
+    done: dict[str, tuple] = {}
+    ids = []
+    for (text, image, *_, arrival), p in zip(requests, params, strict=True):
+        for _ in range(arrival):
+            take(eng.step(), out, done)
+        rid = f"s{next(_IDS)}"
+        ids.append(rid)
+        eng.add_request(rid, eng.inputs.prepare_chat(chat(text, image)), p)
+        out[rid] = [[], []]
+    while eng.has_unfinished_requests():
+        take(eng.step(), out, done)
+    return {f"r{k}": done[rid] for k, rid in enumerate(ids)}
+
+
+def take(events, out: dict, done: dict) -> None:
+    for event in events:
+        tokens, logprobs = out[event.request_id]
+        tokens += event.new_token_ids
+        logprobs += [(lp.token_id, lp.logprob) for lp in event.logprobs or []]
+        if event.finished:
+            done[event.request_id] = (tuple(tokens), event.finish_reason, logprobs)

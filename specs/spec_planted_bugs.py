@@ -665,3 +665,39 @@ def test_continuation_chunk_steps_without_the_device_tokens_are_caught(monkeypat
     monkeypatch.setattr(PackedGraphs, "run", without_device_tokens)
     _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
                 "async scheduling changed the")
+
+
+def test_scheduling_ahead_without_the_pending_slots_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async admissions: the scheduler runs while a step is in flight only after each decode row's pending slot is
+    reserved, so it sees a one-token decode for each. Planted: the slots are not reserved (the scheduler then finds
+    nothing to compute for the decoding requests)."""
+    from prism.engine import continuation
+    from prism.engine import engine as engine_module
+    from prism.engine.request import RequestState
+    from specs import spec_async_scheduling
+
+    def without_pending_slots(current, scheduler, kv, max_model_len):
+        if not scheduler.waiting or scheduler.swapped or not kv.plan.is_empty():
+            return None
+        rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+        if len(rows) != len(scheduler.running):
+            return None
+        skip = {r.request_id for _, r in rows if continuation.stops_by_length_after_next(r, max_model_len)}
+        return [(i, r) for i, r in rows if r.request_id not in skip], skip
+
+    monkeypatch.setattr(engine_module, "rows_scheduled_ahead", without_pending_slots)
+    _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
+                "async admissions changed the")
+
+
+def test_decode_rows_scheduled_ahead_taken_for_non_sampling_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async admissions: when the step is launched, a decode row's token is not read yet, so its slice does not
+    yet end at the request's last known token (`ScheduledSlice.sample` is false); it samples all the same, and its
+    logits row must be counted. Planted: the rows that sample are judged by `sample` alone (found by review as a
+    mapping no spec planted)."""
+    from prism.engine import engine as engine_module
+    from specs import spec_async_scheduling
+
+    monkeypatch.setattr(engine_module, "samples_at_launch", lambda slices, pending: [s.sample for s in slices])
+    _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
+                "async admissions changed the")

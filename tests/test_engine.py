@@ -271,6 +271,45 @@ def test_async_chunks_launch_the_scheduled_chunks_early_and_change_no_token(ckpt
     assert llm.engine.stats.async_chunk_steps == len(want_chunks) - 1, (llm.engine.stats, want_chunks)
 
 
+@pytest.mark.parametrize("packed", [128, 0], ids=["packed", "eager"])
+def test_async_admissions_schedule_waiting_requests_while_a_step_runs(ckpt, packed):
+    """More requests than seats, prompts interleaved beside decodes: with `async_admissions`, a step that admits a
+    waiting request (as a seat frees) is scheduled and launched while the step before it is in flight, its decode
+    rows fed that step's tokens on the device (in the packed graphs, or the eager forward without them). Every
+    request's tokens, and every prompt's chunks, are those of the engine that schedules each step after reading
+    the last one's tokens (the scheduler knows the rows decode before their tokens are read)."""
+    common = dict(page_size=16, num_gpu_pages=64, max_num_seqs=2, interleave_prefill_tokens=8,
+                  graph_rows_without_cuda=True, cuda_graph_max_packed_tokens=packed, check_invariants=True)
+    prompts = [chat(IMAGES[0], "Describe it."), "Count to ten.", chat(IMAGES[1], "What is it?"),
+               "Name a colour, then another one, then a third one, please."]
+    params = [SamplingParams.greedy(max_tokens=n, ignore_eos=True) for n in (6, 9, 5, 7)]
+
+    def run(llm: LLM) -> tuple[list[list[int]], list[tuple[str, int, int]]]:
+        runner = llm.engine.runner
+        chunks: list[tuple[str, int, int]] = []
+        execute, execute_decode_rows = runner.execute, runner.execute_decode_rows
+
+        def recording(slices, kv, *rest, **kwargs):
+            chunks.extend((s.request.request_id, s.start, s.end) for s in slices if s.start < s.request.num_prompt_tokens)
+            return execute(slices, kv, *rest, **kwargs)
+
+        def recording_rows(slices, kv, token_ids, chunk=None):
+            if chunk is not None:
+                chunks.append((chunk.request.request_id, chunk.start, chunk.end))
+            return execute_decode_rows(slices, kv, token_ids, chunk=chunk)
+
+        runner.execute, runner.execute_decode_rows = recording, recording_rows
+        return [c.token_ids for c in llm.generate(prompts, params)], chunks
+
+    want, want_chunks = run(LLM(ckpt, async_scheduling=False, **common))
+    llm = LLM(ckpt, async_admissions=True, **common)
+    got, got_chunks = run(llm)
+    assert got == want
+    assert sorted(got_chunks) == sorted(want_chunks), "the steps scheduled ahead chunked the prompts differently"
+    assert any(end - start <= 8 and start > 0 for _, start, end in want_chunks), "the test needs interleaved chunks"
+    assert llm.engine.stats.scheduled_ahead_steps >= 2, llm.engine.stats
+
+
 def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt):
     """Async scheduling: while requests decode, each call launches the next decode step and returns the previous
     step's tokens. When a new request arrives (the next step must be scheduled: it has a prefill), the call that

@@ -340,6 +340,39 @@ def test_async_chunks_beside_the_decodes_change_no_token(ckpt_8b):
         (chunk_steps, slow_chunk_steps, replays)
 
 
+def test_async_admissions_change_no_token(ckpt_8b):
+    """More requests than seats (images and text): with `async_admissions` the steps that admit a waiting request
+    are scheduled while the step before runs, their decode rows fed its tokens on the device and their transfer
+    plans (tail copies after a hit) run in them; the tokens are those of the engine without async scheduling (or
+    part at a near-tie of that run), also with the stream held ~10 ms before every replay."""
+    prompts = [chat(IMAGES[i % 3], f"Question {i}: what is in it?") if i % 2 == 0 else chat(f"Count to {i + 5}.")
+               for i in range(8)]
+    params = [SamplingParams.greedy(max_tokens=6 + i, ignore_eos=True, logprobs=5) for i in range(8)]
+
+    def run(slow: bool = False, **overrides):
+        llm = engine(ckpt_8b, "fp8", max_num_seqs=3, **overrides)
+        if slow:
+            for graphs in (llm.engine.runner.graphs, llm.engine.runner.packed):
+                def held(*args, _run=graphs.run, **kwargs):
+                    torch.cuda._sleep(20_000_000)
+                    return _run(*args, **kwargs)
+
+                graphs.run = held
+        out = llm.generate(prompts, params)
+        ahead = llm.engine.stats.scheduled_ahead_steps
+        del llm
+        release_gpu_memory()
+        return out, ahead
+
+    ours, ahead = run(async_admissions=True)
+    slowed, slow_ahead = run(slow=True, async_admissions=True)
+    plain, _ = run(async_scheduling=False)
+    for a, b, ref in zip(ours, slowed, plain, strict=True):
+        assert_same_or_near_tie(a, ref)
+        assert_same_or_near_tie(b, ref)
+    assert ahead >= 3 and slow_ahead >= 3, (ahead, slow_ahead)
+
+
 def test_async_scheduling_is_unchanged_by_a_slow_device(ckpt_8b):
     """Async scheduling's hazards live on the device timeline (a pinned input buffer rewritten before its copy ran,
     tokens read before their copy's event): with the stream held ~10 ms before every graph replay, so the host

@@ -70,6 +70,11 @@ class EngineConfig:
     # sequences is launched on them (when nothing else needs scheduling), so the host's work between steps
     # (committing tokens, streaming, building the next inputs) overlaps the device's. Needs the CUDA graphs' rows.
     async_scheduling: bool = True
+    # ... and when requests wait to be admitted, the scheduler runs while the step is in flight too: the admitted
+    # prefills go beside the decode rows fed the device's tokens (`continuation.rows_scheduled_ahead`). W5's
+    # clients keep requests waiting, so most of its steps are scheduled ones, each serialized with the device
+    # (100 of 181 steps in `bench/host_w5.py`). Opt-in until a GPU A/B has measured it.
+    async_admissions: bool = False
     # One-row products of the decoder's QKV, O and down projections (a decode step of one sequence) as a Triton
     # GEMV (`ops/gemv.py`), which reads those weights closer to the memory bandwidth than cuBLAS does there.
     batch1_gemv: bool = True

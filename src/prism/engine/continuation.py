@@ -9,6 +9,12 @@ one `Scheduler.chunk_end` gives it after the rows' tokens (same budget, same int
 tokens are those of scheduled steps. Anything else (a request waiting that could be admitted, one swapped out, a
 pending transfer, a page that needs copying or preempting, a step the graphs do not replay) returns an empty
 continuation and the step is scheduled normally.
+
+When requests wait to be admitted (many clients: a request ends and the next one arrives every step or two), the
+scheduler itself runs ahead (`rows_scheduled_ahead`): every running request is a decode row of the step in flight,
+so with their pending slots reserved first the scheduler sees each as a one-token decode whose pages it already
+has, and can never preempt one; it admits and chunks the waiting requests as it would a step later. Rows whose
+token in flight ends them by length are skipped (they keep their seats until it is read).
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ def plan_continuation(current: InflightStep, scheduler: Scheduler, kv: KVCacheMa
                       max_model_len: int) -> Continuation:
     """The continuation of `current` with its pages reserved (pending tokens for the rows), or an empty one."""
     none = Continuation([])
-    if scheduler.swapped or (scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs):
-        return none
-    if not kv.plan.is_empty():
+    if scheduler.swapped or not kv.plan.is_empty():
         return none
     rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+    ending = sum(1 for _, r in rows if stops_by_length_after_next(r, max_model_len))
+    if scheduler.waiting and len(scheduler.running) - ending < scheduler.config.max_num_seqs:
+        return none  # a seat is free, or frees once the tokens in flight are read: admit first
     prefilling = None
     if len(rows) != len(scheduler.running):  # someone running is not decoding in this step
         prefilling = chunk_continuing(scheduler, kv, rows)
@@ -94,3 +101,30 @@ def stops_by_length_after_next(request: Request, max_model_len: int) -> bool:
     """Whether the token in flight ends `request` by length (no next step to launch for it)."""
     n = len(request.output_token_ids) + 1
     return n >= request.params.max_tokens or request.num_prompt_tokens + n >= max_model_len
+
+
+def rows_scheduled_ahead(current: InflightStep, scheduler: Scheduler, kv: KVCacheManager,
+                         max_model_len: int) -> tuple[list[tuple[int, Request]], set[str]] | None:
+    """For the scheduler to run while `current` is in flight: (the decode rows, as (sampling row of `current`,
+    request), their pending slots reserved; the running requests to skip, whose token in flight ends them). None
+    when the step must wait for `current`'s tokens: nobody waiting, someone swapped or running but not decoding
+    in `current`, no row left to decode (the scheduler would then see no decodes), a pending transfer, or a slot
+    that needs copying or preempting."""
+    if not scheduler.waiting or scheduler.swapped or not kv.plan.is_empty():
+        return None
+    rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+    if len(rows) != len(scheduler.running):
+        return None
+    skip = {r.request_id for _, r in rows if stops_by_length_after_next(r, max_model_len)}
+    live = [(i, r) for i, r in rows if r.request_id not in skip]
+    if not live or len(live) > scheduler.config.max_num_batched_tokens:  # (nobody decodes / some left out)
+        return None
+    if not kv.reserve_pending([r.request_id for _, r in live]):
+        return None
+    return live, skip
+
+
+def samples_at_launch(slices: list[ScheduledSlice], pending) -> list[bool]:
+    """Which slices of a step scheduled ahead sample: those that end their request's known tokens, and every decode
+    row fed a device token (`pending`: its token is not read yet, so its slice does not look like the last one)."""
+    return [s.sample or s.request.request_id in pending for s in slices]

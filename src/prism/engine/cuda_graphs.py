@@ -233,13 +233,13 @@ class RowGraphs:
 
     @torch.inference_mode()
     def run(self, rows: GraphRows, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One step over `rows`; logits [len(rows.sample_rows), vocab] in fp32. `token_ids` ([num_rows], on the
-        device) replaces the rows' host token ids: async scheduling feeds the previous step's sampled tokens
+        """One step over `rows`; logits [len(rows.sample_rows), vocab] in fp32. `token_ids` ([k], on the device)
+        replaces the host token ids of the first k rows: async scheduling feeds the previous step's sampled tokens
         straight in, before the host has read them."""
         n = rows.num_rows
         if not self.fits(n, rows.max_context):
             raise ValueError(f"{n} rows up to context {rows.max_context} do not fit the captured graphs")
-        if token_ids is not None and tuple(token_ids.shape) != (n,):
+        if token_ids is not None and (token_ids.dim() != 1 or token_ids.numel() > n):
             raise ValueError(f"{tuple(token_ids.shape)} device token ids for {n} rows")
         b = next(size for size in self.buckets if size >= n)
         # Rows n..b-1 are padding: their scratch state is restored (an earlier, larger step may have used them).
@@ -262,7 +262,7 @@ class RowGraphs:
             self.shared_prefix_steps += cascade
         self._staging.copy_to(self.row_inputs[:, :b], self.block_table[:b])
         if token_ids is not None:
-            self.input_ids[:n].copy_(token_ids)
+            self.input_ids[: token_ids.numel()].copy_(token_ids)
         key = (b, cascade)
         if key in self._graphs:
             self._graphs[key].replay()

@@ -33,7 +33,7 @@ from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
 from ..media.prepare import PreparedImage
 from .config import EngineConfig
-from .continuation import Continuation, plan_continuation
+from .continuation import Continuation, plan_continuation, rows_scheduled_ahead, samples_at_launch
 from .detokenize import TextStream
 from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
@@ -41,7 +41,7 @@ from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
 from .sampler import make_generator, sample, take_rows
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledSlice, Scheduler
 from .step_payload import MediaWork
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
@@ -58,6 +58,16 @@ class EngineStats:
     preemptions: int = 0
     async_steps: int = 0  # decode steps launched before the host read the previous step's tokens
     async_chunk_steps: int = 0  # ... of which carried a prefill chunk beside the decode rows
+    scheduled_ahead_steps: int = 0  # ... of which the scheduler scheduled (requests were waiting)
+
+
+def logits_rows(sampled: list[bool]) -> list[int | None]:
+    """The logits row of each slice of a step (one per sampling slice, in order), None where it does not sample."""
+    rows, row = [], 0
+    for flag in sampled:
+        rows.append(row if flag else None)
+        row += flag
+    return rows
 
 
 class Engine:
@@ -240,11 +250,20 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
 
     def _commit(self, slices, logits: torch.Tensor) -> None:
-        for s in slices:
+        rows = logits_rows([s.sample for s in slices])
+        if self._publish_and_sample(list(zip(slices, rows, strict=True)), logits):
+            self._advance_inflight()
+
+    def _publish_and_sample(self, computed: list[tuple[ScheduledSlice, int | None]], logits: torch.Tensor) -> bool:
+        """Publish each computed slice, then act on the sampling ones' logits rows: a decision's material spawns
+        its branches, a readout finishes, the others sample (launched on the device: the step in flight).
+        Whether a step is in flight now."""
+        for s, _ in computed:
             self.kv.publish_computed(s.request.request_id, s.start, s.end)
-        rows = [s for s in slices if s.sample]  # logits rows, in this order
         sampling, sampling_rows = [], []
-        for row, s in enumerate(rows):
+        for s, row in computed:
+            if row is None:
+                continue
             if s.request.branches is not None:
                 self._spawn_branches(s.request)
             elif s.request.readout_candidates is not None:
@@ -255,10 +274,10 @@ class Engine:
                 sampling.append(s)
                 sampling_rows.append(row)
         if not sampling:
-            return
+            return False
         logits = take_rows(logits, sampling_rows)
         self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
-        self._advance_inflight()
+        return True
 
     def _sample(self, slices, logits: torch.Tensor):
         return sample(logits, [s.request.params for s in slices],
@@ -273,6 +292,8 @@ class Engine:
         current, self._inflight = self._inflight, None
         assert current is not None
         continuation = self._continuation_of(current)
+        if not continuation.rows and self._schedules_ahead(current):
+            return
         rows, chunk = continuation.rows, continuation.chunk
         slices = continuation.slices
         pending = {s.request.request_id for _, s in rows}
@@ -299,6 +320,55 @@ class Engine:
         logits = take_rows(logits, [i for i, _ in sampled])
         sampling = [s for _, s in sampled]
         self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
+
+    def _schedules_ahead(self, current: InflightStep) -> bool:
+        """Requests wait to be admitted: schedule the next step now, its decode rows fed `current`'s tokens on the
+        device, launch it, then commit `current` (waiting for its tokens, not for the launch) and the launched
+        step; whether it did (`continuation.rows_scheduled_ahead` says when it may)."""
+        if (not self.config.async_scheduling or not self.config.async_admissions or self._followers is not None
+                or self.config.deterministic):
+            return False
+        found = rows_scheduled_ahead(current, self.scheduler, self.kv, self.max_model_len)
+        if found is None:
+            return False
+        rows, skip = found
+        pending = {r.request_id: i for i, r in rows}
+        try:  # the live rows decode in this step: the scheduler must not wait for their tokens to know it
+            out = self.scheduler.schedule(skip=skip, decoding=True)
+        except Exception:  # a bug: commit the step in flight (its pending slots filled) before it surfaces
+            self._accept_tokens(current, set(pending))
+            raise
+        for request, reason in out.failed:
+            self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
+        slices = out.slices
+        launched = samples_at_launch(slices, pending)  # before the tokens are read
+        now = time.perf_counter()
+        for s in slices:
+            if s.request.times.first_scheduled is None:
+                s.request.times.first_scheduled = now
+        lead = slices[: len(pending)]  # the decode rows, in the scheduler's order
+        try:
+            if out.preempted or {s.request.request_id for s in lead} != set(pending):
+                raise RuntimeError("a step scheduled ahead must start with its decode rows and preempt no one")
+            token_ids = current.device_tokens_of([pending[s.request.request_id] for s in lead])
+            logits = self.runner.execute(slices, self.kv, out.media_ahead, pending=[s.request.request_id for s in lead],
+                                         token_ids=token_ids)
+        except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
+            log.exception("step failed")
+            self._accept_tokens(current, set(pending))
+            self._fail([s.request for s in slices] + [r for r in (out.media_ahead_for,) if r is not None], error)
+            return True
+        self.stats.async_steps += 1
+        self.stats.scheduled_ahead_steps += 1
+        self._accept_tokens(current, set(pending))
+        failure = self.runner.take_encode_ahead_failure()
+        if failure is not None:
+            log.error("encoding media ahead failed", exc_info=failure)
+            self._fail([r for r in (out.media_ahead_for,) if r is not None], failure)
+        rows = logits_rows(launched)
+        self._publish_and_sample([(s, r) for s, r in zip(slices, rows, strict=True) if not s.request.is_finished],
+                                 logits)
+        return True
 
     def _continuation_of(self, current: InflightStep) -> Continuation:
         if not self.config.async_scheduling or self._followers is not None:

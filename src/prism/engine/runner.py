@@ -13,7 +13,7 @@ Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,34 +181,46 @@ class ModelRunner:
         return text.num_attention_heads * self.layout.num_kv_heads // text.num_key_value_heads
 
     @torch.inference_mode()
-    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence = ()) -> torch.Tensor:
+    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence = (),
+                pending: Collection[str] = (), token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices.
-        `media_ahead`: media items to encode into the encoder cache this step for a prefill of the next one."""
+        `media_ahead`: media items to encode into the encoder cache this step for a prefill of the next one.
+        `pending` (async scheduling, one rank): the requests whose slice is one decode row fed `token_ids[i]`
+        (on the device, sampled by the step still running) instead of a token the host has read; those rows
+        come first, in order, and sample."""
+        if pending:
+            if self.publish is not None or self.deterministic:
+                raise RuntimeError("rows fed device tokens need a single rank and the default mode")
+            lead = slices[: len(pending)]
+            if (token_ids is None or token_ids.numel() != len(pending) or any(s.end - s.start != 1 for s in lead)
+                    or {s.request.request_id for s in lead} != set(pending)):
+                raise ValueError("rows fed device tokens must be the step's first, one token and one id each")
         plan = kv.take_plan()
         try:
-            payload = self.prepare(plan, slices, kv, media_ahead)
+            payload = self.prepare(plan, slices, kv, media_ahead, pending)
             if self.publish is not None:
                 self.publish(payload)
-            return self.run(payload)
+            return self.run(payload, token_ids if pending else None)
         finally:
             kv.finish_plan(plan)
 
     # -- rank 0: building the payload ------------------------------------------------------------
     def prepare(self, plan: TransferPlan, slices: list[ScheduledSlice], kv: KVCacheManager,
-                media_ahead: Sequence = ()) -> StepPayload:
+                media_ahead: Sequence = (), pending: Collection[str] = ()) -> StepPayload:
         """The step as data: the plan, the forwards (one, or one per deterministic tile) and the media work
-        (what the forwards read, then the items encoded ahead)."""
+        (what the forwards read, then the items encoded ahead). A `pending` request's row has a placeholder id
+        (its token comes from the device) and samples."""
         if not slices:
             return StepPayload(plan, [], [])
         if self.deterministic:
             groups = self._deterministic_tiles(slices)
         else:
-            groups = [[(s, s.start, s.end, 0, s.sample) for s in slices]]
+            groups = [[(s, s.start, s.end, 0, s.sample or s.request.request_id in pending) for s in slices]]
         forwards, items = [], []
         for group in groups:
             pieces = [
                 PieceInput(
-                    s.request.token_ids_between(start, end),
+                    [0] if s.request.request_id in pending else s.request.token_ids_between(start, end),
                     token_positions(s.request, start, end + pad),
                     start,
                     end,
@@ -283,7 +295,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, payload: StepPayload, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows. `token_ids`: the
-        input ids of the first rows, on the device (`execute_decode_rows`; one forward)."""
+        input ids of the first rows, on the device (async scheduling; one forward)."""
         self._encode_ahead_failure = None
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:
@@ -304,7 +316,7 @@ class ModelRunner:
             elif forward.graph == "packed":
                 logits = self._packed_step(forward, features, token_ids)
             else:
-                logits = self._forward(forward, features)
+                logits = self._forward(forward, features, token_ids)
             if len(payload.forwards) == 1 or any(p.sample for p in forward.pieces):
                 out.append(logits)
         if len(payload.forwards) == 1:
@@ -337,8 +349,10 @@ class ModelRunner:
         read = {m.digest for forward in payload.forwards for m in forward.media}
         return [m for m in payload.media if m.encode and m.digest not in read]
 
-    def _forward(self, forward: ForwardInput, features: dict[bytes, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One packed forward over the pieces; fp32 logits of the sampling pieces' last real rows."""
+    def _forward(self, forward: ForwardInput, features: dict[bytes, tuple[torch.Tensor, torch.Tensor]],
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed forward over the pieces; fp32 logits of the sampling pieces' last real rows. `token_ids`:
+        the ids of the first rows, on the device (async scheduling)."""
         ids, rows = [], []
         offset = 0
         for p in forward.pieces:
@@ -352,8 +366,11 @@ class ModelRunner:
             [p.num_rows for p in pieces], [p.end + p.pad for p in pieces], [p.pages for p in pieces],
             self.page_size, self.device,
         )
+        input_ids = to_device(ids, self.device, torch.int64)
+        if token_ids is not None:
+            input_ids[: token_ids.numel()].copy_(token_ids)
         logits = self.model(
-            to_device(ids, self.device, torch.int64),
+            input_ids,
             to_device(torch.cat([p.positions for p in pieces], dim=1), self.device),
             PagedKVBackend(self.gpu_pool, meta, prefill_kernel=not self.deterministic),
             multimodal=self._place_media(forward.media, features),

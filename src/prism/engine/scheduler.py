@@ -110,15 +110,18 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- the step ----------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, skip: frozenset[str] | set[str] = frozenset(), decoding: bool | None = None) -> SchedulerOutput:
+        """`skip`: running requests that compute nothing this step (async scheduling: their token in flight ends
+        them, so their seats go to waiting requests). `decoding`: whether others decode in this step (default: whether a running
+        request has produced a token; scheduled ahead, the tokens in flight are not read yet)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         self.running.sort(key=lambda r: r.priority)
-        self._decoding = any(r.output_token_ids for r in self.running)
+        self._decoding = any(r.output_token_ids for r in self.running) if decoding is None else decoding
 
         for request in list(self.running):
-            if request.state is not RequestState.RUNNING or budget == 0:
+            if request.state is not RequestState.RUNNING or budget == 0 or request.request_id in skip:
                 continue
             seq = self.kv.seqs[request.request_id]
             end = self.chunk_end(request, seq.content, seq.num_computed, budget)
@@ -135,8 +138,11 @@ class Scheduler:
 
         self._resume_swapped()
 
-        # New work waits while swapped-out requests wait to come back (they are older).
-        while self.waiting and not self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # New work waits while swapped-out requests wait to come back (they are older). A skipped request's seat is
+        # free: its token in flight ends it before this step runs.
+        ending = sum(1 for r in self.running if r.request_id in skip)
+        while (self.waiting and not self.swapped and budget > 0
+               and len(self.running) - ending < self.config.max_num_seqs):
             request = self.waiting[0]
             content = self.content_of(request)
             hit = self.kv.lookup(content)
