@@ -71,6 +71,15 @@ def params_of(kind: str, max_tokens: int, seed: int, vocab: int) -> SamplingPara
     return SamplingParams(temperature=0.7, seed=seed, max_tokens=max_tokens, logprobs=2)
 
 
+def sampling_params_of(kind: str, max_tokens: int, seed: int, vocab: int) -> SamplingParams:
+    """`params_of`, plus "greedy" and "seeded" kinds that never stop early (the token-equality specs)."""
+    if kind == "greedy":
+        return SamplingParams.greedy(max_tokens=max_tokens, ignore_eos=True)
+    if kind == "seeded":
+        return SamplingParams(temperature=0.9, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    return params_of(kind, max_tokens, seed, vocab)
+
+
 class AsyncSchedulingMachine(RuleBasedStateMachine):
     chunks = False
     admissions = False
@@ -191,14 +200,7 @@ def spec_async_scheduling_gives_the_tokens_of_scheduled_steps(requests, chunks: 
     rows fed the decode rows' tokens, changes the tokens."""
     prompts = [chat(text, image) for text, image, *_ in requests]
     vocab = engine(False, chunks).engine.runner.model.config.text.vocab_size
-    params = []
-    for _, _, n, kind, seed in requests:
-        if kind == "greedy":
-            params.append(SamplingParams.greedy(max_tokens=n, ignore_eos=True))
-        elif kind == "seeded":
-            params.append(SamplingParams(temperature=0.9, seed=seed, max_tokens=n, ignore_eos=True))
-        else:
-            params.append(params_of(kind, n, seed, vocab))
+    params = [sampling_params_of(kind, n, seed, vocab) for _, _, n, kind, seed in requests]
     overlapped = engine(True, chunks)
     before = overlapped.engine.stats.async_steps
     got = outcomes(overlapped, prompts, params)
@@ -235,14 +237,7 @@ def spec_async_admissions_give_the_tokens_of_scheduled_steps(requests) -> None:
     fed another row's token, a pending slot the scheduler preempts or publishes, or an admitted prompt's rows
     fed the device's tokens change them."""
     vocab = engine(False, admissions=True).engine.runner.model.config.text.vocab_size
-    params = []
-    for _, _, n, kind, seed, _ in requests:
-        if kind == "greedy":
-            params.append(SamplingParams.greedy(max_tokens=n, ignore_eos=True))
-        elif kind == "seeded":
-            params.append(SamplingParams(temperature=0.9, seed=seed, max_tokens=n, ignore_eos=True))
-        else:
-            params.append(params_of(kind, n, seed, vocab))
+    params = [sampling_params_of(kind, n, seed, vocab) for _, _, n, kind, seed, _ in requests]
     got = staggered(engine(True, admissions=True), requests, params)
     want = staggered(engine(False, admissions=True), requests, params)
     for rid in want:
