@@ -18,9 +18,9 @@ beside_decodes_of_step, captured_in = [], []
 run = runner.run
 
 
-def recorded_run(payload):
+def recorded_run(payload, *rest):
     beside_decodes_of_step.append(payload.beside_decodes)
-    return run(payload)
+    return run(payload, *rest)
 
 
 def capture(pixels, grids):
