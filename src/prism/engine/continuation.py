@@ -13,8 +13,9 @@ continuation and the step is scheduled normally.
 When requests wait to be admitted (many clients: a request ends and the next one arrives every step or two), the
 scheduler itself runs ahead (`rows_scheduled_ahead`): every running request is a decode row of the step in flight,
 so with their pending slots reserved first the scheduler sees each as a one-token decode whose pages it already
-has, and can never preempt one; it admits and chunks the waiting requests as it would a step later. Rows whose
-token in flight ends them by length are skipped (they keep their seats until it is read).
+has (and is told not to preempt); it admits and chunks the waiting requests as it would a step later. Rows whose
+token in flight ends them by length are skipped, their seats given to waiting requests (the sequences of the step
+stay within `max_num_seqs`; `scheduler.running` holds them until that token is read, right after the launch).
 """
 
 from __future__ import annotations

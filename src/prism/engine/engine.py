@@ -334,7 +334,7 @@ class Engine:
         rows, skip = found
         pending = {r.request_id: i for i, r in rows}
         try:  # the live rows decode in this step: the scheduler must not wait for their tokens to know it
-            out = self.scheduler.schedule(skip=skip, decoding=True)
+            out = self.scheduler.schedule(skip=skip, decoding=True, preempt=False)
         except Exception:  # a bug: commit the step in flight (its pending slots filled) before it surfaces
             self._accept_tokens(current, set(pending))
             raise

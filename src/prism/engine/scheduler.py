@@ -110,10 +110,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- the step ----------------------------------------------------------------------------------
-    def schedule(self, skip: frozenset[str] | set[str] = frozenset(), decoding: bool | None = None) -> SchedulerOutput:
+    def schedule(self, skip: frozenset[str] | set[str] = frozenset(), decoding: bool | None = None,
+                 preempt: bool = True) -> SchedulerOutput:
         """`skip`: running requests that compute nothing this step (async scheduling: their token in flight ends
-        them, so their seats go to waiting requests). `decoding`: whether others decode in this step (default: whether a running
-        request has produced a token; scheduled ahead, the tokens in flight are not read yet)."""
+        them, so their seats go to waiting requests). `decoding`: whether others decode in this step (default:
+        whether a running request has produced a token; scheduled ahead, the tokens in flight are not read yet).
+        `preempt`: False when no running request may be preempted (scheduled ahead, each holds a pending slot): one
+        that cannot get its pages waits instead."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -129,7 +132,7 @@ class Scheduler:
                 if budget == self.config.max_num_batched_tokens:  # could never progress: fail, don't spin
                     out.failed.append((request, self._unschedulable_reason(seq.content, seq.num_computed)))
                 continue
-            if not self._reserve_with_preemption(request, end - seq.num_computed, scheduled, out):
+            if not self._reserve_with_preemption(request, end - seq.num_computed, scheduled, out, preempt):
                 break  # nothing younger to preempt: this one and every younger one wait
             out.slices.append(ScheduledSlice(request, seq.num_computed, end))
             scheduled.add(request.request_id)
@@ -255,13 +258,15 @@ class Scheduler:
         )
 
     def _reserve_with_preemption(
-        self, request: Request, num_tokens: int, scheduled: set[str], out: SchedulerOutput
+        self, request: Request, num_tokens: int, scheduled: set[str], out: SchedulerOutput, preempt: bool = True
     ) -> bool:
         while True:
             try:
                 self.kv.reserve(request.request_id, num_tokens)
                 return True
             except OutOfPages:
+                if not preempt:
+                    return False
                 victim = self._youngest_unscheduled(request, scheduled)
                 if victim is not None:
                     self._preempt(victim)
