@@ -41,13 +41,18 @@ class Continuation:
         return [s for _, s in self.rows] + ([self.chunk] if self.chunk is not None else [])
 
 
+def decoding_rows(current: InflightStep) -> list[tuple[int, Request]]:
+    """(sampling row of `current`, request) of its requests still running (not aborted or finished meanwhile)."""
+    return [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+
+
 def plan_continuation(current: InflightStep, scheduler: Scheduler, kv: KVCacheManager, runner,
                       max_model_len: int) -> Continuation:
     """The continuation of `current` with its pages reserved (pending tokens for the rows), or an empty one."""
     none = Continuation([])
     if scheduler.swapped or not kv.plan.is_empty():
         return none
-    rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+    rows = decoding_rows(current)
     ending = sum(1 for _, r in rows if stops_by_length_after_next(r, max_model_len))
     if scheduler.waiting and len(scheduler.running) - ending < scheduler.config.max_num_seqs:
         return none  # a seat is free, or frees once the tokens in flight are read: admit first
@@ -113,7 +118,7 @@ def rows_scheduled_ahead(current: InflightStep, scheduler: Scheduler, kv: KVCach
     that needs copying or preempting."""
     if not scheduler.waiting or scheduler.swapped or not kv.plan.is_empty():
         return None
-    rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+    rows = decoding_rows(current)
     if len(rows) != len(scheduler.running):
         return None
     skip = {r.request_id for _, r in rows if stops_by_length_after_next(r, max_model_len)}

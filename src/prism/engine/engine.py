@@ -41,7 +41,7 @@ from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
 from .sampler import make_generator, sample, take_rows
 from .sampling import SamplingParams
-from .scheduler import ScheduledSlice, Scheduler
+from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
 from .step_payload import MediaWork
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
 
@@ -206,10 +206,7 @@ class Engine:
         for request, reason in out.failed:
             self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
         if out.slices or not self.kv.plan.is_empty():
-            now = time.perf_counter()
-            for s in out.slices:
-                if s.request.times.first_scheduled is None:
-                    s.request.times.first_scheduled = now
+            self._stamp_first_scheduled(out.slices)
             try:
                 logits = self.runner.execute(out.slices, self.kv, out.media_ahead)
             except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
@@ -220,14 +217,24 @@ class Engine:
                 log.exception("step failed")
                 # The request whose media were encoded ahead fails with the step: its media may be the cause,
                 # and its own prefill must not fail another step's requests the same way.
-                failed = [s.request for s in out.slices] + [r for r in (out.media_ahead_for,) if r is not None]
-                self._fail(failed, error)
+                self._fail([s.request for s in out.slices] + out.media_ahead_requests, error)
             else:
-                failure = self.runner.take_encode_ahead_failure()
-                if failure is not None:  # the request the media were for fails, not this step's requests
-                    log.error("encoding media ahead failed", exc_info=failure)
-                    self._fail([r for r in (out.media_ahead_for,) if r is not None], failure)
+                self._fail_a_failed_encoding_ahead(out)
                 self._commit(out.slices, logits)
+
+    def _stamp_first_scheduled(self, slices) -> None:
+        now = time.perf_counter()
+        for s in slices:
+            if s.request.times.first_scheduled is None:
+                s.request.times.first_scheduled = now
+
+    def _fail_a_failed_encoding_ahead(self, out: SchedulerOutput) -> None:
+        """If the step's encoding ahead failed (`ModelRunner.take_encode_ahead_failure`), the waiting request the
+        media were for fails, not the step's requests."""
+        failure = self.runner.take_encode_ahead_failure()
+        if failure is not None:
+            log.error("encoding media ahead failed", exc_info=failure)
+            self._fail(out.media_ahead_requests, failure)
 
     def _encode_while_preparing(self, image: PreparedImage) -> None:
         """A request's image, just prepared while its others still are: encode it now unless its features are
@@ -309,17 +316,16 @@ class Engine:
         if rows:
             self.stats.async_steps += 1
             self.stats.async_chunk_steps += chunk is not None
+        launched = samples_at_launch(slices, pending)  # every decode row, then the chunk if it ends its prompt
         self._accept_tokens(current, pending)
-        # Logits rows: one per decode row, then the chunk's if it ends its prompt (it samples like a decode).
-        live = [(i, s) for i, s in enumerate(slices) if not s.request.is_finished]
-        for _, s in live:
-            self.kv.publish_computed(s.request.request_id, s.start, s.end)
-        sampled = [(i, s) for i, s in live if s.sample]
-        if not sampled:
-            return
-        logits = take_rows(logits, [i for i, _ in sampled])
-        sampling = [s for _, s in sampled]
-        self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
+        self._commit_live(slices, launched, logits)
+
+    def _commit_live(self, slices, launched: list[bool], logits: torch.Tensor | None) -> None:
+        """Commit a step launched before `_accept_tokens` read the tokens it was fed: its slices whose requests
+        are still live, each sampling slice (`launched`, as judged at launch) taking its logits row."""
+        rows = logits_rows(launched)
+        self._publish_and_sample([(s, r) for s, r in zip(slices, rows, strict=True) if not s.request.is_finished],
+                                 logits)
 
     def _schedules_ahead(self, current: InflightStep) -> bool:
         """Requests wait to be admitted: schedule the next step now, its decode rows fed `current`'s tokens on the
@@ -342,10 +348,7 @@ class Engine:
             self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
         slices = out.slices
         launched = samples_at_launch(slices, pending)  # before the tokens are read
-        now = time.perf_counter()
-        for s in slices:
-            if s.request.times.first_scheduled is None:
-                s.request.times.first_scheduled = now
+        self._stamp_first_scheduled(slices)
         lead = slices[: len(pending)]  # the decode rows, in the scheduler's order
         try:
             if out.preempted or {s.request.request_id for s in lead} != set(pending):
@@ -356,18 +359,13 @@ class Engine:
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
             log.exception("step failed")
             self._accept_tokens(current, set(pending))
-            self._fail([s.request for s in slices] + [r for r in (out.media_ahead_for,) if r is not None], error)
+            self._fail([s.request for s in slices] + out.media_ahead_requests, error)
             return True
         self.stats.async_steps += 1
         self.stats.scheduled_ahead_steps += 1
         self._accept_tokens(current, set(pending))
-        failure = self.runner.take_encode_ahead_failure()
-        if failure is not None:
-            log.error("encoding media ahead failed", exc_info=failure)
-            self._fail([r for r in (out.media_ahead_for,) if r is not None], failure)
-        rows = logits_rows(launched)
-        self._publish_and_sample([(s, r) for s, r in zip(slices, rows, strict=True) if not s.request.is_finished],
-                                 logits)
+        self._fail_a_failed_encoding_ahead(out)
+        self._commit_live(slices, launched, logits)
         return True
 
     def _continuation_of(self, current: InflightStep) -> Continuation:

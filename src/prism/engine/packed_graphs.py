@@ -219,7 +219,7 @@ class PackedGraphs:
         if not self.fits(step.num_tokens, len(step.query_lens), max(step.context_lens, default=0)):
             raise ValueError(f"{step.num_tokens} tokens of {len(step.query_lens)} sequences do not fit the "
                              "captured packed graphs")
-        if token_ids is not None and not token_ids.numel() <= step.num_tokens:
+        if token_ids is not None and token_ids.numel() > step.num_tokens:
             raise ValueError(f"{token_ids.numel()} device token ids for a step of {step.num_tokens} rows")
         b, real = self._fill(step, multimodal)
         if token_ids is not None:  # after the host ids' copy, on the same stream

@@ -57,6 +57,11 @@ class SchedulerOutput:
     media_ahead: list = field(default_factory=list)  # PreparedMedia to encode this step for a request admitted next
     media_ahead_for: Request | None = None  # ... that request (still waiting)
 
+    @property
+    def media_ahead_requests(self) -> list[Request]:
+        """[media_ahead_for] when there is one (it fails with a step that encodes its media ahead)."""
+        return [self.media_ahead_for] if self.media_ahead_for is not None else []
+
 
 def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
     """The largest end <= `end` that does not cut a media span. A chunk starting inside a span (deterministic
