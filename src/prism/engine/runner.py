@@ -188,6 +188,12 @@ class ModelRunner:
         `pending` (async scheduling, one rank): the requests whose slice is one decode row fed `token_ids[i]`
         (on the device, sampled by the step still running) instead of a token the host has read; those rows
         come first, in order, and sample."""
+        return self._execute(slices, kv, media_ahead, pending, token_ids)
+
+    def _execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence,
+                 pending: Collection[str], token_ids: torch.Tensor | None) -> torch.Tensor:
+        """`execute`, also for `execute_decode_rows`' steps with a chunk (not through the attribute: what wraps
+        `execute` sees the scheduler's steps only)."""
         if pending:
             if self.publish is not None or self.deterministic:
                 raise RuntimeError("rows fed device tokens need a single rank and the default mode")
@@ -210,6 +216,7 @@ class ModelRunner:
         """The step as data: the plan, the forwards (one, or one per deterministic tile) and the media work
         (what the forwards read, then the items encoded ahead). A `pending` request's row has a placeholder id
         (its token comes from the device) and samples."""
+        pending = set(pending)
         if not slices:
             return StepPayload(plan, [], [])
         if self.deterministic:
@@ -403,30 +410,22 @@ class ModelRunner:
             raise RuntimeError("a step with device tokens needs the CUDA graphs and a single rank")
         if not kv.plan.is_empty():
             raise RuntimeError("a step with device tokens cannot run a transfer plan")
+        if any(s.end - s.start != 1 for s in slices):
+            raise ValueError("only one-token decode rows take device tokens")
+        if chunk is not None:  # a mixed step, built as the scheduler's are
+            context = max(s.end for s in [*slices, chunk])
+            if not self.replays_chunk_beside_rows(len(slices), chunk.end - chunk.start, context):
+                raise ValueError("decode rows and a chunk with device tokens must fit the captured packed graphs")
+            return self._execute([*slices, chunk], kv, (), [s.request.request_id for s in slices], token_ids)
+        # The hot path (every decode step): its rows built here, without a payload.
         pieces = [
             PieceInput([0], token_positions(s.request, s.start, s.end), s.start, s.end, 0,
                        [page for _, page in kv.seqs[s.request.request_id].pages], True)
             for s in slices
         ]
-        if any(p.end - p.start != 1 for p in pieces):
-            raise ValueError("only one-token decode rows take device tokens")
-        if chunk is None:
-            if self._graph_for(pieces, []) != "rows":
-                raise ValueError("decode rows with device tokens must fit the captured row graphs")
-            return self._graph_step(ForwardInput(pieces, [], graph="rows"), token_ids)
-        pieces.append(PieceInput(chunk.request.token_ids_between(chunk.start, chunk.end),
-                                 token_positions(chunk.request, chunk.start, chunk.end), chunk.start, chunk.end,
-                                 0, [page for _, page in kv.seqs[chunk.request.request_id].pages], chunk.sample))
-        media, used = media_slices(pieces, [s.request for s in slices] + [chunk.request])
-        if self._graph_for(pieces, media) != "packed":
-            raise ValueError("decode rows and a chunk with device tokens must fit the captured packed graphs")
-        forward = ForwardInput(pieces, media, graph="packed")
-        plan = kv.take_plan()
-        try:
-            return self.run(StepPayload(plan, [forward], media_work(used, self.is_encoder_cached), True),
-                            token_ids)
-        finally:
-            kv.finish_plan(plan)
+        if self._graph_for(pieces, []) != "rows":
+            raise ValueError("decode rows with device tokens must fit the captured row graphs")
+        return self._graph_step(ForwardInput(pieces, [], graph="rows"), token_ids)
 
     def _graph_step(self, forward: ForwardInput, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         assert self.graphs is not None
