@@ -21,12 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from prism.engine import cuda_graphs, packed_graphs  # noqa: E402
+from model_stubs import stub_graph_forwards  # noqa: E402
+
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
 from prism.testing.checkpoints import ensure_tiny_checkpoint  # noqa: E402
@@ -44,8 +43,7 @@ def main() -> None:
                            SamplingParams.greedy(max_tokens=400, ignore_eos=True))
     while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prefills, through the real model
-    cuda_graphs.RowGraphs._forward = lambda self, key, context_lens_host=None: torch.zeros(key[0], vocab)
-    packed_graphs.PackedGraphs._forward = lambda self, bucket, real=None: torch.zeros(self.max_seqs + 1, vocab)
+    stub_graph_forwards(vocab)
     content = [*({"type": "image", "image": im} for im in random_images([(448, 448)] * 8, seed=5)),
                {"type": "text", "text": "Describe all."}]
     cold = engine.add_request("cold", engine.inputs.prepare_chat([{"role": "user", "content": content}]),

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_workloads  # noqa: E402
+from model_stubs import stub_graph_forwards  # noqa: E402
 
-from prism.engine import cuda_graphs, packed_graphs  # noqa: E402
 from prism.engine import runner as runner_module  # noqa: E402
 from prism.testing.checkpoints import ensure_tiny_checkpoint  # noqa: E402
 
@@ -38,8 +38,7 @@ POOL_PAGES = {"fp8": 165, "bf16": 85}  # the 8B's pages at W5's 3 GiB budget (pa
 
 def stub_the_model(vocab: int, hidden: int, levels: int, merge: int) -> None:
     """Every forward returns zero logits, the vision encoder zero features of the right shapes."""
-    cuda_graphs.RowGraphs._forward = lambda self, key, context_lens_host=None: torch.zeros(key[0], vocab)
-    packed_graphs.PackedGraphs._forward = lambda self, bucket, real=None: torch.zeros(self.max_seqs + 1, vocab)
+    stub_graph_forwards(vocab)
     runner_module.ModelRunner._forward = lambda self, forward, features, token_ids=None: torch.zeros(
         sum(p.sample for p in forward.pieces), vocab)
 
