@@ -202,11 +202,11 @@ def cold_among_decodes(ckpt, images, *, beside: bool, slow_side_stream: bool = F
     if slow_side_stream:
         run = background.run
 
-        def delayed(encode):
+        def delayed(encode, after=None):
             def slow():
                 torch.cuda._sleep(200_000_000)
                 return encode()
-            return run(slow)
+            return run(slow, after)
         background.run = delayed
     if not order_main_stream:
         background.order_main_after = lambda b=background: setattr(b, "_unordered", None)
