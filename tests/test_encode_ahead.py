@@ -34,39 +34,57 @@ def run_until_done(eng, requests) -> dict[str, list[int]]:
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
+def record_steps(eng) -> list[tuple[set[str], int]]:
+    """Every step the runner executes from now on, as (the requests it computes, the media items it encodes). Steps,
+    not `step()` calls: with async admissions one call may launch the step that encodes ahead and the next."""
+    steps: list[tuple[set[str], int]] = []
+    runner, stats = eng.runner, eng.runner.stats
+
+    def recorded(execute):
+        def run(slices, *args, **kwargs):
+            before = stats.vision_items_encoded
+            try:
+                return execute(slices, *args, **kwargs)
+            finally:
+                chunk = kwargs.get("chunk")
+                ids = {s.request.request_id for s in slices} | ({chunk.request.request_id} if chunk else set())
+                steps.append((ids, stats.vision_items_encoded - before))
+        return run
+
+    runner.execute, runner.execute_decode_rows = recorded(runner.execute), recorded(runner.execute_decode_rows)
+    return steps
+
+
 def inject_cold_into_decodes(eng):
-    """Two text requests decoding, then the cold 2-image request arrives: returns (every request, the cold
-    request's state after the first step after its arrival, the images that step encoded, and the next one)."""
+    """Two text requests decoding, then the cold 2-image request arrives: returns (every request, the steps from its
+    arrival to its first prefill step, that one included, or to its failure, as `record_steps` gives them)."""
     texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
                              SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
     for _ in range(3):
         eng.step()
+    steps = record_steps(eng)
     cold = eng.add_request("cold", cold_request(), GREEDY)
-    stats = eng.runner.stats
-    before = stats.vision_items_encoded
-    eng.step()
-    first = stats.vision_items_encoded - before
-    state_after_first = cold.state
-    eng.step()
-    second = stats.vision_items_encoded - before - first
-    return [*texts, cold], state_after_first, first, second
+    while not cold.is_finished and not any("cold" in ids for ids, _ in steps):  # (its encoding may fail it)
+        eng.step()
+    return [*texts, cold], list(steps)
 
 
 def test_a_cold_request_among_decodes_has_its_images_encoded_one_step_before_its_prefill():
-    eng = engine()
-    requests, state_after_first, first, second = inject_cold_into_decodes(eng)
-    cold = requests[-1]
-    assert state_after_first is RequestState.WAITING, "the request must wait one step while its images encode"
-    assert first == len(IMAGES), "both images are encoded in the step after the arrival"
-    assert cold.state is RequestState.RUNNING and second == 0, "the prefill then reads the encoder cache"
-    assert eng.runner.stats.encoder_cache_hits >= len(IMAGES)
-    ahead = run_until_done(eng, requests)
-    assert len(ahead["cold"]) == GREEDY.max_tokens
+    decoders = {"text0", "text1"}
+    for admissions in (False, True):
+        eng = engine(async_admissions=admissions)
+        requests, steps = inject_cold_into_decodes(eng)
+        assert steps == [(decoders, len(IMAGES)), (decoders | {"cold"}, 0)], (
+            "the images are encoded in a step of the decodes alone, the prefill reads the encoder cache in the next")
+        assert eng.runner.stats.encoder_cache_hits >= len(IMAGES)
+        ahead = run_until_done(eng, requests)
+        assert len(ahead["cold"]) == GREEDY.max_tokens
 
-    plain = engine(encode_media_ahead=False)
-    requests_plain, state_plain, first_plain, _ = inject_cold_into_decodes(plain)
-    assert state_plain is RequestState.RUNNING and first_plain == len(IMAGES), "off: encoded in the prefill's step"
-    assert run_until_done(plain, requests_plain) == ahead, "encoding ahead changes when the features are computed, not the tokens"
+        plain = engine(encode_media_ahead=False, async_admissions=admissions)
+        requests_plain, steps_plain = inject_cold_into_decodes(plain)
+        assert steps_plain == [(decoders | {"cold"}, len(IMAGES))], "off: encoded in the prefill's step"
+        assert run_until_done(plain, requests_plain) == ahead, (
+            "encoding ahead changes when the features are computed, not the tokens")
 
 
 def test_nothing_waits_when_nobody_decodes():
@@ -124,10 +142,11 @@ def test_an_image_whose_early_encoding_fails_is_encoded_by_its_prefill(monkeypat
 
 
 
-def held_back_while_pending(eng, pending_steps: int) -> tuple[list, list[str], dict[str, list[int]]]:
+def held_back_while_pending(eng, pending_steps: int) -> tuple[list, list[int], dict[str, list[int]]]:
     """The cold request among decodes, with the runner's encoding beside the decodes reported as unfinished for
     `pending_steps` queries after its media were sent ahead (the CPU has no side stream: the query is faked).
-    Returns (every request, the cold request's state after each step until it runs, the tokens at the end)."""
+    Returns (every request, the media items each step encoded from its arrival until its prefill, the tokens at
+    the end)."""
     queries = {"left": pending_steps}
 
     def pending() -> bool:
@@ -141,23 +160,22 @@ def held_back_while_pending(eng, pending_steps: int) -> tuple[list, list[str], d
                              SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
     for _ in range(3):
         eng.step()
+    steps = record_steps(eng)
     cold = eng.add_request("cold", cold_request(), GREEDY)
-    states, decoded = [], []
     while cold.state is RequestState.WAITING:
-        before = [len(t.output_token_ids) for t in texts]
         eng.step()
-        states.append(cold.state.name)
-        decoded.append([len(t.output_token_ids) for t in texts] > before)
-    assert all(decoded), "the running requests decode in every step the cold one waits"
-    return [*texts, cold], states, run_until_done(eng, [*texts, cold])
+    waiting = steps[: next(i for i, (ids, _) in enumerate(steps) if "cold" in ids)]
+    assert all({"text0", "text1"} <= ids for ids, _ in waiting), "the running requests decode in every step the cold one waits"
+    return [*texts, cold], [encoded for _, encoded in waiting], run_until_done(eng, [*texts, cold])
 
 
 def check_waits_for_media_encoded_beside_the_decodes() -> None:
-    _, states, tokens = held_back_while_pending(engine(), pending_steps=3)
-    assert states == ["WAITING"] * 4 + ["RUNNING"], states  # the encoding step, then 3 pending queries
-    _, states_plain, tokens_plain = held_back_while_pending(engine(), pending_steps=0)
-    assert states_plain == ["WAITING", "RUNNING"]
-    assert tokens == tokens_plain
+    for admissions in (False, True):
+        _, encoded, tokens = held_back_while_pending(engine(async_admissions=admissions), pending_steps=3)
+        assert encoded == [len(IMAGES), 0, 0, 0], encoded  # the encoding step, then 3 pending queries
+        _, encoded_plain, tokens_plain = held_back_while_pending(engine(async_admissions=admissions), pending_steps=0)
+        assert encoded_plain == [len(IMAGES)]
+        assert tokens == tokens_plain
 
 
 def test_a_request_waits_for_its_media_encoded_beside_the_decodes():
@@ -195,7 +213,7 @@ def decodes_beside_a_failing_encoding(monkeypatch) -> tuple[dict, dict, object]:
 
     monkeypatch.setattr(runner_module, "encode_media_items", failing)
     eng = engine()
-    requests, _, _, _ = inject_cold_into_decodes(eng)
+    requests, _ = inject_cold_into_decodes(eng)
     got = run_until_done(eng, requests[:2])
     assert not eng.kv.seqs and not eng.has_unfinished_requests()
     monkeypatch.undo()  # the engine keeps serving

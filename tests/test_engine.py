@@ -194,9 +194,9 @@ def test_interleaving_bounds_prefill_chunks_while_decoding_and_changes_no_token(
         seen: list[tuple[str, int, int]] = []
         execute = llm.engine.runner.execute
 
-        def recording(slices, kv, *rest):
+        def recording(slices, kv, *rest, **kwargs):
             seen.extend((s.request.request_id, s.start, s.end) for s in slices)
-            return execute(slices, kv, *rest)
+            return execute(slices, kv, *rest, **kwargs)
 
         llm.engine.runner.execute = recording
         engine = llm.engine
@@ -237,10 +237,10 @@ def test_async_chunks_launch_the_scheduled_chunks_early_and_change_no_token(ckpt
         chunks: list[tuple[int, int]] = []
         execute, execute_decode_rows = runner.execute, runner.execute_decode_rows
 
-        def recording(slices, kv, *rest):
+        def recording(slices, kv, *rest, **kwargs):
             chunks.extend((s.start, s.end) for s in slices
                           if s.request.request_id == "late" and s.start < s.request.num_prompt_tokens)
-            return execute(slices, kv, *rest)
+            return execute(slices, kv, *rest, **kwargs)
 
         def recording_rows(slices, kv, token_ids, chunk=None):
             if chunk is not None:
@@ -310,17 +310,19 @@ def test_async_admissions_schedule_waiting_requests_while_a_step_runs(ckpt, pack
     assert llm.engine.stats.scheduled_ahead_steps >= 2, llm.engine.stats
 
 
-def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt):
+@pytest.mark.parametrize("admissions", [False, True], ids=["scheduled-after", "admissions-ahead"])
+def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt, admissions):
     """Async scheduling: while requests decode, each call launches the next decode step and returns the previous
     step's tokens. When a new request arrives (the next step must be scheduled: it has a prefill), the call that
-    commits the step in flight returns its tokens at once; the scheduled step runs in the next call, so the
-    running streams' tokens are not held back behind it."""
+    commits the step in flight returns its tokens at once, so the running streams' tokens are not held back behind
+    the prefill. Without `async_admissions` the scheduled step runs in the next call; with it, it is scheduled and
+    launched in this call, before the step in flight is committed, and its tokens come in the next."""
     llm = LLM(ckpt, kv_dtype="fp8", page_size=16, num_gpu_pages=64, graph_rows_without_cuda=True,
-              check_invariants=True)
+              check_invariants=True, async_admissions=admissions)
     engine = llm.engine
     executed: list[int] = []
     execute = engine.runner.execute
-    engine.runner.execute = lambda *a: (executed.append(1), execute(*a))[1]
+    engine.runner.execute = lambda *a, **k: (executed.append(1), execute(*a, **k))[1]
     engine.add_request("a", "Count to twenty please.", SamplingParams.greedy(max_tokens=20, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -329,10 +331,16 @@ def test_async_scheduling_returns_a_steps_tokens_before_scheduling_the_next(ckpt
     engine.add_request("b", "Hi.", SamplingParams.greedy(max_tokens=2, ignore_eos=True))
     executed.clear()
     events = engine.step()
-    assert [e.request_id for e in events] == ["a"] and not executed, "the step in flight commits alone"
-    assert engine.stats.async_steps == launched and engine._inflight is None
-    events = engine.step()
-    assert executed and {e.request_id for e in events} == {"a", "b"}, "then the step with b's prefill runs"
+    assert [e.request_id for e in events] == ["a"], "the step in flight commits alone"
+    if admissions:
+        assert executed and engine.stats.scheduled_ahead_steps == 1 and engine._inflight is not None
+        assert engine.stats.async_steps == launched + 1
+    else:
+        assert not executed and engine.stats.async_steps == launched and engine._inflight is None
+        events = engine.step()
+        assert executed, "then the step with b's prefill runs"
+    events = engine.step() if admissions else events
+    assert {e.request_id for e in events} == {"a", "b"}, "the step with b's prefill returns both tokens"
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.kv.seqs

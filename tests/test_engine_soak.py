@@ -37,8 +37,8 @@ def test_300_random_requests_all_terminate_without_leaks(preemption):
 
     schedule = engine.scheduler.schedule
 
-    def checked_schedule():
-        out = schedule()
+    def checked_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
         for s in out.slices:
             content = engine.scheduler.content_of(s.request)
             assert content.span_containing(s.end) is None, "a chunk cut a visual span"
