@@ -5,7 +5,9 @@ Runs W5 of `bench_workloads.py` (default engine settings) per KV format twice, e
    device): little waiting means the device idles while the host works;
 2. the device's busy time, the union of its kernels' intervals from the profiler (CUDA activity only, from the
    first step to the last; the profiler slows the host a little, so this run's req/s is lower).
-A host-bound W5 gains from less host work per step, a device-bound one from less device work per request.
+A host-bound W5 gains from less host work per step, a device-bound one from less device work per request. The first
+run also lists the Triton kernels compiled or loaded after the engine's construction (first uses the engine did not
+warm up); `TRITON_CACHE_DIR` pointing at an empty folder shows a fresh machine's cost.
 
     python bench/profile_w5.py [fp8] [bf16] [--smoke]
 """
@@ -43,6 +45,43 @@ def loop_seconds(result: dict) -> float:
     return requests / result["req_per_s"]
 
 
+class TritonFirstUses:
+    """Triton kernels compiled (or loaded from the disk cache) while it is active: the specializations the engine's
+    construction did not warm up, which the first requests pay for (`JITFunction._do_compile` runs on a miss of the
+    in-memory cache only)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.kernels = 0.0, []
+
+    def __enter__(self) -> TritonFirstUses:
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return self
+        self._jit, compile_ = JITFunction, JITFunction._do_compile
+        self._compile = compile_
+
+        def timed(fn, key, signature, device, constexprs, options, attrs, warmup):
+            start = time.perf_counter()
+            try:
+                return compile_(fn, key, signature, device, constexprs, options, attrs, warmup)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.kernels.append(f"{fn.fn.__name__}{tuple(constexprs.values()) if constexprs else ''}")
+
+        JITFunction._do_compile = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if hasattr(self, "_jit"):
+            self._jit._do_compile = self._compile
+
+    def summary(self) -> str:
+        names = sorted(set(self.kernels))
+        return (f"Triton kernels first used after construction: {len(self.kernels)} ({self.seconds * 1e3:.0f} ms): "
+                f"{', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+
+
 def host_waits(kv_dtype: str) -> str:
     waited = {"seconds": 0.0, "reads": 0}
     read = InflightStep.host_result
@@ -56,14 +95,23 @@ def host_waits(kv_dtype: str) -> str:
             waited["reads"] += 1
 
     InflightStep.host_result = timed_read
+    step, first_uses = Engine.step, TritonFirstUses()
+
+    def counted_step(self):  # from the first step: the engine's construction left out
+        if not hasattr(first_uses, "_jit"):
+            first_uses.__enter__()
+        return step(self)
+
+    Engine.step = counted_step
     try:
         result = run_w5(kv_dtype)
     finally:
-        InflightStep.host_result = read
+        InflightStep.host_result, Engine.step = read, step
+        first_uses.__exit__()
     loop = loop_seconds(result)
     return (f"{kv_dtype}: {result['req_per_s']:.1f} req/s, {result['steps']} steps ({loop / result['steps'] * 1e3:.1f} ms "
             f"each), the host waited for tokens {waited['seconds'] * 1e3:.0f} ms of {loop * 1e3:.0f} ms "
-            f"({waited['seconds'] / loop:.0%}; {waited['reads']} reads)")
+            f"({waited['seconds'] / loop:.0%}; {waited['reads']} reads)\n  {first_uses.summary()}")
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:

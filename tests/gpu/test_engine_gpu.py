@@ -513,3 +513,33 @@ def test_encoding_images_while_preparing_changes_no_token(ckpt_8b):
         release_gpu_memory()
     for ours, ref in zip(out[True], out[False], strict=True):
         assert_same_or_near_tie(ours, ref)
+
+
+def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
+    """`engine/warm_up.py`: after the engine's construction, a first image request (its vision encoder eager) and a
+    Triton page-row copy of several tails launch no Triton kernel variant that was not compiled at start (a variant
+    first launched mid-serving costs its compile, 0.66 s in W5's first steps in session 15)."""
+    from triton.runtime.jit import JITFunction
+
+    from prism.ops.page_copy import copy_page_rows
+
+    llm = engine(ckpt_8b, "fp8")
+    compiled: list[str] = []
+    compile_ = JITFunction._do_compile
+
+    def counted(fn, *args, **kwargs):
+        compiled.append(fn.fn.__name__)
+        return compile_(fn, *args, **kwargs)
+
+    JITFunction._do_compile = counted
+    try:
+        assert not llm.engine.kv.seqs and llm.engine.kv.gpu.num_used == 0  # pages 0-5 hold nothing yet
+        copy_page_rows(llm.engine.runner.gpu_pool, [0, 1, 2], [3, 4, 5], [3, 7, 11], use_triton=True)
+        out = llm.generate([chat(*random_images([(448, 448), (320, 480)], seed=61), "What is in them?")],
+                           SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+    finally:
+        JITFunction._do_compile = compile_
+    assert len(out[0].token_ids) == 4
+    assert not compiled, f"compiled after the engine's start: {compiled}"
+    del llm
+    release_gpu_memory()

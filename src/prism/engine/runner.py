@@ -45,6 +45,7 @@ from .step_payload import (
     media_work,
 )
 from .vision_graphs import VisionGraphs, capture_encoder
+from .warm_up import warm_up_first_uses
 
 # Prefill tokens x their context lengths that a graph step may take as rows: a 64-row decode at 2K contexts.
 MAX_GRAPH_PREFILL_KEY_READS = 64 * 2048
@@ -134,6 +135,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
             text = model.config.text
             compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
+            warm_up_first_uses(model, self.gpu_pool)
         self.vision_graphs: VisionGraphs | None = None
         self.packed: PackedGraphs | None = None
         try:
