@@ -534,7 +534,9 @@ def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
     JITFunction._do_compile = counted
     try:
         assert not llm.engine.kv.seqs and llm.engine.kv.gpu.num_used == 0  # pages 0-5 hold nothing yet
-        copy_page_rows(llm.engine.runner.gpu_pool, [0, 1, 2], [3, 4, 5], [3, 7, 11], use_triton=True)
+        for count in (2, 3):  # (an odd count's index rows once started unaligned: a second variant)
+            copy_page_rows(llm.engine.runner.gpu_pool, [0, 1, 2][:count], [3, 4, 5][:count], [3, 7, 11][:count],
+                           use_triton=True)
         out = llm.generate([chat(*random_images([(448, 448), (320, 480)], seed=61), "What is in them?")],
                            SamplingParams.greedy(max_tokens=4, ignore_eos=True))
     finally:

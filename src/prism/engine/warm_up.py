@@ -5,8 +5,10 @@ Triton compiles a kernel's variant on its first launch (hundreds of ms each on a
 cache). The decoder's graphs compile theirs while they are captured and `compile_attention_variants` the attention
 splits; what remained for the first requests (W5 on the H200, session 15: 4 kernels, 0.66 s inside the first steps,
 the first W5 run of a process at 53-54 req/s against 104-106 for the second) was the vision encoder's eager path
-(its layer norm and rotary kernels) and the page-row copy of a tail reuse. Their variants depend on the model's
-widths and the pool's layout only, so one dummy launch of each at start compiles them for every request. Shape-
+(its layer norm and rotary kernels) and the page-row copy of tail reuses. Their variants depend on the model's
+widths and the pool's layout only (the copy's index rows are padded so that their alignment, which Triton also
+specializes on, does not vary with the count), so one dummy launch of each at start compiles them for every
+request. Shape-
 dependent first uses (cuDNN's attention plan per image size, a vision graph per grid list) are not covered.
 """
 

@@ -310,8 +310,14 @@ def copy_page_rows(pool: KVPool, src_pages: IndexLike, dst_pages: IndexLike, row
     if use_triton is None and len(s) <= _VIEW_COPY_MAX_PAGES:
         _copy_rows_by_views(pool, s, d, r)
         return
-    index = to_device(torch.tensor([s, d, r], dtype=torch.int64), pool.device)  # one upload for the three
-    _launch_copy(pool.payload, pool.payload, pool.scales, pool.scales, index[0], index[1], index[2], pool.layout)
+    # One upload for the three lists, each row padded to an even length: every row then starts 16-byte aligned, so
+    # Triton's pointer specialization gives one kernel variant whatever the count (an odd count's rows started at 8
+    # bytes and compiled a second variant mid-serving: `engine/warm_up.py`).
+    n, width = len(s), len(s) + len(s) % 2
+    pad = [0] * (width - n)
+    index = to_device(torch.tensor([s + pad, d + pad, r + pad], dtype=torch.int64), pool.device)
+    _launch_copy(pool.payload, pool.payload, pool.scales, pool.scales, index[0, :n], index[1, :n], index[2, :n],
+                 pool.layout)
 
 
 def _copy_rows_by_views(pool: KVPool, src: list[int], dst: list[int], rows: list[int]) -> None:
