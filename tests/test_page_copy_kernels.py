@@ -438,3 +438,39 @@ def test_dispatch_errors_are_explicit(monkeypatch):
     with pytest.raises(RuntimeError, match="Triton is not installed"):
         pc.compact_pages(pool, [0], [1], use_triton=True)
     pc.copy_page_rows(pool, [0], [1], [4])  # CPU pool without Triton: the torch reference, no error
+
+
+def launched_index_offsets(count: int, monkeypatch) -> list[int]:
+    """The byte offset, modulo 16, of each index tensor `copy_page_rows` hands the Triton launch for `count` copies."""
+    seen: list[int] = []
+
+    def record(src_pay, dst_pay, src_sc, dst_sc, src_idx, dst_idx, rows, layout):
+        seen.extend(t.data_ptr() % 16 for t in (src_idx, dst_idx, rows))
+
+    monkeypatch.setattr(pc, "_launch_copy", record)
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4, num_pages=12, kv_dtype="fp8")
+    pool = KVPool.allocate(lay, KERNEL_DEVICE)
+    pc.copy_page_rows(pool, list(range(count)), list(range(6, 6 + count)), [1] * count, use_triton=True)
+    return seen
+
+
+@needs_triton
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5])
+def test_copy_page_rows_hands_triton_aligned_index_rows(count, monkeypatch):
+    """Triton specializes a pointer argument on its 16-byte alignment, so index rows starting 8 bytes in compiled a
+    second kernel variant, the first time an odd number of tails was copied mid-serving (W5 on the H200, session 15;
+    `engine/warm_up.py` compiles one variant at start): every count gets aligned rows."""
+    assert launched_index_offsets(count, monkeypatch) == [0, 0, 0]
+
+
+@needs_triton
+def test_the_alignment_check_fails_on_unpadded_index_rows(monkeypatch):
+    """Planted: the three lists uploaded as one [3, n] tensor without padding (the code before session 15)."""
+    to_device = pc.to_device
+
+    def unpadded(t, device):
+        rows = t[:, : t.shape[1] - 1] if t.shape[1] % 2 == 0 and (t[:, -1] == 0).all() else t
+        return to_device(rows.contiguous(), device)
+
+    monkeypatch.setattr(pc, "to_device", unpadded)
+    assert launched_index_offsets(3, monkeypatch) != [0, 0, 0]
