@@ -14,6 +14,7 @@ from prism.testing.hf_reference import random_images
 
 IMAGES = random_images([(64, 64), (48, 80)], seed=11)
 GREEDY = SamplingParams.greedy(max_tokens=4, ignore_eos=True)
+MAX_STEPS = 30  # a cold request among decodes is prefilled within a few steps: more is a hang, not a slow test
 
 
 def cold_request():
@@ -64,9 +65,11 @@ def inject_cold_into_decodes(eng):
         eng.step()
     steps = record_steps(eng)
     cold = eng.add_request("cold", cold_request(), GREEDY)
-    while not cold.is_finished and not any("cold" in ids for ids, _ in steps):  # (its encoding may fail it)
+    for _ in range(MAX_STEPS):
+        if cold.is_finished or any("cold" in ids for ids, _ in steps):  # (its encoding may fail it)
+            return [*texts, cold], list(steps)
         eng.step()
-    return [*texts, cold], list(steps)
+    pytest.fail(f"the cold request was not prefilled within {MAX_STEPS} steps: {steps}")
 
 
 def test_a_cold_request_among_decodes_has_its_images_encoded_one_step_before_its_prefill():
@@ -162,8 +165,12 @@ def held_back_while_pending(eng, pending_steps: int) -> tuple[list, list[int], d
         eng.step()
     steps = record_steps(eng)
     cold = eng.add_request("cold", cold_request(), GREEDY)
-    while cold.state is RequestState.WAITING:
+    for _ in range(MAX_STEPS):
+        if cold.state is not RequestState.WAITING:
+            break
         eng.step()
+    else:
+        pytest.fail(f"the cold request was not admitted within {MAX_STEPS} steps: {steps}")
     waiting = steps[: next(i for i, (ids, _) in enumerate(steps) if "cold" in ids)]
     assert all({"text0", "text1"} <= ids for ids, _ in waiting), "the running requests decode in every step the cold one waits"
     return [*texts, cold], [encoded for _, encoded in waiting], run_until_done(eng, [*texts, cold])

@@ -515,15 +515,37 @@ def test_encoding_images_while_preparing_changes_no_token(ckpt_8b):
         assert_same_or_near_tie(ours, ref)
 
 
+def forget_compiled_prism_kernels() -> int:
+    """Drop every Triton kernel of `prism.ops` from Triton's in-memory cache (kept per process, not per engine), so
+    the next engine compiles (or loads from the disk cache) what it launches. How many kernels were dropped."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import prism.ops
+
+    dropped = 0
+    for info in pkgutil.iter_modules(prism.ops.__path__):
+        module = importlib.import_module(f"prism.ops.{info.name}")
+        for value in vars(module).values():
+            kernel = value if isinstance(value, JITFunction) else getattr(value, "fn", None)  # (autotuner, heuristics)
+            if isinstance(kernel, JITFunction):
+                kernel.device_caches.clear()
+                dropped += 1
+    return dropped
+
+
 def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
-    """`engine/warm_up.py`: after the engine's construction, a first image request (its vision encoder eager) and a
-    Triton page-row copy of several tails launch no Triton kernel variant that was not compiled at start (a variant
-    first launched mid-serving costs its compile, 0.66 s in W5's first steps in session 15)."""
+    """`engine/warm_up.py`: with Triton's in-memory cache emptied first (earlier tests compiled the same variants in
+    this process), the engine's construction compiles the vision encoder's eager kernels and the page-row copy, and
+    after it a first image request (its vision encoder eager) and Triton copies of 2 and 3 tails compile nothing (a
+    variant first launched mid-serving costs its compile: 0.66 s in W5's first steps in session 15)."""
     from triton.runtime.jit import JITFunction
 
     from prism.ops.page_copy import copy_page_rows
 
-    llm = engine(ckpt_8b, "fp8")
+    assert forget_compiled_prism_kernels() > 10
     compiled: list[str] = []
     compile_ = JITFunction._do_compile
 
@@ -533,6 +555,8 @@ def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
 
     JITFunction._do_compile = counted
     try:
+        llm = engine(ckpt_8b, "fp8")
+        at_start, compiled[:] = list(compiled), []
         assert not llm.engine.kv.seqs and llm.engine.kv.gpu.num_used == 0  # pages 0-5 hold nothing yet
         for count in (2, 3):  # (an odd count's index rows once started unaligned: a second variant)
             copy_page_rows(llm.engine.runner.gpu_pool, [0, 1, 2][:count], [3, 4, 5][:count], [3, 7, 11][:count],
@@ -541,6 +565,7 @@ def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
                            SamplingParams.greedy(max_tokens=4, ignore_eos=True))
     finally:
         JITFunction._do_compile = compile_
+    assert {"_add_layer_norm_kernel", "_vision_rope_kernel", "_copy_page_rows_kernel"} <= set(at_start), at_start
     assert len(out[0].token_ids) == 4
     assert not compiled, f"compiled after the engine's start: {compiled}"
     del llm

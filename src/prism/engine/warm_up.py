@@ -25,8 +25,9 @@ from ..ops.page_copy import copy_page_rows
 
 def warm_up_first_uses(model: Qwen3VLModel, pool: KVPool) -> None:
     """Launch once what the first requests would otherwise compile: the vision encoder, eagerly, over a dummy
-    image of 2x2 merged patches (this rank alone: no collective), and the Triton page-row copy from page 0 to
-    page 1. Call before any sequence holds a page (page 1's contents are garbage then anyway)."""
+    image of 2x2 merged patches (this rank alone: no collective; nothing cached, no stats counted), and the Triton
+    page-row copy of one row from page 0 to page 1. Call before any sequence holds a page: both are still the
+    zeros the pool was allocated with, so the copy changes no byte."""
     vision = model.config.vision
     side = 2 * vision.spatial_merge_size
     patches = torch.zeros(side * side, vision.patch_dim, dtype=torch.float32)
