@@ -46,20 +46,22 @@ def loop_seconds(result: dict) -> float:
 
 
 class TritonFirstUses:
-    """Triton kernels compiled (or loaded from the disk cache) while it is active: the specializations the engine's
-    construction did not warm up, which the first requests pay for (`JITFunction._do_compile` runs on a miss of the
-    in-memory cache only)."""
+    """Triton kernels compiled (or loaded from the disk cache) between `start` and `stop`: the specializations the
+    engine's construction did not warm up, which the first requests pay for (`JITFunction._do_compile` runs on a
+    miss of the in-memory cache only)."""
 
     def __init__(self) -> None:
         self.seconds, self.kernels = 0.0, []
+        self.started = False
+        self._stop = lambda: None
 
-    def __enter__(self) -> TritonFirstUses:
+    def start(self) -> None:
+        self.started = True
         try:
             from triton.runtime.jit import JITFunction
-        except ImportError:
-            return self
-        self._jit, compile_ = JITFunction, JITFunction._do_compile
-        self._compile = compile_
+        except ImportError:  # (no Triton: nothing to count)
+            return
+        compile_ = JITFunction._do_compile
 
         def timed(fn, key, signature, device, constexprs, options, attrs, warmup):
             start = time.perf_counter()
@@ -70,11 +72,10 @@ class TritonFirstUses:
                 self.kernels.append(f"{fn.fn.__name__}{tuple(constexprs.values()) if constexprs else ''}")
 
         JITFunction._do_compile = timed
-        return self
+        self._stop = lambda: setattr(JITFunction, "_do_compile", compile_)
 
-    def __exit__(self, *exc) -> None:
-        if hasattr(self, "_jit"):
-            self._jit._do_compile = self._compile
+    def stop(self) -> None:
+        self._stop()
 
     def summary(self) -> str:
         names = sorted(set(self.kernels))
@@ -98,8 +99,8 @@ def host_waits(kv_dtype: str) -> str:
     step, first_uses = Engine.step, TritonFirstUses()
 
     def counted_step(self):  # from the first step: the engine's construction left out
-        if not hasattr(first_uses, "_jit"):
-            first_uses.__enter__()
+        if not first_uses.started:
+            first_uses.start()
         return step(self)
 
     Engine.step = counted_step
@@ -107,7 +108,7 @@ def host_waits(kv_dtype: str) -> str:
         result = run_w5(kv_dtype)
     finally:
         InflightStep.host_result, Engine.step = read, step
-        first_uses.__exit__()
+        first_uses.stop()
     loop = loop_seconds(result)
     return (f"{kv_dtype}: {result['req_per_s']:.1f} req/s, {result['steps']} steps ({loop / result['steps'] * 1e3:.1f} ms "
             f"each), the host waited for tokens {waited['seconds'] * 1e3:.0f} ms of {loop * 1e3:.0f} ms "

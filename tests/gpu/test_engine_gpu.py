@@ -202,7 +202,7 @@ def cold_among_decodes(ckpt, images, *, beside: bool, slow_side_stream: bool = F
     if slow_side_stream:
         run = background.run
 
-        def delayed(encode, after=None):
+        def delayed(encode, after):
             def slow():
                 torch.cuda._sleep(200_000_000)
                 return encode()

@@ -5,16 +5,16 @@ ahead of its admission (`Scheduler`, `encode_media_ahead`) are not read by the s
 step's decodes need not wait for the encoder to finish: it runs on a side stream while the decodes go on on the
 main one. (`EngineConfig.encode_ahead_beside_decodes`: on with interleaving unless set; the workspace fix below
 passed its GPU test in session 14.) W4 on the H200: the step that encoded 8 images ahead and then decoded took
-21.5-22.5 ms, the running streams' longest gap; beside each other, the decode still waits for SMs behind the encoder's kernels (16.5 ms),
-so the gap became 16-17 ms, and the cold request's TTFT grew 2-12 ms (session 13).
+21.5-22.5 ms, the running streams' longest gap; beside each other, the decode still waits for SMs behind the
+encoder's kernels (16.5 ms), so the gap became 16-17 ms, and the cold request's TTFT grew 2-12 ms (session 13).
 
 The runner queues the encoding after the step's forwards (session 15: the decodes' kernels then reach the SMs
 first; W4's longest gap 21.8 -> 17.7-18.2 ms, the cold request's TTFT +3-8 ms, the encoder getting the SMs the
 decodes leave), its stream waiting on an event recorded before them, not for them.
 
 Ordering, all on the device (the host never waits):
-- the side stream starts after everything queued on the main stream before the event it is given (without one,
-  before the call): an encoding there may still use the vision graphs' shared memory pool or a buffer the side
+- the side stream starts after everything queued on the main stream before the event it is given: an encoding
+  there may still use the vision graphs' shared memory pool or a buffer the side
   stream is about to reuse;
 - whatever touches the vision encoder or reads media features on the main stream waits for the side stream's
   event first (`order_main_after`);
@@ -56,14 +56,10 @@ class BackgroundEncoding:
         self._unordered: torch.cuda.Event | None = None  # ... until the main stream has been ordered after it
         self.launches = 0
 
-    def run(self, encode: Callable[[], Features], after: torch.cuda.Event | None = None) -> Features:
-        """`encode()` queued on the side stream after `after` (an event recorded on the main stream), else after the
-        main stream's work so far; its features."""
+    def run(self, encode: Callable[[], Features], after: torch.cuda.Event) -> Features:
+        """`encode()` queued on the side stream after `after` (an event recorded on the main stream); its features."""
         main = torch.cuda.current_stream(self.stream.device)
-        if after is not None:
-            self.stream.wait_event(after)
-        else:
-            self.stream.wait_stream(main)
+        self.stream.wait_event(after)
         done = torch.cuda.Event()
         try:
             with torch.cuda.stream(self.stream):

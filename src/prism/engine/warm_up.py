@@ -8,8 +8,8 @@ the first W5 run of a process at 53-54 req/s against 104-106 for the second) was
 (its layer norm and rotary kernels) and the page-row copy of tail reuses. Their variants depend on the model's
 widths and the pool's layout only (the copy's index rows are padded so that their alignment, which Triton also
 specializes on, does not vary with the count), so one dummy launch of each at start compiles them for every
-request. Shape-
-dependent first uses (cuDNN's attention plan per image size, a vision graph per grid list) are not covered.
+request. Shape-dependent first uses (cuDNN's attention plan per image size, a vision graph per grid list) are not
+covered.
 """
 
 from __future__ import annotations
