@@ -423,6 +423,23 @@ def test_cascade_attention_changes_no_token(ckpt_8b):
         assert_same_or_near_tie(ours, ref)
 
 
+def test_programmatic_launch_changes_no_token_and_no_logprob(ckpt_8b):
+    """The decode kernels launched early (`ops/pdl.py`) compute what they computed launched one after another: the
+    same greedy tokens and the same logprobs, bit for bit, for a batch-1 decode (the fused gate/up GEMV) and a
+    batch of three, with an image and a prefix hit (an eager prefill, packed graphs, row graphs)."""
+    prompts = [chat(IMAGES[0], IMAGES[1], "Describe them."), chat("Count to ten."), chat(IMAGES[2], "And this?")]
+    out = {}
+    for on in (False, True):
+        llm = engine(ckpt_8b, "fp8", programmatic_launch=on)
+        out[on] = (llm.generate(prompts[:1], GREEDY) + llm.generate(prompts, GREEDY)
+                   + llm.generate([chat(IMAGES[0], IMAGES[1], "A new question?")], GREEDY))
+        del llm
+        release_gpu_memory()
+    for ours, ref in zip(out[True], out[False], strict=True):
+        assert ours.token_ids == ref.token_ids
+        assert [lp.logprob for lp in ours.logprobs] == [lp.logprob for lp in ref.logprobs]
+
+
 def test_vision_graphs_change_no_feature_and_no_token(ckpt_8b):
     """Requests with new images of sizes seen before (W1) replay the vision encoder's CUDA graph from the second
     one on: the replayed features are the eager encoder's (up to bf16 rounding of other kernel choices), and

@@ -54,6 +54,7 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         max_num_seqs=config.max_num_seqs,
         cascade_min_batch=config.cascade_attention_min_batch,
         vision_graphs=config.vision_cuda_graphs if config.cuda_graphs else 0,
+        programmatic_launch=config.programmatic_launch,
         background_encoding=config.encode_media_ahead and config.encodes_ahead_beside_decodes,
         check_invariants=config.check_invariants,
     )

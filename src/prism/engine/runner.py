@@ -26,6 +26,7 @@ from ..kv.manager import KVCacheManager
 from ..kv.transfers import TransferPlan, execute_plan
 from ..media.cache import CacheKey, PreprocessCache
 from ..model.qwen3_vl import MultimodalEmbeddings, Qwen3VLModel
+from ..ops import pdl
 from ..ops.attention_metadata import PagedAttentionMetadata
 from ..ops.dispatch import kernels_override
 from ..ops.host_copy import to_device
@@ -100,6 +101,7 @@ class ModelRunner:
         max_num_seqs: int = 64,
         cascade_min_batch: int = 0,
         vision_graphs: int = 0,
+        programmatic_launch: bool = False,
         background_encoding: bool = False,
         check_invariants: bool = False,
     ) -> None:
@@ -132,21 +134,27 @@ class ModelRunner:
         self._encode_ahead_failure: Exception | None = None
         self.stats = RunnerStats()
         self.graphs: RowGraphs | None = None
-        if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
-            text = model.config.text
-            compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
-            warm_up_first_uses(model, self.gpu_pool)
+        # Every forward of this runner, captured or eager, launches the decode kernels early or not, as configured:
+        # one compiled variant of each for the start to compile.
+        self.programmatic_launch = programmatic_launch
+        with pdl.programmatic_launch(programmatic_launch):
+            if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
+                text = model.config.text
+                compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
+                warm_up_first_uses(model, self.gpu_pool)
         self.vision_graphs: VisionGraphs | None = None
         self.packed: PackedGraphs | None = None
         try:
-            if use_graphs:
-                self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch, max_model_len,
-                                        cascade_min_batch=cascade_min_batch, check_plans=check_invariants)
-                self.graphs.capture()
-            if use_packed:
-                self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
-                                           max_num_seqs, max_model_len)
-                self.packed.capture()
+            with pdl.programmatic_launch(programmatic_launch):
+                if use_graphs:
+                    self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch,
+                                            max_model_len, cascade_min_batch=cascade_min_batch,
+                                            check_plans=check_invariants)
+                    self.graphs.capture()
+                if use_packed:
+                    self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
+                                               max_num_seqs, max_model_len)
+                    self.packed.capture()
             background_encoding = background_encoding and self.device.type == "cuda" and self.group.world_size == 1
             vision_capture = None
             if background_encoding:
@@ -305,6 +313,10 @@ class ModelRunner:
     def run(self, payload: StepPayload, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows. `token_ids`: the
         input ids of the first rows, on the device (async scheduling; one forward)."""
+        with pdl.programmatic_launch(self.programmatic_launch):
+            return self._run(payload, token_ids)
+
+    def _run(self, payload: StepPayload, token_ids: torch.Tensor | None) -> torch.Tensor:
         self._encode_ahead_failure = None
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:

@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
 
 class DecodeLinear(nn.Linear):
     """`nn.Linear` whose one-row products (a decode step of one sequence) stream the weight through
-    `ops.gemv` when `batch1_gemv` is set (`set_batch1_gemv`; QKV, O and down, where cuBLAS is slow at batch 1)."""
+    `ops.gemv` when `batch1_gemv` is set (`set_batch1_gemv`; QKV, O and down, where cuBLAS is slow at batch 1; the
+    MLP's gate/up goes through a GEMV that applies the activation too, `TextMLP`)."""
 
     batch1_gemv = False
 
@@ -124,6 +125,11 @@ class TextAttention(nn.Module):
 
 
 class TextMLP(nn.Module):
+    """gate_up's rows are [gate | up] (tensor parallel: this rank's gate block, then its up block). With
+    `batch1_gemv`, a one-row step runs the product and the activation as one GEMV (`ops.gemv.silu_and_mul_linear`)."""
+
+    batch1_gemv = False
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -131,6 +137,8 @@ class TextMLP(nn.Module):
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch1_gemv:
+            return self.down_proj(gemv.silu_and_mul_linear(x, self.gate_up.weight))
         return self.down_proj(silu_and_mul(self.gate_up(x)))
 
 

@@ -18,10 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from .kv_write import HAVE_TRITON, _want_triton, device_context
+from .pdl import launch_options
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .pdl import wait_for_predecessors
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -87,7 +90,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps,
-                         DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+                         DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_predecessors(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
@@ -96,7 +100,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, D,
-                             eps, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+                             eps, DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_predecessors(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
@@ -159,8 +164,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER, BLOCK: tl.constexpr,
-                             DTYPE: tl.constexpr):
+                             DTYPE: tl.constexpr, PDL: tl.constexpr):
         # grid = (tokens, column blocks)
+        wait_for_predecessors(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < INTER
@@ -190,7 +196,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: b
     with device_context(x.device):
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), d, eps,
                                            DTYPE=_TL_DTYPE[x.dtype], BLOCK=block,
-                                           num_warps=max(1, min(16, block // 256)))
+                                           num_warps=max(1, min(16, block // 256)), **launch_options(x.device))
     return out.view(x.shape)
 
 
@@ -211,7 +217,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, summed, xs.stride(0), rs.stride(0),
                                              out.stride(0), summed.stride(0), d, eps,
                                              DTYPE=_TL_DTYPE[x.dtype], BLOCK=block,
-                                             num_warps=max(1, min(16, block // 256)))
+                                             num_warps=max(1, min(16, block // 256)), **launch_options(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -254,5 +260,5 @@ def silu_and_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> to
     with device_context(gate_up.device):
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
             rows, out, rows.stride(0), out.stride(0), inter, BLOCK=block, DTYPE=_TL_DTYPE[gate_up.dtype],
-            num_warps=4)
+            num_warps=4, **launch_options(gate_up.device))
     return out.view(*gate_up.shape[:-1], inter)

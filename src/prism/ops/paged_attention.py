@@ -33,6 +33,7 @@ from . import kv_write
 from .attention_metadata import _INDEX, PagedAttentionMetadata, _cdiv
 from .fused_norms import qk_norm_rope
 from .kv_write import HAVE_TRITON, _check_layer, _want_triton, device_context, write_kv
+from .pdl import launch_options
 from .qk_norm_rope_kv import qk_norm_rope_write_kv
 
 if HAVE_TRITON:
@@ -40,6 +41,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .kv_write import slot_offset
+    from .pdl import wait_for_predecessors
 
 _LOG2E = 1.4426950408889634
 # Decode launch knobs (`bench/tune_decode_attention.py` sweeps them on the GPU): keys per tile, the most
@@ -279,13 +281,14 @@ if HAVE_TRITON:
                        SKIP_PREFIX: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr, PDL: tl.constexpr):
         # grid = (sequences, KV heads, splits). Scores are kept in log2 units (q pre-scaled by scale * log2 e).
         # The GQA group's query heads are the rows of two tl.dot per key tile (padded to BLOCK_G >= 16).
         # Each sequence spreads its OWN context over the splits (whole BLOCK_N tiles each): a CUDA graph
         # captured for the longest context still gives a short context all its programs.
         # SKIP_PREFIX (cascade attention): the first prefix_ptr[b] keys are attended by the shared-prefix pass,
         # so the splits cover [prefix, ctx); the partials go to slots [0, NUM_SPLITS) of SPLIT_SLOTS per row.
+        wait_for_predecessors(PDL)
         b = tl.program_id(0)
         hk = tl.program_id(1)
         split = tl.program_id(2)
@@ -324,8 +327,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HQ, HEAD_DIM,
-                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                              PDL: tl.constexpr):
         # grid = (sequences, query heads): merge the splits' partial softmaxes (empty splits: m = -inf, l = 0).
+        wait_for_predecessors(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
@@ -412,6 +417,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
             NUM_SPLITS=num_splits, SKIP_PREFIX=shared is not None,
             BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
             BLOCK_N=_BLOCK_N, NUM_STAGES=_NUM_STAGES, V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, **common,
+            **launch_options(dev),
         )
         if shared is not None:
             from .cascade_attention import launch_shared_prefix_pass  # imports this module's kernels
@@ -421,7 +427,7 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
         if slots > 1:
             _decode_reduce_kernel[(bsz, hq)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
-                NUM_SPLITS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=block_d,
+                NUM_SPLITS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=block_d, **launch_options(dev),
             )
     return out
 

@@ -38,6 +38,7 @@ from .paged_attention import (
     paged_decode_attention,
     power_of_two_at_most,
 )
+from .pdl import launch_options
 
 if HAVE_TRITON:
     import triton
@@ -232,6 +233,7 @@ def paged_prefill_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Pag
             _decode_reduce_kernel[(n, hq)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
                 NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+                **launch_options(pool.device),
             )
     return out
 

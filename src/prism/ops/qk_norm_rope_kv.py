@@ -16,6 +16,7 @@ from ..kv.fp8 import KVPool
 from . import kv_write
 from .fused_norms import check_rope_heads
 from .kv_write import HAVE_TRITON, device_context
+from .pdl import launch_options
 
 if HAVE_TRITON:
     import triton
@@ -23,6 +24,7 @@ if HAVE_TRITON:
 
     from .fused_norms import _TL_DTYPE, _norm_rope_heads, norm_rope_values
     from .kv_write import _write_one, write_head_halves
+    from .pdl import wait_for_predecessors
 
     @triton.jit(do_not_specialize=["row_k", "row_v"])  # one variant for every layer
     def _qk_norm_rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, slots_ptr,
@@ -30,8 +32,9 @@ if HAVE_TRITON:
                                       stride_vh, stride_cs, HQ, HKV, eps, row_k, row_v, num_slots, stride_row,
                                       stride_slot, sc_stride_row, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                                       BLOCK_HKV: tl.constexpr, DTYPE: tl.constexpr, KIND: tl.constexpr,
-                                      OFFSET_DTYPE: tl.constexpr):
+                                      OFFSET_DTYPE: tl.constexpr, PDL: tl.constexpr):
         # grid = (tokens, 3): a token's query heads -> q_out (1 = its key heads, 2 = its value heads -> the pool).
+        wait_for_predecessors(PDL)
         t = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         cos_row, sin_row = cos_ptr + t * stride_cs, sin_ptr + t * stride_cs
@@ -79,6 +82,6 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_w
             hq, hkv, eps, layer, lay.num_layers + layer, lay.num_slots, *kv_write.row_strides(lay),
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
             DTYPE=_TL_DTYPE[q.dtype], KIND=kv_write._KINDS[lay.kv_dtype], OFFSET_DTYPE=kv_write._OFFSET_DTYPE,
-            num_warps=4,
+            num_warps=4, **launch_options(q.device),
         )
     return q_out
