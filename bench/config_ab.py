@@ -3,7 +3,8 @@
 `--field async_scheduling --values false,true` (session 6's A/B), `--field cascade_attention_min_batch
 --values 0,8`. Same checkpoint, prompts and measurement as `bench_engine.py`'s W3 (batch 1, 8, 32 over the same 8
 hot images, 128 greedy tokens, the step time without the first token); each batch is measured `--reps` times per
-engine, alternating, so both see the same GPU clocks. Both engines are loaded at once (8B: ~2 x 33 GB). Prints
+engine, alternating, so both see the same GPU clocks. `--w2 N`: W2's engine part too (as bench_engine.py's), N times
+per engine, alternating. Both engines are loaded at once (8B: ~2 x 33 GB). Prints
 medians and writes them, with the samples, to --out.
 """
 
@@ -13,6 +14,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +35,28 @@ def parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
 
 
+def w2_engine_ms(engines: dict[str, LLM], images, one: SamplingParams, reps: int) -> dict:
+    """W2's engine part on each engine, alternating: medians (ms) and samples."""
+    for label, llm in engines.items():
+        for seed in (995, 996):  # the cold 8-image prefill's vision graph: captured on the second
+            llm.generate([llm.engine.inputs.prepare_chat(chat(random_images([(448, 448)] * 8, seed=seed), "warm"))],
+                         one)
+        llm.generate([llm.engine.inputs.prepare_chat(chat(images, f"First question ({label})."))], one)
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    for i in range(reps):
+        for label, llm in engines.items():
+            prompt = llm.engine.inputs.prepare_chat(chat(images, f"New question number {i}: which is darkest?"))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate([prompt], one)
+            torch.cuda.synchronize()
+            times[label].append((time.perf_counter() - start) * 1e3)
+    medians = {label: statistics.median(v) for label, v in times.items()}
+    print("W2 engine part: " + ", ".join(f"{label} {ms:.2f} ms" for label, ms in medians.items()) + f"  {times}",
+          flush=True)
+    return {**medians, "samples": times}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
@@ -42,6 +66,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/config_ab.json")
     parser.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--w2", type=int, default=0, help="also W2's engine part (a new question on 8 cached images, "
+                        "from a prepared prompt to the first token), this many times per engine, alternating")
     args = parser.parse_args()
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists():
@@ -69,6 +95,8 @@ def main() -> None:
         results[f"batch{batch}"]["samples"] = times
         print(f"W3 batch {batch}: " + ", ".join(f"{label} {results[f'batch{batch}'][label]:.2f} ms"
                                                  for label in labels) + f" per step  {times}", flush=True)
+    if args.w2:
+        results["W2_engine_ms"] = w2_engine_ms(engines, images, one, args.w2)
     if "batch1" in results and "batch32" in results:
         b1, b32 = results["batch1"], results["batch32"]
         print("batch 32 / batch 1: " + ", ".join(f"{label} {b32[label] / b1[label]:.3f}x" for label in labels))

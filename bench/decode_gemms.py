@@ -7,12 +7,18 @@ microseconds per call and the fraction of the measured copy bandwidth the weight
 read different copies of the weight (at least 200 MB in all), so no call finds its weight in the L2 cache.
 
 --gemv: instead, the batch-1 GEMV of `prism.ops.gemv` (each program streams BLOCK_N weight rows in BLOCK_K columns)
-at M = 1 for QKV, O and down, its launch knobs swept, against `F.linear` (how its defaults were chosen).
+at M = 1 for QKV, O and down, and its gate/up GEMV with the activation fused, their launch knobs swept with and
+without programmatic dependent launch, against `F.linear` (how their defaults were chosen).
+
+--chain: a residual add + RMSNorm, then a GEMV of its output, as in a decode layer, launched in order or early
+(`prism.ops.pdl`). (Session 16 also tried an L2 prefetch of each program's first weight columns before its wait:
+slower at every size, 1024-4096 columns, so it is gone; `-session16-chain.txt`.)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -27,42 +33,95 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kernel_timing import copy_bandwidth, us_per_call_in_graph  # noqa: E402
 
 from prism.ops import gemv as ops_gemv  # noqa: E402
+from prism.ops.fused_norms import add_rms_norm, silu_and_mul  # noqa: E402
+from prism.ops.pdl import programmatic_launch  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
 
 
-def gemv(w: torch.Tensor, x: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int) -> torch.Tensor:
-    """`prism.ops.gemv.gemv` with these launch knobs (the module's own restored afterwards)."""
-    saved = ops_gemv.BLOCK_N, ops_gemv.BLOCK_K, ops_gemv.NUM_WARPS, ops_gemv.NUM_STAGES
-    ops_gemv.BLOCK_N, ops_gemv.BLOCK_K, ops_gemv.NUM_WARPS, ops_gemv.NUM_STAGES = block_n, block_k, warps, stages
+def gemv(w: torch.Tensor, x: torch.Tensor, block_n: int, block_k: int, warps: int, stages: int,
+         silu: bool = False) -> torch.Tensor:
+    """`prism.ops.gemv.gemv` (`silu`: `gemv_silu_and_mul`, block_n its outputs per program) with these launch
+    knobs (the module's own restored afterwards)."""
+    names = ("SILU_BLOCK_N", "SILU_BLOCK_K") if silu else ("BLOCK_N", "BLOCK_K")
+    names += ("NUM_WARPS", "NUM_STAGES")
+    saved = [getattr(ops_gemv, name) for name in names]
+    for name, value in zip(names, (block_n, block_k, warps, stages), strict=True):
+        setattr(ops_gemv, name, value)
     try:
-        return ops_gemv.gemv(w, x)
+        return ops_gemv.gemv_silu_and_mul(w, x) if silu else ops_gemv.gemv(w, x)
     finally:
-        ops_gemv.BLOCK_N, ops_gemv.BLOCK_K, ops_gemv.NUM_WARPS, ops_gemv.NUM_STAGES = saved
+        for name, value in zip(names, saved, strict=True):
+            setattr(ops_gemv, name, value)
 
 
-GEMV_KNOBS = {"block_n": (8, 16), "block_k": (512, 1024), "warps": (4, 8), "stages": (3,)}
+def gemv_of_weight(w: torch.Tensor, x: torch.Tensor, knobs: dict, silu: bool) -> torch.Tensor:
+    return gemv(w, x, **knobs, silu=silu)
+
+
+def over_copies(copies: list[torch.Tensor], call) -> float:
+    """Microseconds per `call(weight)` in a CUDA graph, each call on the next copy of the weight."""
+    ws = itertools.cycle(copies)
+    return us_per_call_in_graph(lambda: call(next(ws)))
+
+
+GEMV_KNOBS = {"block_n": (4, 8, 16), "block_k": (512, 1024), "warps": (4,), "stages": (3,)}
 
 
 def gemv_sweep(bandwidth: float) -> list[str]:
+    """Each knob set timed with and without programmatic dependent launch: the graph's 20 calls then overlap
+    each call's launch with the previous call's end (`prism.ops.pdl`)."""
     lines = []
-    for name in ("qkv", "o", "down"):
+    for name in ("qkv", "o", "down", "gate_up"):
+        silu = name == "gate_up"  # the MLP's gate/up GEMV with the activation fused (`gemv_silu_and_mul`)
         n, k = SHAPES[name]
         copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
                   for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
         floor_us = n * k * 2 / bandwidth * 1e6
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         want = F.linear(x.float(), copies[0].float())[0]
-        ws = itertools.cycle(copies)
-        results = [(us_per_call_in_graph(lambda x=x, ws=ws: F.linear(x, next(ws))), "F.linear")]
+        if silu:
+            want = F.silu(want[: n // 2]) * want[n // 2:]
+            results = [(over_copies(copies, lambda w, x=x: silu_and_mul(F.linear(x, w))), "F.linear + silu_and_mul")]
+        else:
+            results = [(over_copies(copies, functools.partial(F.linear, x)), "F.linear")]
         for values in itertools.product(*GEMV_KNOBS.values()):
             knobs = dict(zip(GEMV_KNOBS, values, strict=True))
-            err = float((gemv(copies[0], x[0], **knobs).float() - want).abs().max())
-            us = us_per_call_in_graph(lambda knobs=knobs, x=x, ws=ws: gemv(next(ws), x[0], **knobs))
-            results.append((us, f"gemv {knobs} max err {err:.1e}"))
+            err = float((gemv(copies[0], x[0], **knobs, silu=silu).float() - want).abs().max())
+            for early in (False, True):
+                with programmatic_launch(early):
+                    us = over_copies(copies, functools.partial(gemv_of_weight, x=x[0], knobs=knobs, silu=silu))
+                results.append((us, f"{'silu ' if silu else ''}gemv {knobs} pdl {early} max err {err:.1e}"))
         for us, label in sorted(results):
-            lines.append(f"{name:5s} {n:6d}x{k:5d} M= 1 {us:7.1f} us ({floor_us / us:4.0%} of the copy bandwidth)  {label}")
+            lines.append(f"{name:7s} {n:6d}x{k:5d} M= 1 {us:7.1f} us ({floor_us / us:4.0%} of the copy bandwidth)  "
+                         f"{label}")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def chain_sweep(bandwidth: float) -> list[str]:
+    """The decode layer's pattern: a residual add + RMSNorm (one block, latency-bound: the memory bus idle) then a
+    GEMV of its output, 20 pairs in a graph, launched in order or early. Microseconds per pair."""
+    lines = []
+    for name in ("qkv", "o", "down", "gate_up"):
+        silu = name == "gate_up"
+        n, k = SHAPES[name]
+        copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+                  for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
+        floor_us = n * k * 2 / bandwidth * 1e6
+        x, r = (torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+
+        def pair(w, x=x, r=r, norm_w=norm_w, silu=silu):
+            normed, _ = add_rms_norm(x, r, norm_w, 1e-6)
+            return ops_gemv.gemv_silu_and_mul(w, normed[0]) if silu else ops_gemv.gemv(w, normed[0])
+
+        for early in (False, True):
+            with programmatic_launch(early):
+                us = over_copies(copies, pair)
+            lines.append(f"{name:7s} norm + {'silu ' if silu else ''}gemv {n:6d}x{k:5d} {us:7.1f} us per pair "
+                         f"(the GEMV's floor {floor_us:5.1f} us)  {'launched early' if early else 'in order'}")
             print(lines[-1], flush=True)
     return lines
 
@@ -71,11 +130,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/decode_gemms.txt")
     parser.add_argument("--gemv", action="store_true", help="a Triton GEMV's knobs swept at M = 1 (see GEMV_KNOBS)")
+    parser.add_argument("--chain", action="store_true", help="norm + GEMV pairs, launched early or not")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     lines = [f"copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s"]
-    if args.gemv:
-        lines += gemv_sweep(bandwidth)
+    if args.gemv or args.chain:
+        lines += chain_sweep(bandwidth) if args.chain else gemv_sweep(bandwidth)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
         return
