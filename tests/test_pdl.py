@@ -17,7 +17,11 @@ import torch
 
 from prism.ops import pdl
 
-OPS = Path(pdl.__file__).parent
+SRC = Path(pdl.__file__).parents[1]  # src/prism: every module, not only ops/
+
+# What a kernel may call before its wait: Triton builtins that compute indices and never touch memory, and `.to`.
+ADDRESS_ARITHMETIC = {"program_id", "num_programs", "arange", "zeros", "full", "minimum", "maximum", "cdiv", "to",
+                      "cast", "range", "min", "max"}
 
 
 def _is_launch_options(keyword: ast.keyword) -> bool:
@@ -26,14 +30,21 @@ def _is_launch_options(keyword: ast.keyword) -> bool:
             and value.func.id == "launch_options")
 
 
+def _launched_name(call: ast.Call) -> str | None:
+    """`kernel` of a launch `kernel[grid](...)` or `module.kernel[grid](...)`."""
+    if not isinstance(call.func, ast.Subscript):
+        return None
+    target = call.func.value
+    return target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else None
+
+
 def early_launched_kernels(sources: dict[str, str]) -> set[str]:
     """Names of the kernels launched as `kernel[grid](..., **launch_options(...))` in these module sources."""
     names = set()
     for source in sources.values():
         for node in ast.walk(ast.parse(source)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and isinstance(node.func.value, ast.Name) and any(map(_is_launch_options, node.keywords))):
-                names.add(node.func.value.id)
+            if isinstance(node, ast.Call) and _launched_name(node) and any(map(_is_launch_options, node.keywords)):
+                names.add(_launched_name(node))
     return names
 
 
@@ -43,54 +54,58 @@ def _is_wait(statement: ast.stmt) -> bool:
             and [a.id for a in statement.value.args if isinstance(a, ast.Name)] == ["PDL"])
 
 
-def _touches_memory(statement: ast.stmt) -> bool:
-    """Whether a statement may read or write memory a predecessor writes or reads: a load, a store, an atomic,
-    or a call to a helper (which might)."""
+def _may_break_the_rule(statement: ast.stmt) -> bool:
+    """Whether a statement before the wait may touch memory or end the program before it waits: any call but
+    index arithmetic (a load, a store, inline assembly, a helper that might), or a return."""
     for node in ast.walk(statement):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        if isinstance(func, ast.Attribute) and (func.attr in ("load", "store") or func.attr.startswith("atomic")):
+        if isinstance(node, ast.Return):
             return True
-        if isinstance(func, ast.Name) and func.id not in ("range", "min"):
-            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name not in ADDRESS_ARITHMETIC:
+                return True
     return False
 
 
 def _waits_first(fn: ast.FunctionDef) -> bool:
-    """Before its `wait_for_predecessors(PDL)` a kernel does only address arithmetic."""
+    """At the kernel's top level, `wait_for_predecessors(PDL)` comes before anything but address arithmetic."""
     for statement in fn.body:
         if _is_wait(statement):
             return True
-        if _touches_memory(statement):
+        if _may_break_the_rule(statement):
             return False
     return False
 
 
 def rule_violations(sources: dict[str, str]) -> list[str]:
-    """Kernels launched early that touch memory before `wait_for_predecessors(PDL)` (or that are not found),
-    and kernels with a PDL parameter never launched with `launch_options` (their PDL would stay unset)."""
-    kernels: dict[str, ast.FunctionDef] = {}
-    for source in sources.values():
+    """Kernels launched early that touch memory before `wait_for_predecessors(PDL)` (or that are not found; every
+    definition of a launched name is checked), kernels with a PDL parameter never launched with `launch_options`
+    (their PDL would stay unset), and `launch_pdl` set anywhere but `launch_options`."""
+    kernels: dict[str, list[ast.FunctionDef]] = {}
+    problems = []
+    for module, source in sources.items():
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.FunctionDef):
-                kernels.setdefault(node.name, node)
+                kernels.setdefault(node.name, []).append(node)
+            if isinstance(node, ast.keyword) and node.arg == "launch_pdl":
+                problems.append(f"{module}: launch_pdl set by hand (only launch_options may)")
     launched = early_launched_kernels(sources)
-    problems = [f"{name}: launched early but not found" for name in sorted(launched - kernels.keys())]
+    problems += [f"{name}: launched early but not found" for name in sorted(launched - kernels.keys())]
     problems += [f"{name}: launched early but touches memory before wait_for_predecessors(PDL)"
-                 for name in sorted(launched & kernels.keys()) if not _waits_first(kernels[name])]
-    with_pdl = {name for name, fn in kernels.items() if "PDL" in [a.arg for a in fn.args.args]
+                 for name in sorted(launched & kernels.keys()) if not all(map(_waits_first, kernels[name]))]
+    with_pdl = {name for name, fns in kernels.items() for fn in fns if "PDL" in [a.arg for a in fn.args.args]
                 and name != "wait_for_predecessors"}
     problems += [f"{name}: takes PDL but is never launched with launch_options" for name in sorted(with_pdl - launched)]
     return problems
 
 
-def ops_sources() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(OPS.glob("*.py"))}
+def src_sources() -> dict[str, str]:
+    return {str(p.relative_to(SRC)): p.read_text() for p in sorted(SRC.rglob("*.py"))}
 
 
 def test_every_kernel_launched_early_waits_for_its_predecessors_first():
-    sources = ops_sources()
+    sources = src_sources()
     launched = early_launched_kernels(sources)
     # the decode step's chain, layer by layer (`model/text.py` at batch 1)
     assert {"_gemv_kernel", "_gemv_silu_and_mul_kernel", "_add_rms_norm_kernel", "_rms_norm_kernel",
@@ -122,20 +137,61 @@ def _calls_a_helper_before_it_waits(x_ptr, PDL: tl.constexpr):
         norm_rope_values(x_ptr)
     wait_for_predecessors(PDL)
 
+@triton.jit
+def _calls_a_module_helper_before_it_waits(x_ptr, PDL: tl.constexpr):
+    offset = kv_write.slot_offset(x_ptr, 0, 0, 1, 1, tl.int64)
+    wait_for_predecessors(PDL)
+
+@triton.jit
+def _inline_asm_before_it_waits(x_ptr, PDL: tl.constexpr):
+    v = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [x_ptr], dtype=tl.int32, is_pure=False, pack=1)
+    wait_for_predecessors(PDL)
+
+@triton.jit
+def _returns_before_it_waits(x_ptr, n, PDL: tl.constexpr):
+    if tl.program_id(0) >= n:
+        return
+    wait_for_predecessors(PDL)
+
+@triton.jit
+def _waits_inside_a_branch(x_ptr, PDL: tl.constexpr):
+    if PDL:
+        wait_for_predecessors(PDL)
+    tl.store(x_ptr, 1)
+
 def launch(x, dev):
     _reads_then_waits[(1,)](x, x, **launch_options(dev))
     _never_waits[(1,)](x, **launch_options(dev))
     _waits_first[(1,)](x, **launch_options(dev))
     _calls_a_helper_before_it_waits[(1,)](x, **launch_options(dev))
+    other._calls_a_module_helper_before_it_waits[(1,)](x, **launch_options(dev))
+    _inline_asm_before_it_waits[(1,)](x, **launch_options(dev))
+    _returns_before_it_waits[(1,)](x, 1, **launch_options(dev))
+    _waits_inside_a_branch[(1,)](x, **launch_options(dev))
+'''
+
+# A second module: a kernel of the same name that breaks the rule, and a launch setting launch_pdl by hand.
+PLANTED_ELSEWHERE = '''
+@triton.jit
+def _waits_first(x_ptr, PDL: tl.constexpr):
+    tl.store(x_ptr, 1)
+    wait_for_predecessors(PDL)
+
+def launch(x):
+    _never_waits[(1,)](x, launch_pdl=True)
 '''
 
 
-def test_the_rule_check_catches_a_kernel_that_reads_before_it_waits_or_never_waits():
+def test_the_rule_check_catches_every_planted_violation():
     problems = rule_violations({"planted.py": textwrap.dedent(PLANTED)})
-    assert problems == [
-        "_calls_a_helper_before_it_waits: launched early but touches memory before wait_for_predecessors(PDL)",
-        "_never_waits: launched early but touches memory before wait_for_predecessors(PDL)",
-        "_reads_then_waits: launched early but touches memory before wait_for_predecessors(PDL)"]
+    broken = ["_calls_a_helper_before_it_waits", "_calls_a_module_helper_before_it_waits",
+              "_inline_asm_before_it_waits", "_never_waits", "_reads_then_waits", "_returns_before_it_waits",
+              "_waits_inside_a_branch"]
+    assert problems == [f"{name}: launched early but touches memory before wait_for_predecessors(PDL)"
+                        for name in broken]
+    both = rule_violations({"planted.py": textwrap.dedent(PLANTED), "other.py": textwrap.dedent(PLANTED_ELSEWHERE)})
+    assert "other.py: launch_pdl set by hand (only launch_options may)" in both
+    assert "_waits_first: launched early but touches memory before wait_for_predecessors(PDL)" in both
     unlaunched = PLANTED.replace("    _waits_first[(1,)](x, **launch_options(dev))\n", "")
     assert "_waits_first: takes PDL but is never launched with launch_options" in rule_violations(
         {"planted.py": textwrap.dedent(unlaunched)})
@@ -187,3 +243,90 @@ def test_a_runner_forwards_inside_its_configured_launch_mode(monkeypatch):
     with pdl.programmatic_launch(True):
         ModelRunner.run(probe, payload=None)
     assert seen == [True, False]
+
+
+# ------------------------------------------------------------------ what the compiler emits (Hopper, no GPU needed)
+# Compiled in a child process: this one may run under the Triton interpreter, which compiles nothing.
+COMPILE_FOR_HOPPER = r'''
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from prism.ops import fused_norms, gemv
+from prism.ops.pdl import wait_for_predecessors
+
+
+@triton.jit
+def planted_reads_then_waits(x_ptr, y_ptr, PDL: tl.constexpr):
+    x = tl.load(x_ptr)
+    wait_for_predecessors(PDL)
+    tl.store(y_ptr, x)
+
+
+def ptx(kernel, signature, constexprs):
+    full = {**signature, **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(fn=kernel, signature=full, constexprs={**constexprs, "PDL": True})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+
+
+bf16 = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"}
+knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3}
+cases = {
+    "gemv": (gemv._gemv_kernel, {**bf16, "N": "i32", "K": "i32", "stride_w": "i32"}, knobs),
+    "gemv_silu_and_mul": (gemv._gemv_silu_and_mul_kernel, {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32"},
+                          knobs),
+    # an int argument equal to 1 is compiled as a constant (an intermediate of one row)
+    "gemv_silu_and_mul, INTER = 1": (gemv._gemv_silu_and_mul_kernel, {**bf16, "K": "i32", "stride_w": "i32"},
+                                     {**knobs, "INTER": 1}),
+    "add_rms_norm": (fused_norms._add_rms_norm_kernel,
+                     {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+                      "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32",
+                      "eps": "fp32"}, {"DTYPE": tl.bfloat16, "BLOCK": 4096}),
+    "planted: reads, then waits": (planted_reads_then_waits, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}),
+}
+memory = ("ld.global", "st.global", "cp.async", "atom.", "red.")
+out = {}
+for name, (kernel, signature, constexprs) in cases.items():
+    try:
+        text = ptx(kernel, signature, constexprs)
+    except Exception as error:  # the case fails, not the others
+        out[name] = {"error": f"{type(error).__name__}: {error}"[:1000]}
+        continue
+    first = min([text.find(m) for m in memory if text.find(m) >= 0] or [len(text)])
+    out[name] = {"wait": text.find("griddepcontrol.wait"), "first_memory_access": first}
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def hopper_ptx_order(tmp_path_factory) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC.parent), env.get("PYTHONPATH", "")])
+    script = tmp_path_factory.mktemp("hopper") / "compile_for_hopper.py"  # @triton.jit needs a source file
+    script.write_text(COMPILE_FOR_HOPPER)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-500:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not pdl.HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("case", ["gemv", "gemv_silu_and_mul", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
+def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
+    """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes
+    before the first global load, store, async copy or atomic (no helper, alias or compiler reordering moved a
+    memory access ahead of it). The planted kernel that loads first shows the check can fail."""
+    order = hopper_ptx_order[case]
+    assert "error" not in order, f"does not compile for sm_90: {order.get('error')}"
+    assert order["wait"] >= 0, "PDL on, but no griddepcontrol.wait in the kernel"
+    assert order["wait"] < order["first_memory_access"], order
+    planted = hopper_ptx_order["planted: reads, then waits"]
+    assert 0 <= planted["first_memory_access"] < planted["wait"], planted

@@ -137,7 +137,7 @@ class TextMLP(nn.Module):
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch1_gemv:
+        if self.batch1_gemv and self.gate_up.bias is None:  # (Qwen3's MLP has none; the fused GEMV adds none)
             return self.down_proj(gemv.silu_and_mul_linear(x, self.gate_up.weight))
         return self.down_proj(silu_and_mul(self.gate_up(x)))
 

@@ -4,10 +4,13 @@ Owns: `linear(x, weight, bias)`, the decoder's y = x W^T (+ b), equal to `F.line
 sum, and `silu_and_mul_linear(x, weight)`, the MLP's silu(x G^T) * (x U^T) for [G | U] rows, equal to
 `silu_and_mul(F.linear(x, weight))` up to the same order (each dot, the silu and the product rounded to the
 activation dtype, as the unfused ops round them). A decode step of one sequence is a matrix-vector product per
-weight: all it does is read the weight once. On the H200 cuBLAS reads QKV at 70%, O at 62% and down at 80% of the
-copy bandwidth at batch 1, and gate/up with its activation kernel at 91%; these kernels (each program streams
-BLOCK_N weight rows in BLOCK_K columns, fp32 products, one sum per row at the end) read them at 83%, 77%, 94% and
-98% (`bench/decode_gemms.py --gemv`, `bench/results/2026-11-30-nvidia-h200-session16-gemv-pdl.txt`). Other shapes
+weight: all it does is read the weight once. On the H200, launched one after another in a CUDA graph, cuBLAS reads
+QKV at 70%, O at 62% and down at 80% of the copy bandwidth at batch 1, and gate/up with its activation kernel at 91%;
+these kernels (each program streams BLOCK_N weight rows in BLOCK_K columns, fp32 products, one sum per row at the
+end) read them at 83%, 76%, 94% and 98% (`bench/decode_gemms.py --gemv`,
+`bench/results/2026-11-30-nvidia-h200-session16-gemv-pdl.txt`). Launched early (`ops/pdl.py`) in chains of the same
+GEMV the sweep's figures scatter (O 10.1-13.6 us by tiling), but in the engine the tiling does not matter: W3 batch
+1 4.40 / 4.41 / 4.41 ms with 8 x 512, 4 x 1024 and 16 x 512 (`-session16-gemv-tiles-ab.json`). Other shapes
 (more than one row) go to `F.linear`, where cuBLAS's GEMM kernels are the right tool.
 """
 
@@ -65,7 +68,7 @@ if HAVE_TRITON:
         wait_for_predecessors(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         gate_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-        up_rows = gate_rows + INTER.to(tl.int64) * stride_w
+        up_rows = w_ptr + (rows + INTER)[:, None].to(tl.int64) * stride_w  # (INTER may be a specialized constant)
         rmask = rows < INTER
         cols = tl.arange(0, BLOCK_K)
         acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
