@@ -3,7 +3,8 @@
 `--field async_scheduling --values false,true` (session 6's A/B), `--field cascade_attention_min_batch
 --values 0,8`. Same checkpoint, prompts and measurement as `bench_engine.py`'s W3 (batch 1, 8, 32 over the same 8
 hot images, 128 greedy tokens, the step time without the first token); each batch is measured `--reps` times per
-engine, alternating, so both see the same GPU clocks. `--w2 N`: W2's engine part too (as bench_engine.py's), N times
+engine, alternating, so both see the same GPU clocks. `--gemv-tiles 8x512,4x1024`: instead of a
+field, two tilings of the batch-1 GEMV. `--w2 N`: W2's engine part too (as bench_engine.py's), N times
 per engine, alternating. Both engines are loaded at once (8B: ~2 x 33 GB). Prints
 medians and writes them, with the samples, to --out.
 """
@@ -27,12 +28,33 @@ from bench_engine import chat, w3_step_seconds  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
+from prism.ops import gemv as ops_gemv  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
 
 
 def parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
+
+
+def build(ckpt: Path, kv: str, **config) -> LLM:
+    return LLM(ckpt, kv_dtype=kv, kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
+               max_num_batched_tokens=8192, **config)
+
+
+def engines_with_gemv_tiles(ckpt: Path, kv: str, tilings: list[str]) -> dict[str, LLM]:
+    """One engine per `ROWSxCOLS` tiling of `prism.ops.gemv` (QKV, O and down at batch 1). The graphs capture the
+    tiling set when they are built, so the engines keep theirs after the module's are restored; their eager steps
+    (the prefills) use the module's, which the decode steps measured here do not run."""
+    engines = {}
+    saved = ops_gemv.BLOCK_N, ops_gemv.BLOCK_K
+    try:
+        for tiling in tilings:
+            ops_gemv.BLOCK_N, ops_gemv.BLOCK_K = (int(v) for v in tiling.split("x"))
+            engines[f"gemv {tiling}"] = build(ckpt, kv)
+    finally:
+        ops_gemv.BLOCK_N, ops_gemv.BLOCK_K = saved
+    return engines
 
 
 def w2_engine_ms(engines: dict[str, LLM], images, one: SamplingParams, reps: int) -> dict:
@@ -66,17 +88,20 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/config_ab.json")
     parser.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--gemv-tiles", default="", help="instead of --field: two batch-1 GEMV tilings (rows x "
+                        "columns per program, e.g. 8x512,4x1024), each captured into its engine's graphs")
     parser.add_argument("--w2", type=int, default=0, help="also W2's engine part (a new question on 8 cached images, "
                         "from a prepared prompt to the first token), this many times per engine, alternating")
     args = parser.parse_args()
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists():
         build_checkpoint("8b", ckpt, device="cuda", progress=True)
-    values = [parse_value(v) for v in args.values.split(",")]
-    labels = [f"{args.field}={v}" for v in values]
-    engines = {label: LLM(ckpt, kv_dtype=args.kv, kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
-                          max_num_batched_tokens=8192, **{args.field: value})
-               for label, value in zip(labels, values, strict=True)}
+    if args.gemv_tiles:
+        engines = engines_with_gemv_tiles(ckpt, args.kv, args.gemv_tiles.split(","))
+    else:
+        values = [parse_value(v) for v in args.values.split(",")]
+        engines = {f"{args.field}={value}": build(ckpt, args.kv, **{args.field: value}) for value in values}
+    labels = list(engines)
     images = random_images([(448, 448)] * 8, seed=7)
     one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)
     results: dict[str, dict] = {}
