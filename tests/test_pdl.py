@@ -330,3 +330,24 @@ def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_ord
     assert order["wait"] < order["first_memory_access"], order
     planted = hopper_ptx_order["planted: reads, then waits"]
     assert 0 <= planted["first_memory_access"] < planted["wait"], planted
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_runner_captures_its_graphs_inside_its_launch_mode(monkeypatch, enabled):
+    """What a graph captures is what it replays: the row and packed graphs are captured inside the runner's own
+    launch mode (on a CPU pool the captures run and record nothing; the mode they see is what the test checks)."""
+    from prism.engine.cuda_graphs import RowGraphs
+    from prism.engine.llm import LLM
+    from prism.engine.packed_graphs import PackedGraphs
+    from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+    seen = []
+    for holder in (RowGraphs, PackedGraphs):
+        capture = holder.capture
+        monkeypatch.setattr(holder, "capture", lambda self, capture=capture: seen.append(pdl._ENABLED.get())
+                            or capture(self))
+    llm = LLM(ensure_tiny_checkpoint(), page_size=16, num_gpu_pages=32, graph_rows_without_cuda=True,
+              cuda_graph_max_packed_tokens=64, programmatic_launch=enabled)
+    assert seen == [enabled, enabled]
+    assert llm.engine.runner.programmatic_launch is enabled
+    assert pdl._ENABLED.get() is False, "the start leaves the caller's mode as it was"
