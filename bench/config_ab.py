@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_engine import chat, w3_step_seconds  # noqa: E402
+from kernel_timing import module_knobs  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
@@ -47,13 +48,10 @@ def engines_with_gemv_tiles(ckpt: Path, kv: str, tilings: list[str]) -> dict[str
     tiling set when they are built, so the engines keep theirs after the module's are restored; their eager steps
     (the prefills) use the module's, which the decode steps measured here do not run."""
     engines = {}
-    saved = ops_gemv.BLOCK_N, ops_gemv.BLOCK_K
-    try:
-        for tiling in tilings:
-            ops_gemv.BLOCK_N, ops_gemv.BLOCK_K = (int(v) for v in tiling.split("x"))
+    for tiling in tilings:
+        rows, cols = (int(v) for v in tiling.split("x"))
+        with module_knobs(ops_gemv, {"BLOCK_N": rows, "BLOCK_K": cols}):
             engines[f"gemv {tiling}"] = build(ckpt, kv)
-    finally:
-        ops_gemv.BLOCK_N, ops_gemv.BLOCK_K = saved
     return engines
 
 

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kernel_timing import copy_bandwidth, us_per_call_in_graph  # noqa: E402
+from kernel_timing import copy_bandwidth, module_knobs, us_per_call_in_graph  # noqa: E402
 
 from prism.ops import gemv as ops_gemv  # noqa: E402
-from prism.ops.fused_norms import add_rms_norm, silu_and_mul  # noqa: E402
+from prism.ops.fused_norms import add_rms_norm, silu_and_mul, silu_and_mul_reference  # noqa: E402
 from prism.ops.pdl import programmatic_launch  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -46,14 +46,8 @@ def gemv(w: torch.Tensor, x: torch.Tensor, block_n: int, block_k: int, warps: in
     knobs (the module's own restored afterwards)."""
     names = ("SILU_BLOCK_N", "SILU_BLOCK_K") if silu else ("BLOCK_N", "BLOCK_K")
     names += ("NUM_WARPS", "NUM_STAGES")
-    saved = [getattr(ops_gemv, name) for name in names]
-    for name, value in zip(names, (block_n, block_k, warps, stages), strict=True):
-        setattr(ops_gemv, name, value)
-    try:
+    with module_knobs(ops_gemv, dict(zip(names, (block_n, block_k, warps, stages), strict=True))):
         return ops_gemv.gemv_silu_and_mul(w, x) if silu else ops_gemv.gemv(w, x)
-    finally:
-        for name, value in zip(names, saved, strict=True):
-            setattr(ops_gemv, name, value)
 
 
 def gemv_of_weight(w: torch.Tensor, x: torch.Tensor, knobs: dict, silu: bool) -> torch.Tensor:
@@ -82,7 +76,7 @@ def gemv_sweep(bandwidth: float) -> list[str]:
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         want = F.linear(x.float(), copies[0].float())[0]
         if silu:
-            want = F.silu(want[: n // 2]) * want[n // 2:]
+            want = silu_and_mul_reference(want)
             results = [(over_copies(copies, lambda w, x=x: silu_and_mul(F.linear(x, w))), "F.linear + silu_and_mul")]
         else:
             results = [(over_copies(copies, functools.partial(F.linear, x)), "F.linear")]

@@ -4,6 +4,7 @@ module's launch knobs with its report."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -44,6 +45,19 @@ def us_per_call_in_graph(call, calls: int = 20, replays: int = 5) -> float:
 
 
 
+@contextlib.contextmanager
+def module_knobs(module: ModuleType, values: dict):
+    """Within: `module`'s launch knobs (attribute name -> value) set to `values`; its own restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def sweep_knobs(module: ModuleType, knobs: dict[str, tuple], splits: Iterable[int], default_splits: int,
                 time_splits: Callable[[int], float], title: str) -> list[str]:
     """Time `time_splits(n)` for every combination of `module`'s launch knobs (attribute name -> values) and every
@@ -56,10 +70,8 @@ def sweep_knobs(module: ModuleType, knobs: dict[str, tuple], splits: Iterable[in
         return " ".join(f"{name.strip('_')} {value!s:5}" for name, value in zip(names, values, strict=True))
 
     results = []
-    try:
-        for values in itertools.product(*knobs.values()):
-            for name, value in zip(names, values, strict=True):
-                setattr(module, name, value)
+    for values in itertools.product(*knobs.values()):
+        with module_knobs(module, dict(zip(names, values, strict=True))):
             for n in sorted({*splits, default_splits}):
                 try:
                     us = time_splits(n)
@@ -67,9 +79,6 @@ def sweep_knobs(module: ModuleType, knobs: dict[str, tuple], splits: Iterable[in
                     print(f"{title}: {describe(values)} splits {n}: {type(error).__name__}")
                     continue
                 results.append((us, values, n))
-    finally:
-        for name, value in zip(names, defaults, strict=True):
-            setattr(module, name, value)
     current = next((us for us, values, n in results if (values, n) == (defaults, default_splits)), float("nan"))
     results.sort(key=lambda r: r[0])
     return [f"== {title}: current defaults ({describe(defaults)} splits {default_splits}): {current:.1f} us"] + [
