@@ -11,6 +11,7 @@ from prism.model.text import DecodeLinear, set_batch1_gemv
 from prism.ops import gemv
 from prism.ops import kv_write as kw
 from prism.ops.dispatch import KERNELS_ENV
+from prism.ops.fused_norms import silu_and_mul_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 TRITON_OK = kw.HAVE_TRITON and (kw._INTERPRETED or torch.cuda.is_available())
@@ -92,9 +93,7 @@ def test_gemv_matches_linear_8b_shapes_bf16(n, k):
 # ------------------------------------------------------------------ gate/up GEMV with the activation fused
 def silu_and_mul_of_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The unfused reference in fp32: silu(gate . x) * (up . x)."""
-    y = F.linear(x[None].float(), w.float())[0]
-    gate, up = y.chunk(2)
-    return F.silu(gate) * up
+    return silu_and_mul_reference(F.linear(x[None].float(), w.float()))[0]
 
 
 @needs_triton

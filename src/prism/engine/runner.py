@@ -134,18 +134,17 @@ class ModelRunner:
         self._encode_ahead_failure: Exception | None = None
         self.stats = RunnerStats()
         self.graphs: RowGraphs | None = None
+        self.vision_graphs: VisionGraphs | None = None
+        self.packed: PackedGraphs | None = None
         # Every forward of this runner, captured or eager, launches the decode kernels early or not, as configured:
         # one compiled variant of each for the start to compile.
         self.programmatic_launch = programmatic_launch
-        with pdl.programmatic_launch(programmatic_launch):
-            if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
-                text = model.config.text
-                compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
-                warm_up_first_uses(model, self.gpu_pool)
-        self.vision_graphs: VisionGraphs | None = None
-        self.packed: PackedGraphs | None = None
         try:
             with pdl.programmatic_launch(programmatic_launch):
+                if self.device.type == "cuda" and not deterministic and kernels_override() != "reference":
+                    text = model.config.text
+                    compile_attention_variants(self.gpu_pool, self.group_q_heads(text), model.dtype)
+                    warm_up_first_uses(model, self.gpu_pool)
                 if use_graphs:
                     self.graphs = RowGraphs(model, self.gpu_pool, layout.num_pages, cuda_graph_max_batch,
                                             max_model_len, cascade_min_batch=cascade_min_batch,
