@@ -17,8 +17,11 @@ from prism.ops import gemv  # noqa: E402
 
 
 def compile_error(signature: dict, constexprs: dict) -> str | None:
-    constexprs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "PDL": True, **constexprs}
-    full = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", **signature, **dict.fromkeys(constexprs, "constexpr")}
+    constexprs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "PDL": True, "NORM_IN": False, "BLOCK_P": 1,
+                  **constexprs}
+    norm_in = {"sumsq_in_ptr": "*fp32", "P_IN": "i32", "norm_w_ptr": "*bf16", "eps": "fp32"}
+    full = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", **signature, **norm_in,
+            **dict.fromkeys(constexprs, "constexpr")}
     try:
         triton.compile(ASTSource(fn=gemv._gemv_silu_and_mul_kernel, signature=full, constexprs=constexprs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})

@@ -701,3 +701,16 @@ def test_decode_rows_scheduled_ahead_taken_for_non_sampling_is_caught(monkeypatc
     monkeypatch.setattr(engine_module, "samples_at_launch", lambda slices, pending: [s.sample for s in slices])
     _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
                 "async admissions changed the")
+
+
+def test_a_norm_scaled_from_one_block_of_the_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plausible bug of the folded norm (session 17, planted, never shipped): the RMSNorm must sum every
+    program's partial sum of squares; a launch that passes one count (the first block's) norms the row by a part
+    of it."""
+    from prism.ops import gemv
+    from specs import spec_folded_norms
+
+    if not gemv.HAVE_TRITON:
+        pytest.skip("needs Triton")
+    monkeypatch.setattr(gemv, "_norm_args", lambda row, unused: (row.sumsq, 1) if row is not None else (unused, 1))
+    _spec_fails(spec_folded_norms.spec_folded_residual_and_norm_equal_the_unfused_ops, "")

@@ -203,7 +203,9 @@ def test_launch_options_are_off_outside_the_context_on_the_cpu_and_before_hopper
     monkeypatch.setattr(pdl, "_supports_pdl", lambda index: True)
     assert pdl.launch_options(cuda) == {"PDL": False}, "off unless a runner asked for it"
     with pdl.programmatic_launch(True):
-        assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+        assert pdl.launch_options(cuda) == {"PDL": 2, "launch_pdl": True}, "the next kernel let in before the wait"
+        monkeypatch.setattr(pdl, "TRIGGER_FIRST", False)
+        assert pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}, "... or after it"
         assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
         with pdl.programmatic_launch(False):  # a runner configured without it, inside another's context
             assert pdl.launch_options(cuda) == {"PDL": False}
@@ -265,21 +267,33 @@ def planted_reads_then_waits(x_ptr, y_ptr, PDL: tl.constexpr):
 
 
 def ptx(kernel, signature, constexprs):
+    constexprs = {"PDL": True, **constexprs}
     full = {**signature, **{name: "constexpr" for name in constexprs}}
-    source = ASTSource(fn=kernel, signature=full, constexprs={**constexprs, "PDL": True})
+    source = ASTSource(fn=kernel, signature=full, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
 
 
 bf16 = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"}
-knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3}
+norm_in = {"sumsq_in_ptr": "*fp32", "P_IN": "i32", "norm_w_ptr": "*bf16", "eps": "fp32"}
+residual_out = {"res_ptr": "*bf16", "sumsq_out_ptr": "*fp32"}
+knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "NORM_IN": False, "BLOCK_P": 1}
+gemv_args = {**bf16, "N": "i32", "K": "i32", "stride_w": "i32", **norm_in, **residual_out}
+silu_args = {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32", **norm_in}
 cases = {
-    "gemv": (gemv._gemv_kernel, {**bf16, "N": "i32", "K": "i32", "stride_w": "i32"}, knobs),
-    "gemv_silu_and_mul": (gemv._gemv_silu_and_mul_kernel, {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32"},
-                          knobs),
+    "gemv": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": False}),
+    # the residual add + RMSNorm folded in (`gemv.ResidualRow`): the norm's partial sums are loaded first
+    "gemv, norm in": (gemv._gemv_kernel, gemv_args, {**knobs, "NORM_IN": True, "BLOCK_P": 512,
+                                                      "ADD_RESIDUAL": False}),
+    "gemv, residual out": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": True}),
+    # PDL = 2 (`pdl.TRIGGER_FIRST`): the next kernel is let in before the wait, which still precedes every access
+    "gemv, trigger first": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": True, "PDL": 2}),
+    "gemv_silu_and_mul": (gemv._gemv_silu_and_mul_kernel, silu_args, knobs),
+    "gemv_silu_and_mul, norm in": (gemv._gemv_silu_and_mul_kernel, silu_args,
+                                   {**knobs, "NORM_IN": True, "BLOCK_P": 512}),
     # an int argument equal to 1 is compiled as a constant (an intermediate of one row)
-    "gemv_silu_and_mul, INTER = 1": (gemv._gemv_silu_and_mul_kernel, {**bf16, "K": "i32", "stride_w": "i32"},
-                                     {**knobs, "INTER": 1}),
+    "gemv_silu_and_mul, INTER = 1": (gemv._gemv_silu_and_mul_kernel,
+                                     {k: v for k, v in silu_args.items() if k != "INTER"}, {**knobs, "INTER": 1}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel,
                      {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
                       "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32",
@@ -295,7 +309,8 @@ for name, (kernel, signature, constexprs) in cases.items():
         out[name] = {"error": f"{type(error).__name__}: {error}"[:1000]}
         continue
     first = min([text.find(m) for m in memory if text.find(m) >= 0] or [len(text)])
-    out[name] = {"wait": text.find("griddepcontrol.wait"), "first_memory_access": first}
+    out[name] = {"wait": text.find("griddepcontrol.wait"), "first_memory_access": first,
+                 "launch_dependents": text.find("griddepcontrol.launch_dependents")}
 print(json.dumps(out))
 '''
 
@@ -319,7 +334,9 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
 
 
 @pytest.mark.skipif(not pdl.HAVE_TRITON, reason="needs Triton")
-@pytest.mark.parametrize("case", ["gemv", "gemv_silu_and_mul", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
+@pytest.mark.parametrize("case", ["gemv", "gemv, norm in", "gemv, residual out", "gemv, trigger first",
+                                  "gemv_silu_and_mul",
+                                  "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
     """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes
     before the first global load, store, async copy or atomic (no helper, alias or compiler reordering moved a
@@ -328,6 +345,9 @@ def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_ord
     assert "error" not in order, f"does not compile for sm_90: {order.get('error')}"
     assert order["wait"] >= 0, "PDL on, but no griddepcontrol.wait in the kernel"
     assert order["wait"] < order["first_memory_access"], order
+    assert order["launch_dependents"] >= 0, "PDL on, but the next kernel is never let in"
+    if case == "gemv, trigger first":
+        assert order["launch_dependents"] < order["wait"], order
     planted = hopper_ptx_order["planted: reads, then waits"]
     assert 0 <= planted["first_memory_access"] < planted["wait"], planted
 

@@ -440,6 +440,29 @@ def test_programmatic_launch_changes_no_token_and_no_logprob(ckpt_8b):
         assert [lp.logprob for lp in ours.logprobs] == [lp.logprob for lp in ref.logprobs]
 
 
+def test_folded_norms_change_no_token(ckpt_8b, monkeypatch):
+    """Batch-1 steps with each layer's residual adds and norms folded into its GEMVs (`batch1_fused_norms`, the
+    default; `ops.gemv.ResidualRow`) against the same engine without: the same greedy tokens, or near ties (the
+    norm's fp32 sum of squares runs in another order). The folded path must be the one captured and replayed."""
+    from prism.ops import gemv
+
+    calls = []
+    real = gemv.gemv_add_residual
+    monkeypatch.setattr(gemv, "gemv_add_residual", lambda *a: calls.append(1) or real(*a))
+    prompts = [chat(IMAGES[0], IMAGES[1], "Describe them."), chat("Count to ten.")]
+    out = {}
+    for on in (False, True):
+        calls.clear()
+        llm = engine(ckpt_8b, "fp8", batch1_fused_norms=on)
+        out[on] = [c for p in prompts for c in llm.generate([p], GREEDY)]  # one at a time: batch-1 decodes
+        assert llm.engine.runner.graphs.replays > 0
+        assert (len(calls) > 0) == on, f"folded GEMVs called {len(calls)} times with batch1_fused_norms={on}"
+        del llm
+        release_gpu_memory()
+    for ours, ref in zip(out[True], out[False], strict=True):
+        assert_same_or_near_tie(ours, ref)
+
+
 def test_vision_graphs_change_no_feature_and_no_token(ckpt_8b):
     """Requests with new images of sizes seen before (W1) replay the vision encoder's CUDA graph from the second
     one on: the replayed features are the eager encoder's (up to bf16 rounding of other kernel choices), and

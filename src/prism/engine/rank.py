@@ -36,7 +36,7 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
     kv_heads = text.num_key_value_heads
     if group.world_size > 1:
         kv_heads = shard_text_decoder(model, group).num_kv_heads
-    set_batch1_gemv(model, config.batch1_gemv)
+    set_batch1_gemv(model, config.batch1_gemv, fused_norms=config.batch1_fused_norms)
     local = config.kv_pages(text.num_hidden_layers, kv_heads, text.head_dim)
     layout = config.kv_layout(text.num_hidden_layers, kv_heads, text.head_dim, agree_num_pages(group, local))
     max_model_len = config.resolved_max_model_len(layout.num_slots)

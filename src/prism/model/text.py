@@ -5,7 +5,9 @@ Owns: the decoder's arithmetic, op for op in HF's order and dtypes (RMSNorm in f
 the activation dtype; cos/sin built in fp32 and cast to the activation dtype), so that our logits
 match HF's. Inputs are flat: embeddings [N, H], positions [3, N] (t, h, w) and an attention backend
 that owns the batch layout. Weight layout: q/k/v are one fused `qkv` row block [q | k | v] and the
-MLP's gate/up one `gate_up` block [gate | up] (the loader fills them from HF's separate tensors).
+MLP's gate/up one `gate_up` block [gate | up] (the loader fills them from HF's separate tensors). A one-row step
+(a decode of one sequence) may instead run each layer with its residual adds and norms folded into its GEMVs
+(`DecoderLayer.forward_one_row`, `ops.gemv.ResidualRow`): the same roundings, fewer kernels.
 """
 
 from __future__ import annotations
@@ -49,11 +51,16 @@ class DecodeLinear(nn.Linear):
         return super().forward(x)
 
 
-def set_batch1_gemv(model: nn.Module, enabled: bool) -> int:
-    """Turn `ops.gemv` on or off for every layer of `model` that has it (`batch1_gemv`); returns how many."""
+def set_batch1_gemv(model: nn.Module, enabled: bool, *, fused_norms: bool = True) -> int:
+    """Turn `ops.gemv` on or off for every layer of `model` that has it (`batch1_gemv`); returns how many. With
+    `fused_norms` (and `enabled`), one-row steps also fold each decoder layer's residual adds and norms into its
+    GEMVs (`DecoderLayer.forward_one_row`)."""
     layers = [m for m in model.modules() if hasattr(m, "batch1_gemv")]
     for m in layers:
         m.batch1_gemv = enabled
+    for m in model.modules():
+        if isinstance(m, DecoderLayer):
+            m.batch1_fused_norms = enabled and fused_norms
     return len(layers)
 
 
@@ -109,8 +116,13 @@ class TextAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, layer_idx: int
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv(x), cos, sin, backend, layer_idx))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+               layer_idx: int) -> torch.Tensor:
+        """qkv [N, q + 2 kv] (the projection's output) -> the attention's output [N, q], before the O projection."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -121,7 +133,7 @@ class TextAttention(nn.Module):
         else:
             q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
             out = backend.attend(layer_idx, q, k, v)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return out.reshape(n, self.q_size)
 
 
 class TextMLP(nn.Module):
@@ -143,6 +155,8 @@ class TextMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    batch1_fused_norms = False  # `set_batch1_gemv`: one-row steps through `forward_one_row`
+
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -163,6 +177,36 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(normed, cos, sin, backend, layer_idx)
         normed, residual = add_rms_norm(attn, residual, mlp_norm.weight, mlp_norm.eps)
         return residual, self.mlp(normed)
+
+    def folds_norms_into_gemvs(self, x: torch.Tensor) -> bool:
+        """Whether `forward_one_row` serves a step whose input is `x`: one row, the GEMVs on, and this layer's O and
+        down projections whole on this device without a bias (not row-parallel: their epilogue adds the residual)."""
+        attn, mlp = self.self_attn, self.mlp
+        return (self.batch1_fused_norms and type(attn.o_proj) is DecodeLinear and attn.o_proj.bias is None
+                and type(mlp.down_proj) is DecodeLinear and mlp.gate_up.bias is None
+                and gemv.takes_gemv(x, attn.qkv.weight))
+
+    def forward_one_row(self, stream: torch.Tensor | gemv.ResidualRow, cos, sin, backend: AttentionBackend,
+                        layer_idx: int) -> gemv.ResidualRow:
+        """This layer for one row with its residual adds and RMSNorms folded into the GEMVs (`ops.gemv.ResidualRow`):
+        QKV with the input norm, O with the residual add, gate/up with the norm and the activation, down with the
+        add. Seven kernels instead of nine, the same roundings. `stream`: the previous layer's row, or layer 0's plain
+        [1, H] input (the embeddings), normed here by the norm kernel. (A step with DeepStack features, whose rows
+        are visual tokens, never comes here: `TextDecoder.forward` keeps it on the unfolded path.)"""
+        attn, mlp = self.self_attn, self.mlp
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        if isinstance(stream, gemv.ResidualRow):
+            h = stream.h
+            qkv = gemv.gemv_rms_normed(attn.qkv.weight, stream, norm.weight, norm.eps)
+        else:
+            h = stream[0].contiguous()
+            qkv = gemv.gemv(attn.qkv.weight, norm(stream)[0].contiguous())
+        if attn.qkv.bias is not None:
+            qkv = qkv + attn.qkv.bias
+        out = attn.attend(qkv[None], cos, sin, backend, layer_idx)
+        mid = gemv.gemv_add_residual(attn.o_proj.weight, out[0].contiguous(), h)
+        act = gemv.gemv_silu_and_mul_rms_normed(mlp.gate_up.weight, mid, post.weight, post.eps)
+        return gemv.gemv_add_residual(mlp.down_proj.weight, act, mid.h)
 
 
 @dataclass(frozen=True)
@@ -207,6 +251,11 @@ class TextDecoder(nn.Module):
             if deepstack.features.shape[1] != rows:
                 raise ValueError("DeepStack features and token_index disagree on the number of visual tokens")
         cos, sin = self.rope.cos_sin(positions, inputs_embeds.dtype)
+        if n == 1 and num_ds == 0 and self.layers[0].folds_norms_into_gemvs(inputs_embeds):
+            stream: torch.Tensor | gemv.ResidualRow = inputs_embeds
+            for i, layer in enumerate(self.layers):
+                stream = layer.forward_one_row(stream, cos, sin, backend, i)
+            return self.norm(stream.h[None])
         residual, pending = inputs_embeds, None
         for i, layer in enumerate(self.layers):
             residual, pending = layer(residual, pending, cos, sin, backend, i)
