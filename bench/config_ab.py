@@ -3,8 +3,10 @@
 `--field async_scheduling --values false,true` (session 6's A/B), `--field cascade_attention_min_batch
 --values 0,8`. Same checkpoint, prompts and measurement as `bench_engine.py`'s W3 (batch 1, 8, 32 over the same 8
 hot images, 128 greedy tokens, the step time without the first token); each batch is measured `--reps` times per
-engine, alternating, so both see the same GPU clocks. `--gemv-tiles 8x512,4x1024`: instead of a
-field, two tilings of the batch-1 GEMV. `--w2 N`: W2's engine part too (as bench_engine.py's), N times
+engine, alternating, so both see the same GPU clocks. `--variants 'batch1_fused_norms=false;PEEL_FIRST_TILE=0'`:
+instead of one field, engines given as sets of settings, each an EngineConfig field or (in capitals) a launch knob of
+`prism.ops.gemv` captured into that engine's graphs (session 16's tilings: `--variants
+'BLOCK_N=8,BLOCK_K=512;BLOCK_N=4,BLOCK_K=1024'`). `--w2 N`: W2's engine part too (as bench_engine.py's), N times
 per engine, alternating. Both engines are loaded at once (8B: ~2 x 33 GB). Prints
 medians and writes them, with the samples, to --out.
 """
@@ -12,11 +14,14 @@ medians and writes them, with the samples, to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,20 +43,37 @@ def parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
 
 
+KV_GIB = 16  # each engine's KV memory (`--kv-gib`: less when many engines are loaded at once)
+
+
 def build(ckpt: Path, kv: str, **config) -> LLM:
-    return LLM(ckpt, kv_dtype=kv, kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
+    return LLM(ckpt, kv_dtype=kv, kv_memory_bytes=KV_GIB * 2**30, page_size=256, max_num_seqs=64,
                max_num_batched_tokens=8192, **config)
 
 
-def engines_with_gemv_tiles(ckpt: Path, kv: str, tilings: list[str]) -> dict[str, LLM]:
-    """One engine per `ROWSxCOLS` tiling of `prism.ops.gemv` (QKV, O and down at batch 1). The graphs capture the
-    tiling set when they are built, so the engines keep theirs after the module's are restored; their eager steps
-    (the prefills) use the module's, which the decode steps measured here do not run."""
+def engines_of_variants(ckpt: Path, kv: str, variants: list[str]) -> dict[str, LLM]:
+    """One engine per variant `NAME=VALUE,NAME=VALUE`: lowercase names are EngineConfig fields, capitals launch knobs
+    of `prism.ops.gemv`, `module.NAME` a knob of `prism.ops.<module>` (e.g. `pdl.TRIGGER_FIRST`). The graphs capture
+    the knobs set when they are built, so the engines keep theirs after the modules' are restored; their eager steps
+    (the prefills) use the modules', which the decode steps measured here do not run."""
     engines = {}
-    for tiling in tilings:
-        rows, cols = (int(v) for v in tiling.split("x"))
-        with module_knobs(ops_gemv, {"BLOCK_N": rows, "BLOCK_K": cols}):
-            engines[f"gemv {tiling}"] = build(ckpt, kv)
+    for variant in variants:
+        settings = dict(item.split("=", 1) for item in variant.split(",") if item)
+        knobs: dict[ModuleType, dict] = {}
+        fields = {}
+        for name, value in settings.items():
+            module_name, _, knob = name.rpartition(".")
+            if module_name or knob.isupper():
+                module = importlib.import_module(f"prism.ops.{module_name}") if module_name else ops_gemv
+                if not hasattr(module, knob):
+                    raise SystemExit(f"{module.__name__} has no launch knob {knob}")
+                knobs.setdefault(module, {})[knob] = parse_value(value)
+            else:
+                fields[name] = parse_value(value)
+        with contextlib.ExitStack() as stack:
+            for module, values in knobs.items():
+                stack.enter_context(module_knobs(module, values))
+            engines[variant] = build(ckpt, kv, **fields)
     return engines
 
 
@@ -86,16 +108,19 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/config_ab.json")
     parser.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--gemv-tiles", default="", help="instead of --field: two batch-1 GEMV tilings (rows x "
-                        "columns per program, e.g. 8x512,4x1024), each captured into its engine's graphs")
+    parser.add_argument("--variants", default="", help="instead of --field: ';'-separated engines, each NAME=VALUE "
+                        "settings (',' between them): EngineConfig fields, or prism.ops.gemv launch knobs in capitals")
     parser.add_argument("--w2", type=int, default=0, help="also W2's engine part (a new question on 8 cached images, "
                         "from a prepared prompt to the first token), this many times per engine, alternating")
+    parser.add_argument("--kv-gib", type=int, default=16, help="each engine's KV memory")
     args = parser.parse_args()
+    global KV_GIB
+    KV_GIB = args.kv_gib
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists():
         build_checkpoint("8b", ckpt, device="cuda", progress=True)
-    if args.gemv_tiles:
-        engines = engines_with_gemv_tiles(ckpt, args.kv, args.gemv_tiles.split(","))
+    if args.variants:
+        engines = engines_of_variants(ckpt, args.kv, args.variants.split(";"))
     else:
         values = [parse_value(v) for v in args.values.split(",")]
         engines = {f"{args.field}={value}": build(ckpt, args.kv, **{args.field: value}) for value in values}
