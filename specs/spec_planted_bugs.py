@@ -17,6 +17,7 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 from prism.kv import keys, prefix, transfers
 from prism.kv.manager import KVCacheManager, SequenceError
 from prism.kv.reclaim import CacheEntries
+from prism.ops import kv_write
 from specs import spec_prefix_identity, spec_transfer_plans
 from specs.spec_kv_cache import DeterministicKVCacheMachine, KVCacheMachine
 
@@ -713,4 +714,34 @@ def test_a_norm_scaled_from_one_block_of_the_row_is_caught(monkeypatch: pytest.M
     if not gemv.HAVE_TRITON:
         pytest.skip("needs Triton")
     monkeypatch.setattr(gemv, "_norm_args", lambda row, unused: (row.sumsq, 1) if row is not None else (unused, 1))
-    _spec_fails(spec_folded_norms.spec_folded_residual_and_norm_equal_the_unfused_ops, "")
+    _spec_fails(spec_folded_norms.spec_folded_residual_and_norm_equal_the_unfused_ops, "not close")
+
+
+if kv_write.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from prism.ops.fused_norms import _round
+
+    @triton.jit
+    def _input_tile_one_rounding(x_ptr, k, kmask, norm_w_ptr, scale, NORM_IN: tl.constexpr, DTYPE: tl.constexpr):
+        # `gemv._input_tile` with the normed value multiplied by the weight before it is rounded
+        x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        if NORM_IN:
+            nw = tl.load(norm_w_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            x = _round(x / scale * nw, DTYPE)
+        return x
+
+
+def test_a_folded_norm_missing_a_rounding_step_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plausible bug of the folded norm (session 17's review, planted, never shipped): the normed value multiplied
+    by the norm's weight before it is rounded to the activation dtype (one rounding where HF's RMSNorm has two).
+    Within every tolerance of the first folded-norm spec; the bitwise one must see it. (The interpreter resolves
+    the kernel's helper at run time, so the planted helper takes its place.)"""
+    from prism.ops import gemv
+    from specs import spec_folded_norms
+
+    if not (kv_write.HAVE_TRITON and kv_write._INTERPRETED):
+        pytest.skip("plants a Triton helper: needs the interpreter")
+    monkeypatch.setattr(gemv, "_input_tile", _input_tile_one_rounding)
+    _spec_fails(spec_folded_norms.spec_folded_norm_rounds_as_the_unfused_norm, "rounds otherwise")

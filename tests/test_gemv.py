@@ -317,8 +317,37 @@ def test_the_folded_path_is_not_taken_where_it_cannot_serve(monkeypatch):
     set_batch1_gemv(decoder, True, fused_norms=False)
     assert not layer.folds_norms_into_gemvs(one)
     set_batch1_gemv(decoder, True)
+    layer.mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64, device=DEV))  # a bias the GEMV would not add
+    assert not layer.folds_norms_into_gemvs(one)
+    layer.mlp.down_proj.bias = None
+    assert layer.folds_norms_into_gemvs(one) and not layer.folds_norms_into_gemvs(one.half())  # another dtype
     layer.self_attn.o_proj = torch.nn.Linear(64, 64, bias=False).to(DEV)  # stands in for a row-parallel layer
     assert not layer.folds_norms_into_gemvs(one)
+
+
+@needs_triton
+def test_a_one_row_step_with_deepstack_features_stays_unfolded(monkeypatch):
+    """A one-row step whose row is a visual token (DeepStack features added after the first layers) runs the
+    unfolded layers: the same output as with the folding off, and no folded GEMV called."""
+    from prism.model.attention import DenseCausalAttention
+    from prism.model.text import DeepstackInput, set_batch1_gemv
+
+    decoder, x, _ = unfused_one_row(monkeypatch)
+    deepstack = DeepstackInput(token_index=None, features=torch.randn(1, 1, 64).to(DEV))
+    positions = torch.zeros(3, 1, dtype=torch.long, device=DEV)
+
+    def forward():
+        with torch.no_grad():
+            return decoder(x, positions, DenseCausalAttention([1]), deepstack)
+
+    set_batch1_gemv(decoder, True, fused_norms=False)
+    want = forward()
+    set_batch1_gemv(decoder, True)
+    calls = []
+    real = gemv.gemv_add_residual
+    monkeypatch.setattr(gemv, "gemv_add_residual", lambda *a: calls.append(1) or real(*a))
+    torch.testing.assert_close(forward(), want, atol=0, rtol=0)
+    assert calls == [], "the folded path cannot add DeepStack's features: it must not be taken"
 
 
 @pytest.mark.gpu
@@ -384,3 +413,10 @@ def test_folded_residual_and_norm_gemvs_match_the_unfused_ops_8b_shapes_bf16():
     got = gemv.gemv_silu_and_mul_rms_normed(w_gu, row, norm_w, 1e-6)
     # the norm's sum of squares in another order: at most a rounding of a few normed inputs apart
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2**-6)
+    # bitwise where that order cannot matter: a residual of small integers (exact squares and sums), a zero product
+    small = torch.randint(-8, 9, (4096,), device="cuda", generator=g).to(torch.bfloat16)
+    row = gemv.gemv_add_residual(torch.zeros_like(w_o), x, small)
+    normed = add_rms_norm(torch.zeros_like(small)[None], small[None], norm_w, 1e-6)[0][0]
+    assert torch.equal(row.h, small)
+    assert torch.equal(gemv.gemv_rms_normed(w_o, row, norm_w, 1e-6), gemv.gemv(w_o, normed))
+    assert torch.equal(gemv.gemv_silu_and_mul_rms_normed(w_gu, row, norm_w, 1e-6), gemv.gemv_silu_and_mul(w_gu, normed))

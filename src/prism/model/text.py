@@ -53,8 +53,8 @@ class DecodeLinear(nn.Linear):
 
 def set_batch1_gemv(model: nn.Module, enabled: bool, *, fused_norms: bool = True) -> int:
     """Turn `ops.gemv` on or off for every layer of `model` that has it (`batch1_gemv`); returns how many. With
-    `fused_norms` (and `enabled`), one-row steps also fold each decoder layer's residual adds and norms into its
-    GEMVs (`DecoderLayer.forward_one_row`)."""
+    `fused_norms` (and `enabled`; the default, as `EngineConfig.batch1_fused_norms`'s), one-row steps also fold each
+    decoder layer's residual adds and norms into its GEMVs (`DecoderLayer.forward_one_row`)."""
     layers = [m for m in model.modules() if hasattr(m, "batch1_gemv")]
     for m in layers:
         m.batch1_gemv = enabled
@@ -168,7 +168,8 @@ class DecoderLayer(nn.Module):
                 layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the residual stream. `pending` is the previous layer's MLP output not yet added to
         `residual` (None when there is none): every residual add runs fused into the norm that reads its sum,
-        with the same roundings as HF's separate add. Returns (residual, this layer's MLP output, pending)."""
+        with the same roundings as HF's separate add. Returns (residual, this layer's MLP output as the next
+        `pending`)."""
         attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
         if pending is None:
             normed = attn_norm(residual)
@@ -179,12 +180,14 @@ class DecoderLayer(nn.Module):
         return residual, self.mlp(normed)
 
     def folds_norms_into_gemvs(self, x: torch.Tensor) -> bool:
-        """Whether `forward_one_row` serves a step whose input is `x`: one row, the GEMVs on, and this layer's O and
-        down projections whole on this device without a bias (not row-parallel: their epilogue adds the residual)."""
+        """Whether `forward_one_row` serves a step whose input is `x`: one row, every projection a GEMV can take
+        (`gemv.takes_gemv`), and this layer's O and down projections whole on this device without a bias (not
+        row-parallel: their epilogue adds the residual; nor a bias, which the GEMVs do not add), nor gate/up's."""
         attn, mlp = self.self_attn, self.mlp
-        return (self.batch1_fused_norms and type(attn.o_proj) is DecodeLinear and attn.o_proj.bias is None
-                and type(mlp.down_proj) is DecodeLinear and mlp.gate_up.bias is None
-                and gemv.takes_gemv(x, attn.qkv.weight))
+        return (self.batch1_fused_norms and type(attn.o_proj) is DecodeLinear and type(mlp.down_proj) is DecodeLinear
+                and attn.o_proj.bias is None and mlp.down_proj.bias is None and mlp.gate_up.bias is None
+                and all(gemv.takes_gemv(x, w) for w in (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight,
+                                                        mlp.down_proj.weight)))
 
     def forward_one_row(self, stream: torch.Tensor | gemv.ResidualRow, cos, sin, backend: AttentionBackend,
                         layer_idx: int) -> gemv.ResidualRow:
@@ -251,7 +254,7 @@ class TextDecoder(nn.Module):
             if deepstack.features.shape[1] != rows:
                 raise ValueError("DeepStack features and token_index disagree on the number of visual tokens")
         cos, sin = self.rope.cos_sin(positions, inputs_embeds.dtype)
-        if n == 1 and num_ds == 0 and self.layers[0].folds_norms_into_gemvs(inputs_embeds):
+        if n == 1 and num_ds == 0 and all(layer.folds_norms_into_gemvs(inputs_embeds) for layer in self.layers):
             stream: torch.Tensor | gemv.ResidualRow = inputs_embeds
             for i, layer in enumerate(self.layers):
                 stream = layer.forward_one_row(stream, cos, sin, backend, i)

@@ -21,8 +21,8 @@ partials summed, then each input tile normed as it is loaded). The same rounding
 fp32 sum of squares differs. Two kernels fewer per decoder layer, each latency-bound at batch 1 (2.3 us on the
 H200, `bench/profile_decode_step.py`); the folded GEMVs pay ~1 us of it back (the partial sums loaded and summed
 before the first product; requesting the first weight tile before them was slower, it broke the loop's pipeline).
-W3 batch 1 on the H200 (session 17): 4.40 -> 4.32 ms. The residual is loaded before the weight loop: loaded after
-it, its latency lengthened the down GEMV by 1.4 us.
+W3 batch 1 on the H200 (session 17, A/B on one machine): 4.40 -> 4.32 ms. The residual is loaded before the weight
+loop: loaded after it, its latency lengthened the down GEMV by 1.4 us.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 Owns the one rule that makes an early launch safe: a kernel launched with `launch_pdl` may start while the kernel
 before it still runs, so it calls `wait_for_predecessors` (`griddepcontrol.wait`: every earlier grid has finished
 and its writes are visible) before it reads or writes any memory (before it, only address arithmetic). The same
-call lets the next kernel launch (`launch_dependents`, before the wait: `TRIGGER_FIRST`), so that kernel's blocks are
-resident and waiting when this one ends, instead of being launched after it. `tests/test_pdl.py` checks the rule on the source of every
-kernel so launched, and on the PTX for Hopper of the main ones (the wait before the first memory access).
+call lets the next kernel launch (`launch_dependents`, before the wait: `TRIGGER_FIRST`), so that kernel's blocks
+are resident and waiting when this one ends, instead of being launched after it. `tests/test_pdl.py` checks the
+rule on the source of every kernel so launched, and on the PTX for Hopper of the main ones (the wait before the
+first memory access).
 
-Why: at decode batch 1 a step of the 8B model is ~330 small kernels (9 per layer) in a graph, and each boundary
+Why: at decode batch 1 a step of the 8B model is ~260-330 small kernels (7-9 per layer) in a graph, and each boundary
 costs the launch and the ramp of the next kernel (W3: 4.6 ms against 3.6 of weight reads). On the H200 an early
 launch saves 1.2-2.1 us per norm + GEMV pair (`bench/decode_gemms.py --chain`), W3 batch 1 4.51 -> 4.43 ms. A
 kernel without the wait must not be launched this way; a kernel launched normally after one of these waits for it
