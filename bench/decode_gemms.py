@@ -10,6 +10,9 @@ read different copies of the weight (at least 200 MB in all), so no call finds i
 at M = 1 for QKV, O and down, and its gate/up GEMV with the activation fused, their launch knobs swept with and
 without programmatic dependent launch, against `F.linear` (how their defaults were chosen).
 
+--skinny: the few-rows GEMM of `prism.ops.skinny_gemm` (tensor cores, each program streaming whole weight rows) at
+M = 8 and 32, its knobs swept, against `F.linear` (how its defaults are to be chosen; it is off until then).
+
 --chain: a residual add + RMSNorm, then a GEMV of its output, as in a decode layer, launched in order or early
 (`prism.ops.pdl`). (Session 16 also tried an L2 prefetch of each program's first weight columns before its wait:
 slower at every size, 1024-4096 columns, so it is gone; `-session16-chain.txt`.)
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from kernel_timing import copy_bandwidth, module_knobs, us_per_call_in_graph  # noqa: E402
 
 from prism.ops import gemv as ops_gemv  # noqa: E402
+from prism.ops import skinny_gemm as ops_skinny  # noqa: E402
 from prism.ops.fused_norms import add_rms_norm, silu_and_mul, silu_and_mul_reference  # noqa: E402
 from prism.ops.pdl import programmatic_launch  # noqa: E402
 
@@ -54,10 +58,39 @@ def gemv_of_weight(w: torch.Tensor, x: torch.Tensor, knobs: dict, silu: bool) ->
     return gemv(w, x, **knobs, silu=silu)
 
 
+def weight_copies(name: str, bandwidth: float) -> tuple[int, int, list[torch.Tensor], float]:
+    """(N, K, copies of a random [N, K] bf16 weight filling at least 200 MB, so that no call finds its weight in
+    L2, and the read's floor in microseconds at `bandwidth`) for the 8B's weight `name`."""
+    n, k = SHAPES[name]
+    copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+              for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
+    return n, k, copies, n * k * 2 / bandwidth * 1e6
+
+
 def over_copies(copies: list[torch.Tensor], call) -> float:
     """Microseconds per `call(weight)` in a CUDA graph, each call on the next copy of the weight."""
     ws = itertools.cycle(copies)
     return us_per_call_in_graph(lambda: call(next(ws)))
+
+
+def cublas_baseline(copies: list[torch.Tensor], x: torch.Tensor, silu: bool) -> tuple[torch.Tensor, list]:
+    """(the exact product [M, N] in fp32, [(us, label)] of `F.linear` over the copies): what the engine runs without
+    a Triton kernel (`silu`: gate/up, F.linear + silu_and_mul, and the activation applied to the product)."""
+    want = F.linear(x.float(), copies[0].float())
+    if silu:
+        us = over_copies(copies, lambda w: silu_and_mul(F.linear(x, w)))
+        return silu_and_mul_reference(want), [(us, "F.linear + silu_and_mul")]
+    return want, [(over_copies(copies, functools.partial(F.linear, x)), "F.linear")]
+
+
+def ranked(name: str, n: int, k: int, m: int, floor_us: float, results: list) -> list[str]:
+    """The report's lines for one weight and row count, fastest first (printed as they are made)."""
+    lines = []
+    for us, label in sorted(results):
+        lines.append(f"{name:7s} {n:6d}x{k:5d} M={m:2d} {us:7.1f} us ({floor_us / us:4.0%} of the copy bandwidth)  "
+                     f"{label}")
+        print(lines[-1], flush=True)
+    return lines
 
 
 GEMV_KNOBS = {"block_n": (4, 8, 16), "block_k": (512, 1024), "warps": (4,), "stages": (3,)}
@@ -69,17 +102,10 @@ def gemv_sweep(bandwidth: float) -> list[str]:
     lines = []
     for name in ("qkv", "o", "down", "gate_up"):
         silu = name == "gate_up"  # the MLP's gate/up GEMV with the activation fused (`gemv_silu_and_mul`)
-        n, k = SHAPES[name]
-        copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-                  for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
-        floor_us = n * k * 2 / bandwidth * 1e6
+        n, k, copies, floor_us = weight_copies(name, bandwidth)
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        want = F.linear(x.float(), copies[0].float())[0]
-        if silu:
-            want = silu_and_mul_reference(want)
-            results = [(over_copies(copies, lambda w, x=x: silu_and_mul(F.linear(x, w))), "F.linear + silu_and_mul")]
-        else:
-            results = [(over_copies(copies, functools.partial(F.linear, x)), "F.linear")]
+        want, results = cublas_baseline(copies, x, silu)
+        want = want[0]
         for values in itertools.product(*GEMV_KNOBS.values()):
             knobs = dict(zip(GEMV_KNOBS, values, strict=True))
             err = float((gemv(copies[0], x[0], **knobs, silu=silu).float() - want).abs().max())
@@ -87,10 +113,7 @@ def gemv_sweep(bandwidth: float) -> list[str]:
                 with programmatic_launch(early):
                     us = over_copies(copies, functools.partial(gemv_of_weight, x=x[0], knobs=knobs, silu=silu))
                 results.append((us, f"{'silu ' if silu else ''}gemv {knobs} pdl {early} max err {err:.1e}"))
-        for us, label in sorted(results):
-            lines.append(f"{name:7s} {n:6d}x{k:5d} M= 1 {us:7.1f} us ({floor_us / us:4.0%} of the copy bandwidth)  "
-                         f"{label}")
-            print(lines[-1], flush=True)
+        lines += ranked(name, n, k, 1, floor_us, results)
     return lines
 
 
@@ -100,10 +123,7 @@ def chain_sweep(bandwidth: float) -> list[str]:
     lines = []
     for name in ("qkv", "o", "down", "gate_up"):
         silu = name == "gate_up"
-        n, k = SHAPES[name]
-        copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-                  for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
-        floor_us = n * k * 2 / bandwidth * 1e6
+        n, k, copies, floor_us = weight_copies(name, bandwidth)
         x, r = (torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         norm_w = torch.ones(k, dtype=torch.bfloat16, device="cuda")
 
@@ -120,23 +140,48 @@ def chain_sweep(bandwidth: float) -> list[str]:
     return lines
 
 
+SKINNY_KNOBS = {"BLOCK_N": (16, 32), "BLOCK_K": (128, 256, 512), "NUM_STAGES": (3, 4), "NUM_WARPS": (4,)}
+
+
+def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32)) -> list[str]:
+    """`prism.ops.skinny_gemm` at a few rows against `F.linear` (gate/up: with the activation, against F.linear +
+    silu_and_mul), its launch knobs swept, launched early (PDL) as in the engine's graphs."""
+    lines = []
+    for name in ("qkv", "o", "down", "gate_up"):
+        silu = name == "gate_up"
+        n, k, copies, floor_us = weight_copies(name, bandwidth)
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            want, results = cublas_baseline(copies, x, silu)
+            kernel = ops_skinny.skinny_gemm_silu_and_mul if silu else ops_skinny.skinny_gemm
+            for values in itertools.product(*SKINNY_KNOBS.values()):
+                knobs = dict(zip(SKINNY_KNOBS, values, strict=True))
+                with module_knobs(ops_skinny, knobs), programmatic_launch(True):
+                    err = float((kernel(x, copies[0]).float() - want).abs().max())
+                    us = over_copies(copies, lambda w, x=x, kernel=kernel: kernel(x, w))
+                results.append((us, f"skinny {knobs} max err {err:.1e}"))
+            lines += ranked(name, n, k, m, floor_us, results)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/decode_gemms.txt")
     parser.add_argument("--gemv", action="store_true", help="a Triton GEMV's knobs swept at M = 1 (see GEMV_KNOBS)")
     parser.add_argument("--chain", action="store_true", help="norm + GEMV pairs, launched early or not")
+    parser.add_argument("--skinny", action="store_true", help="the few-rows Triton GEMM's knobs swept at M = 8 "
+                        "and 32 (see SKINNY_KNOBS)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     lines = [f"copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s"]
-    if args.gemv or args.chain:
-        lines += chain_sweep(bandwidth) if args.chain else gemv_sweep(bandwidth)
+    if args.gemv or args.chain or args.skinny:
+        sweep = chain_sweep if args.chain else skinny_sweep if args.skinny else gemv_sweep
+        lines += sweep(bandwidth)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
         return
-    for name, (n, k) in SHAPES.items():
-        copies = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-                  for _ in range(max(1, -(-200 * 2**20 // (n * k * 2))))]
-        floor_us = n * k * 2 / bandwidth * 1e6
+    for name in SHAPES:
+        n, k, copies, floor_us = weight_copies(name, bandwidth)
         for m in (1, 8, 32):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             ws = itertools.cycle(copies)

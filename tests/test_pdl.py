@@ -255,7 +255,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from prism.ops import fused_norms, gemv
+from prism.ops import fused_norms, gemv, skinny_gemm
 from prism.ops.pdl import wait_for_predecessors
 
 
@@ -280,6 +280,9 @@ residual_out = {"res_ptr": "*bf16", "sumsq_out_ptr": "*fp32"}
 knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "NORM_IN": False, "BLOCK_P": 1}
 gemv_args = {**bf16, "N": "i32", "K": "i32", "stride_w": "i32", **norm_in, **residual_out}
 silu_args = {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32", **norm_in}
+skinny_args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+               "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32", "INTER": "i32"}
+skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4}
 cases = {
     "gemv": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": False}),
     # the residual add + RMSNorm folded in (`gemv.ResidualRow`): the norm's partial sums are loaded first
@@ -294,6 +297,9 @@ cases = {
     # an int argument equal to 1 is compiled as a constant (an intermediate of one row)
     "gemv_silu_and_mul, INTER = 1": (gemv._gemv_silu_and_mul_kernel,
                                      {k: v for k, v in silu_args.items() if k != "INTER"}, {**knobs, "INTER": 1}),
+    # a few rows through tensor cores (`skinny_gemm`; off by default until measured)
+    "skinny_gemm": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": False}),
+    "skinny_gemm, silu": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": True}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel,
                      {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
                       "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32",
@@ -335,7 +341,7 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
 
 @pytest.mark.skipif(not pdl.HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("case", ["gemv", "gemv, norm in", "gemv, residual out", "gemv, trigger first",
-                                  "gemv_silu_and_mul",
+                                  "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu",
                                   "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
     """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes

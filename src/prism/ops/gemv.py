@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import skinny_gemm
 from .fused_norms import silu_and_mul
 from .kv_write import HAVE_TRITON, _want_triton, device_context
 from .pdl import launch_options
@@ -249,16 +250,19 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; one row of x on a Triton device goes through `gemv`."""
+    """`F.linear(x, weight, bias)`; one row of x on a Triton device goes through `gemv`, a few rows through
+    `skinny_gemm` (when its `MAX_ROWS` admits them)."""
     if takes_gemv(x, weight):
         y = gemv(weight, x[0].contiguous())[None]
         return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    return skinny_gemm.linear(x, weight, bias)
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight))` for [gate | up] weight rows; one row of x on a Triton device goes
-    through `gemv_silu_and_mul`."""
+    through `gemv_silu_and_mul`, a few rows through `skinny_gemm.skinny_gemm_silu_and_mul`."""
     if takes_gemv(x, weight):
         return gemv_silu_and_mul(weight, x[0].contiguous())[None]
+    if skinny_gemm.takes_skinny_gemm(x, weight):
+        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight)
     return silu_and_mul(F.linear(x, weight))

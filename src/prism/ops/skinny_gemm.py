@@ -1,0 +1,118 @@
+"""Linear layers of a few rows (a decode step of a small batch) as a Triton GEMM that streams the weight.
+
+Owns: `linear(x, weight)` and `silu_and_mul_linear(x, weight)` for 2 <= rows <= `MAX_ROWS`, equal to
+`F.linear(x, weight)` and `silu_and_mul(F.linear(x, weight))` up to the order of the fp32 sums (each output rounded
+to the activation dtype, as cuBLAS rounds it; the activation rounded as `fused_norms.silu_and_mul` rounds it).
+
+Why: at decode batch 8-32 a step reads the same 15 GB of weights as at batch 1, and cuBLAS reads the 8B's QKV at
+73-76%, O at 62-65% and down at 80-82% of the copy bandwidth there, gate/up at 88% at 8 rows
+(`bench/results/2026-11-29-nvidia-h200-decode-gemms.txt`), and splits O's and down's K with a reduce kernel after
+each at 32 rows (`-session17-profile-decode-step-b32.txt`). The batch-1 GEMV (`ops/gemv.py`) reads them at 77-98% by
+giving each program a few whole weight rows to stream; this is the same shape of kernel with the rows of x as the
+M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
+
+Status: off (`MAX_ROWS = 0`) until measured on the GPU against cuBLAS (`bench/decode_gemms.py --skinny`, then W3
+batch 8 / 32 with `bench/config_ab.py --variants 'skinny_gemm.MAX_ROWS=0;skinny_gemm.MAX_ROWS=32'`). The Triton
+interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests run it in fp32 / fp16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_write import HAVE_TRITON, _want_triton, device_context
+from .pdl import launch_options
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .fused_norms import _round
+    from .pdl import wait_for_predecessors
+
+# Steps of 2 .. MAX_ROWS rows take these kernels (0: none, F.linear for all). Tiles: BLOCK_N weight rows (outputs)
+# per program in BLOCK_K columns, the step's rows padded to a power of two of at least 16 (`tl.dot`'s least M).
+MAX_ROWS = 0
+BLOCK_N = 16
+BLOCK_K = 256
+NUM_WARPS = 4
+NUM_STAGES = 4
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_w, stride_ym, INTER,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            NUM_STAGES: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+        # y[:, cols] = x . W[cols, :]^T for this program's BLOCK_N output columns; SILU: y[:, i] = silu(x . W[i])
+        # * (x . W[INTER + i]), each product rounded to the activation dtype, then the silu, then their product.
+        wait_for_predecessors(PDL)
+        dtype = y_ptr.dtype.element_ty
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < M
+        k = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + m[:, None].to(tl.int64) * stride_xm
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+        up_rows = w_ptr + (cols + INTER)[:, None].to(tl.int64) * stride_w
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            kmask = k0 + k < K
+            x = tl.load(x_rows + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wmask = cmask[:, None] & kmask[None, :]
+            acc = tl.dot(x, tl.trans(tl.load(w_rows + (k0 + k)[None, :], mask=wmask, other=0.0)), acc)
+            if SILU:
+                acc_up = tl.dot(x, tl.trans(tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)), acc_up)
+        y = _round(acc, dtype)
+        if SILU:
+            y = _round(_round(y / (1.0 + tl.exp(-y)), dtype) * _round(acc_up, dtype), dtype)
+        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :], y.to(dtype),
+                 mask=mmask[:, None] & cmask[None, :])
+
+
+def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs this kernel: 2 .. MAX_ROWS rows on a Triton device, in the weight's dtype,
+    both with unit stride along K."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in _DTYPES
+            and x.device == weight.device and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    if (x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.stride(1) != 1
+            or weight.stride(1) != 1):
+        raise ValueError(f"skinny GEMM needs x [M, K] and weight [N, K] with unit stride along K, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    rows, k = x.shape
+    if silu and weight.shape[0] % 2:
+        raise ValueError(f"the fused gate/up GEMM needs [gate | up] rows (an even count), got {weight.shape[0]}")
+    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    with device_context(x.device):
+        _skinny_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
+            x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0), n if silu else 0,
+            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES,
+            SILU=silu, num_warps=NUM_WARPS, **launch_options(x.device))
+    return y
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (Triton; any M, though it is meant for a few rows)."""
+    return _launch(x, weight, silu=False)
+
+
+def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K], weight [2I, K] as [gate | up] rows -> silu(x G^T) * (x U^T) [M, I] in one launch."""
+    return _launch(x, weight, silu=True)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; 2 .. MAX_ROWS rows on a Triton device go through `skinny_gemm`."""
+    if takes_skinny_gemm(x, weight):
+        y = skinny_gemm(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)

@@ -1,0 +1,130 @@
+"""Linear layers of a few rows as a Triton GEMM (prism.ops.skinny_gemm): the kernel against `F.linear` (Triton
+interpreter on the CPU, fp32 / fp16: the interpreter's `tl.dot` is wrong for bf16), its dispatch (2 .. MAX_ROWS rows
+only, off by default), and a decoder step of a few rows with it on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prism.ops import gemv, skinny_gemm
+from prism.ops import kv_write as kw
+from prism.ops.dispatch import KERNELS_ENV
+from prism.ops.fused_norms import silu_and_mul_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+TRITON_OK = kw.HAVE_TRITON and (kw._INTERPRETED or torch.cuda.is_available())
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1 at import")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
+
+
+@needs_triton
+@pytest.mark.parametrize("m,n,k", [(2, 16, 256), (3, 37, 1000), (17, 40, 70), (32, 64, 512)])  # tails everywhere
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_skinny_gemm_matches_linear(m, n, k, dtype):
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEV)
+    got = skinny_gemm.skinny_gemm(x, w)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), atol=TOL[dtype], rtol=TOL[dtype])
+    w2 = (torch.randn(2 * n, k, generator=g) * 0.05).to(dtype).to(DEV)
+    got = skinny_gemm.skinny_gemm_silu_and_mul(x, w2)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got.float(), silu_and_mul_reference(F.linear(x.float(), w2.float())),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_triton
+def test_each_output_row_reads_its_own_row_of_x_and_each_gate_its_own_up():
+    """Planted-swap check: x's rows and the [gate | up] pairs are told apart (a kernel mixing them fails here)."""
+    m, n, k = 5, 16, 32
+    x = torch.zeros(m, k, device=DEV)
+    for i in range(m):
+        x[i, i] = 1.0  # row i of the output = column i of the weight
+    w = torch.zeros(2 * n, k, device=DEV)
+    w[:n, :m] = torch.arange(1.0, m + 1)[None, :] * torch.arange(1.0, n + 1)[:, None] * 0.1  # gate[j, i] = 0.1 i j
+    w[n:, :m] = 2.0
+    got = skinny_gemm.skinny_gemm_silu_and_mul(x, w).cpu()
+    gate = (torch.arange(1.0, m + 1)[:, None] * torch.arange(1.0, n + 1)[None, :]) * 0.1
+    torch.testing.assert_close(got, F.silu(gate) * 2.0, atol=1e-5, rtol=1e-5)
+
+
+def test_skinny_gemm_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="unit stride"):
+        skinny_gemm.skinny_gemm(torch.zeros(4, 8), torch.zeros(6, 7))
+    with pytest.raises(ValueError, match="unit stride"):
+        skinny_gemm.skinny_gemm(torch.zeros(8, 4).t(), torch.zeros(6, 8))
+    with pytest.raises(ValueError, match="even"):
+        skinny_gemm.skinny_gemm_silu_and_mul(torch.zeros(4, 8), torch.zeros(7, 8))
+
+
+@needs_triton
+def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    calls = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    w, b = torch.randn(24, 40).to(DEV), torch.randn(24).to(DEV)
+    x = {rows: torch.randn(rows, 40).to(DEV) for rows in (1, 2, 8, 9)}
+    assert skinny_gemm.MAX_ROWS == 0, "off until measured on the GPU"
+    for rows in (2, 8):
+        torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b))
+    assert calls == []
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 8)
+    for rows in (1, 2, 8, 9):
+        torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b), atol=1e-5, rtol=1e-5)
+    assert calls == [2, 8], "one row goes to the GEMV, more than MAX_ROWS to F.linear"
+    monkeypatch.setenv(KERNELS_ENV, "reference")
+    gemv.linear(x[2], w, b)
+    assert calls == [2, 8], "PRISM_KERNELS=reference must keep F.linear"
+
+
+@needs_triton
+def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypatch):
+    """Three packed one-token sequences through the decoder with `batch1_gemv`: the skinny GEMM (QKV, O, down and
+    the fused gate/up) against F.linear, and it was called."""
+    from prism.model.attention import DenseCausalAttention
+    from prism.model.config import TextConfig
+    from prism.model.text import TextDecoder, set_batch1_gemv
+
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=64, rope_theta=1e4, mrope_section=(4, 2, 2))
+    torch.manual_seed(3)
+    decoder = TextDecoder(cfg).to(DEV)
+    set_batch1_gemv(decoder, True)
+    x = torch.randn(3, 64).to(DEV)
+
+    def forward():
+        with torch.no_grad():
+            return decoder(x, torch.zeros(3, 3, dtype=torch.long, device=DEV), DenseCausalAttention([1, 1, 1]))
+
+    want = forward()
+    calls = []
+    for name in ("skinny_gemm", "skinny_gemm_silu_and_mul"):
+        real = getattr(skinny_gemm, name)
+        monkeypatch.setattr(skinny_gemm, name, lambda a, w, _real=real, _name=name: calls.append(_name) or _real(a, w))
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 32)
+    got = forward()
+    assert calls.count("skinny_gemm") == 3 * 2 and calls.count("skinny_gemm_silu_and_mul") == 2  # QKV, O, down
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [2, 8, 32])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 12288)])  # the 8B's QKV, O and down
+def test_skinny_gemm_matches_linear_8b_shapes_bf16(rows, n, k):
+    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    # both round the fp32 sum to bf16 once: within one bf16 ulp of the exact product
+    torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w).float(), want, atol=1e-3, rtol=2**-7)
+    w2 = torch.randn(2 * 12288, 4096, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    x2 = torch.randn(rows, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    want2 = silu_and_mul_reference(F.linear(x2.float(), w2.float()))
+    torch.testing.assert_close(skinny_gemm.skinny_gemm_silu_and_mul(x2, w2).float(), want2, atol=2e-3, rtol=2**-6)
