@@ -11,7 +11,8 @@ at M = 1 for QKV, O and down, and its gate/up GEMV with the activation fused, th
 without programmatic dependent launch, against `F.linear` (how their defaults were chosen).
 
 --skinny: the few-rows GEMM of `prism.ops.skinny_gemm` (tensor cores, each program streaming whole weight rows) at
-M = 8 and 32, its knobs swept, against `F.linear` (how its defaults are to be chosen; it is off until then).
+M = 8, 32 and 64 (decode batches; 64: W2's packed question step), its knobs swept, against `F.linear` (how its
+defaults are to be chosen; it is off until then).
 
 --chain: a residual add + RMSNorm, then a GEMV of its output, as in a decode layer, launched in order or early
 (`prism.ops.pdl`). (Session 16 also tried an L2 prefetch of each program's first weight columns before its wait:
@@ -143,7 +144,7 @@ def chain_sweep(bandwidth: float) -> list[str]:
 SKINNY_KNOBS = {"BLOCK_N": (16, 32), "BLOCK_K": (128, 256, 512), "NUM_STAGES": (3, 4), "NUM_WARPS": (4,)}
 
 
-def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32)) -> list[str]:
+def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64)) -> list[str]:
     """`prism.ops.skinny_gemm` at a few rows against `F.linear` (gate/up: with the activation, against F.linear +
     silu_and_mul), its launch knobs swept, launched early (PDL) as in the engine's graphs."""
     lines = []
@@ -169,8 +170,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/decode_gemms.txt")
     parser.add_argument("--gemv", action="store_true", help="a Triton GEMV's knobs swept at M = 1 (see GEMV_KNOBS)")
     parser.add_argument("--chain", action="store_true", help="norm + GEMV pairs, launched early or not")
-    parser.add_argument("--skinny", action="store_true", help="the few-rows Triton GEMM's knobs swept at M = 8 "
-                        "and 32 (see SKINNY_KNOBS)")
+    parser.add_argument("--skinny", action="store_true", help="the few-rows Triton GEMM's knobs swept at M = 8, "
+                        "32 and 64 (see SKINNY_KNOBS)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     lines = [f"copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s"]

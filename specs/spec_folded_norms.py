@@ -4,8 +4,8 @@ Invariant: a one-row decoder layer computes what the unfused layer computes. The
 to the residual stream and leaves per-program sums of squares; the next GEMV norms its input from them. Against the
 unfused ops on the same operands (the product, `add_rms_norm_reference`, then the same GEMV): the sum equal, and the
 normed products equal within the tolerance of the fp32 sum of squares running in another order; and bit for bit
-where that order cannot matter (small-integer rows), against the unfused norm kernel. Any layer size, including sizes that are not a multiple of the
-programs' rows or columns, and one partial or many.
+where that order cannot matter (small-integer rows), against the unfused norm kernel. Any layer size, including
+sizes that are not a multiple of the programs' rows or columns, and one partial or many.
 """
 
 from __future__ import annotations

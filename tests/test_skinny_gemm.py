@@ -115,7 +115,7 @@ def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [2, 8, 32])
+@pytest.mark.parametrize("rows", [2, 8, 32, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 12288)])  # the 8B's QKV, O and down
 def test_skinny_gemm_matches_linear_8b_shapes_bf16(rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(n + k + rows)
