@@ -282,7 +282,7 @@ gemv_args = {**bf16, "N": "i32", "K": "i32", "stride_w": "i32", **norm_in, **res
 silu_args = {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32", **norm_in}
 skinny_args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32", "INTER": "i32"}
-skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4}
+skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "PRECISION": "tf32"}
 cases = {
     "gemv": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": False}),
     # the residual add + RMSNorm folded in (`gemv.ResidualRow`): the norm's partial sums are loaded first

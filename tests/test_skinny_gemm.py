@@ -128,3 +128,14 @@ def test_skinny_gemm_matches_linear_8b_shapes_bf16(rows, n, k):
     x2 = torch.randn(rows, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
     want2 = silu_and_mul_reference(F.linear(x2.float(), w2.float()))
     torch.testing.assert_close(skinny_gemm.skinny_gemm_silu_and_mul(x2, w2).float(), want2, atol=2e-3, rtol=2**-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_skinny_gemm_in_fp32_is_not_rounded_to_tf32():
+    """An fp32 model (the TP tests' tiny checkpoint) keeps fp32 products: TF32 would miss 1e-5 by far."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(8, 1024, device="cuda", generator=g)
+    w = torch.randn(256, 1024, device="cuda", generator=g) * 0.05
+    want = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), want, atol=1e-4, rtol=1e-5)

@@ -45,7 +45,8 @@ if HAVE_TRITON:
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_w, stride_ym, INTER,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            NUM_STAGES: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+                            NUM_STAGES: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr,
+                            PDL: tl.constexpr):
         # y[:, cols] = x . W[cols, :]^T for this program's BLOCK_N output columns; SILU: y[:, i] = silu(x . W[i])
         # * (x . W[INTER + i]), each product rounded to the activation dtype, then the silu, then their product.
         wait_for_predecessors(PDL)
@@ -64,9 +65,11 @@ if HAVE_TRITON:
             kmask = k0 + k < K
             x = tl.load(x_rows + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             wmask = cmask[:, None] & kmask[None, :]
-            acc = tl.dot(x, tl.trans(tl.load(w_rows + (k0 + k)[None, :], mask=wmask, other=0.0)), acc)
+            w = tl.load(w_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if SILU:
-                acc_up = tl.dot(x, tl.trans(tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)), acc_up)
+                up = tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
+                acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
         y = _round(acc, dtype)
         if SILU:
             y = _round(_round(y / (1.0 + tl.exp(-y)), dtype) * _round(acc_up, dtype), dtype)
@@ -96,7 +99,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
         _skinny_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
             x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0), n if silu else 0,
             BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES,
-            SILU=silu, num_warps=NUM_WARPS, **launch_options(x.device))
+            SILU=silu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            num_warps=NUM_WARPS, **launch_options(x.device))
     return y
 
 
