@@ -55,10 +55,16 @@ def engines_of_variants(ckpt: Path, kv: str, variants: list[str]) -> dict[str, L
     """One engine per variant `NAME=VALUE,NAME=VALUE`: lowercase names are EngineConfig fields, capitals launch knobs
     of `prism.ops.gemv`, `module.NAME` a knob of `prism.ops.<module>` (e.g. `pdl.TRIGGER_FIRST`). The graphs capture
     the knobs set when they are built, so the engines keep theirs after the modules' are restored; their eager steps
-    (the prefills) use the modules', which the decode steps measured here do not run."""
+    (the prefills) use the modules', which the decode steps measured here do not run. Knobs reach this process only:
+    tensor-parallel follower ranks (processes of their own) keep their modules' defaults."""
     engines = {}
-    for variant in variants:
-        settings = dict(item.split("=", 1) for item in variant.split(",") if item)
+    for variant in (v.strip() for v in variants):
+        if not variant:
+            continue  # ("a=1;" has no third engine)
+        items = [item.strip() for item in variant.split(",") if item.strip()]
+        if any("=" not in item for item in items):
+            raise SystemExit(f"--variants: {variant!r} is not NAME=VALUE[,NAME=VALUE...]")
+        settings = dict(item.split("=", 1) for item in items)
         knobs: dict[ModuleType, dict] = {}
         fields = {}
         for name, value in settings.items():

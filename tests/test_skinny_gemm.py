@@ -67,16 +67,19 @@ def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
     calls = []
     real = skinny_gemm.skinny_gemm
     monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w: calls.append(x.shape[0]) or real(x, w))
-    w, b = torch.randn(24, 40).to(DEV), torch.randn(24).to(DEV)
-    x = {rows: torch.randn(rows, 40).to(DEV) for rows in (1, 2, 8, 9)}
+    half = torch.float16  # (the dispatch takes 16-bit activations only)
+    w, b = (torch.randn(24, 40) * 0.2).to(half).to(DEV), torch.randn(24).to(half).to(DEV)
+    x = {rows: torch.randn(rows, 40).to(half).to(DEV) for rows in (1, 2, 8, 9)}
     assert skinny_gemm.MAX_ROWS == 0, "off until measured on the GPU"
     for rows in (2, 8):
         torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b))
     assert calls == []
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 8)
     for rows in (1, 2, 8, 9):
-        torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b), atol=1e-5, rtol=1e-5)
+        want = F.linear(x[rows].float(), w.float(), b.float())
+        torch.testing.assert_close(gemv.linear(x[rows], w, b).float(), want, atol=1e-2, rtol=1e-2)
     assert calls == [2, 8], "one row goes to the GEMV, more than MAX_ROWS to F.linear"
+    assert not skinny_gemm.takes_skinny_gemm(x[2].float(), w.float()), "an fp32 model keeps F.linear"
     monkeypatch.setenv(KERNELS_ENV, "reference")
     gemv.linear(x[2], w, b)
     assert calls == [2, 8], "PRISM_KERNELS=reference must keep F.linear"
@@ -94,9 +97,9 @@ def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypat
     cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=64, rope_theta=1e4, mrope_section=(4, 2, 2))
     torch.manual_seed(3)
-    decoder = TextDecoder(cfg).to(DEV)
+    decoder = TextDecoder(cfg).to(DEV).half()  # (the dispatch takes 16-bit activations only)
     set_batch1_gemv(decoder, True)
-    x = torch.randn(3, 64).to(DEV)
+    x = torch.randn(3, 64).to(DEV).half()
 
     def forward():
         with torch.no_grad():
@@ -110,7 +113,8 @@ def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypat
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 32)
     got = forward()
     assert calls.count("skinny_gemm") == 3 * 2 and calls.count("skinny_gemm_silu_and_mul") == 2  # QKV, O, down
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got.abs().max() > 0.1
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -128,6 +132,24 @@ def test_skinny_gemm_matches_linear_8b_shapes_bf16(rows, n, k):
     x2 = torch.randn(rows, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
     want2 = silu_and_mul_reference(F.linear(x2.float(), w2.float()))
     torch.testing.assert_close(skinny_gemm.skinny_gemm_silu_and_mul(x2, w2).float(), want2, atol=2e-3, rtol=2**-6)
+
+
+@needs_triton
+def test_the_pipeline_fits_the_shared_memory_budget(monkeypatch):
+    """At 64 rows in fp32 four stages of 16 x 256 tiles would need 320 KB of shared memory (the H200 has 227): the
+    launch cuts the stages to fit `SHARED_MEMORY_BUDGET` instead of failing to compile."""
+    launched = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.update(kw)
+
+    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", Kernel())
+    monkeypatch.setattr(skinny_gemm, "device_context", lambda device: __import__("contextlib").nullcontext())
+    skinny_gemm.skinny_gemm(torch.zeros(64, 512), torch.zeros(32, 512))
+    assert launched["BLOCK_M"] == 64 and launched["NUM_STAGES"] == 2  # (64 + 16) x 256 x 4 B = 80 KB a stage
+    skinny_gemm.skinny_gemm(torch.zeros(8, 512, dtype=torch.float16), torch.zeros(32, 512, dtype=torch.float16))
+    assert launched["BLOCK_M"] == 16 and launched["NUM_STAGES"] == skinny_gemm.NUM_STAGES
 
 
 @pytest.mark.gpu

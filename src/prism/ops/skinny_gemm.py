@@ -12,8 +12,9 @@ giving each program a few whole weight rows to stream; this is the same shape of
 M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
 
 Status: off (`MAX_ROWS = 0`) until measured on the GPU against cuBLAS (`bench/decode_gemms.py --skinny`, then W3
-batch 8 / 32 with `bench/config_ab.py --variants 'skinny_gemm.MAX_ROWS=0;skinny_gemm.MAX_ROWS=32'`). The Triton
-interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests run it in fp32 / fp16.
+batch 8 / 32 and W2 with `bench/config_ab.py --variants 'skinny_gemm.MAX_ROWS=0;skinny_gemm.MAX_ROWS=32' --w2 5`:
+every `DecodeLinear` of a few rows takes it, so short prefills and the small packed graphs do too). The Triton
+interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ BLOCK_N = 16
 BLOCK_K = 256
 NUM_WARPS = 4
 NUM_STAGES = 4
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
+# shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
+SHARED_MEMORY_BUDGET = 192 * 1024
+# Dispatch takes 16-bit activations only: an fp32 model (the tests' tiny checkpoints) keeps F.linear.
+_DTYPES = (torch.bfloat16, torch.float16)
 
 if HAVE_TRITON:
 
@@ -95,10 +100,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
         raise ValueError(f"the fused gate/up GEMM needs [gate | up] rows (an even count), got {weight.shape[0]}")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(rows))
+    stage_bytes = (block_m + (2 if silu else 1) * BLOCK_N) * BLOCK_K * x.element_size()
+    stages = max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
     with device_context(x.device):
         _skinny_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
             x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0), n if silu else 0,
-            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_STAGES=NUM_STAGES,
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_STAGES=stages,
             SILU=silu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
     return y
