@@ -316,12 +316,19 @@ def test_the_folded_path_is_not_taken_where_it_cannot_serve(monkeypatch):
     assert layer.folds_norms_into_gemvs(one) and not layer.folds_norms_into_gemvs(three)
     set_batch1_gemv(decoder, True, fused_norms=False)
     assert not layer.folds_norms_into_gemvs(one)
-    set_batch1_gemv(decoder, True)
+    # the layer's modules are judged when `set_batch1_gemv` configures it (after loading and sharding)
     layer.mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64, device=DEV))  # a bias the GEMV would not add
+    set_batch1_gemv(decoder, True)
     assert not layer.folds_norms_into_gemvs(one)
     layer.mlp.down_proj.bias = None
+    set_batch1_gemv(decoder, True)
     assert layer.folds_norms_into_gemvs(one) and not layer.folds_norms_into_gemvs(one.half())  # another dtype
+    layer.mlp.gate_up.weight.data = layer.mlp.gate_up.weight.data.half()  # weights of two dtypes
+    set_batch1_gemv(decoder, True)
+    assert not layer.folds_norms_into_gemvs(one)
+    layer.mlp.gate_up.weight.data = layer.mlp.gate_up.weight.data.float()
     layer.self_attn.o_proj = torch.nn.Linear(64, 64, bias=False).to(DEV)  # stands in for a row-parallel layer
+    set_batch1_gemv(decoder, True)
     assert not layer.folds_norms_into_gemvs(one)
 
 

@@ -60,7 +60,7 @@ def set_batch1_gemv(model: nn.Module, enabled: bool, *, fused_norms: bool = True
         m.batch1_gemv = enabled
     for m in model.modules():
         if isinstance(m, DecoderLayer):
-            m.batch1_fused_norms = enabled and fused_norms
+            m.batch1_fused_norms = enabled and fused_norms and m.can_fold_norms()
     return len(layers)
 
 
@@ -179,15 +179,22 @@ class DecoderLayer(nn.Module):
         normed, residual = add_rms_norm(attn, residual, mlp_norm.weight, mlp_norm.eps)
         return residual, self.mlp(normed)
 
-    def folds_norms_into_gemvs(self, x: torch.Tensor) -> bool:
-        """Whether `forward_one_row` serves a step whose input is `x`: one row, every projection a GEMV can take
-        (`gemv.takes_gemv`), and this layer's O and down projections whole on this device without a bias (not
-        row-parallel: their epilogue adds the residual; nor a bias, which the GEMVs do not add), nor gate/up's."""
+    def can_fold_norms(self) -> bool:
+        """Whether this layer's modules let `forward_one_row` serve it: its O and down projections whole on this
+        device without a bias (not row-parallel: their epilogue adds the residual; nor a bias, which the GEMVs do
+        not add), no bias on gate/up, and its four weights of one dtype and device with contiguous rows. Decided
+        by `set_batch1_gemv` (called once the model is loaded and sharded), not on every step."""
         attn, mlp = self.self_attn, self.mlp
-        return (self.batch1_fused_norms and type(attn.o_proj) is DecodeLinear and type(mlp.down_proj) is DecodeLinear
+        weights = (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight, mlp.down_proj.weight)
+        return (type(attn.o_proj) is DecodeLinear and type(mlp.down_proj) is DecodeLinear
                 and attn.o_proj.bias is None and mlp.down_proj.bias is None and mlp.gate_up.bias is None
-                and all(gemv.takes_gemv(x, w) for w in (attn.qkv.weight, attn.o_proj.weight, mlp.gate_up.weight,
-                                                        mlp.down_proj.weight)))
+                and all(w.dtype == weights[0].dtype and w.device == weights[0].device and w.stride(1) == 1
+                        for w in weights))
+
+    def folds_norms_into_gemvs(self, x: torch.Tensor) -> bool:
+        """Whether `forward_one_row` serves a step whose input is `x`: folding set for this layer (`can_fold_norms`)
+        and `x` one row the GEMV takes against its weights (which share the QKV weight's dtype and device)."""
+        return self.batch1_fused_norms and gemv.takes_gemv(x, self.self_attn.qkv.weight)
 
     def forward_one_row(self, stream: torch.Tensor | gemv.ResidualRow, cos, sin, backend: AttentionBackend,
                         layer_idx: int) -> gemv.ResidualRow:
@@ -254,7 +261,8 @@ class TextDecoder(nn.Module):
             if deepstack.features.shape[1] != rows:
                 raise ValueError("DeepStack features and token_index disagree on the number of visual tokens")
         cos, sin = self.rope.cos_sin(positions, inputs_embeds.dtype)
-        if n == 1 and num_ds == 0 and all(layer.folds_norms_into_gemvs(inputs_embeds) for layer in self.layers):
+        if (n == 1 and num_ds == 0 and self.layers[0].folds_norms_into_gemvs(inputs_embeds)
+                and all(layer.batch1_fused_norms for layer in self.layers)):  # (one dtype and device: the model's)
             stream: torch.Tensor | gemv.ResidualRow = inputs_embeds
             for i, layer in enumerate(self.layers):
                 stream = layer.forward_one_row(stream, cos, sin, backend, i)
