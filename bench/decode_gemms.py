@@ -162,8 +162,11 @@ def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Pat
             kernel = ops_skinny.skinny_gemm_silu_and_mul if silu else ops_skinny.skinny_gemm
             for values in itertools.product(*SKINNY_KNOBS.values()):
                 knobs = dict(zip(SKINNY_KNOBS, values, strict=True))
+                # gate/up's tiles are knobs of their own (SILU_BLOCK_N, SILU_BLOCK_K)
+                module_values = {f"SILU_{key}" if silu and key.startswith("BLOCK") else key: value
+                                 for key, value in knobs.items()}
                 try:
-                    with module_knobs(ops_skinny, knobs), programmatic_launch(True):
+                    with module_knobs(ops_skinny, module_values), programmatic_launch(True):
                         err = float((kernel(x, copies[0]).float() - want).abs().max())
                         us = over_copies(copies, lambda w, x=x, kernel=kernel: kernel(x, w))
                 except Exception as error:  # a configuration the compiler refuses (shared memory...)

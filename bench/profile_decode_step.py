@@ -104,6 +104,8 @@ def profile_setting(llm: LLM, prompt_of, label: str, layers: int, batch: int) ->
 
     for i in range(2):  # warm: the prompt's pages cached, every graph replayed once
         llm.generate(prompts(f"warm {i}"), many)
+    # and the one-token run's own path: a compile in it made the step's wall time negative (session 18, batch 32)
+    llm.generate(prompts("warm one"), one)
     k1, wall1 = kernels_of(lambda: llm.generate(prompts("one"), one))
     kn, walln = kernels_of(lambda: llm.generate(prompts("many"), many))
     t1, tn = by_name(k1), by_name(kn)

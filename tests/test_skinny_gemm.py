@@ -1,6 +1,6 @@
 """Linear layers of a few rows as a Triton GEMM (prism.ops.skinny_gemm): the kernel against `F.linear` (Triton
 interpreter on the CPU, fp32 / fp16: the interpreter's `tl.dot` is wrong for bf16), its dispatch (2 .. MAX_ROWS rows
-only, off by default), and a decoder step of a few rows with it on and off."""
+only), and a decoder step of a few rows with it on and off."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
     half = torch.float16  # (the dispatch takes 16-bit activations only)
     w, b = (torch.randn(24, 40) * 0.2).to(half).to(DEV), torch.randn(24).to(half).to(DEV)
     x = {rows: torch.randn(rows, 40).to(half).to(DEV) for rows in (1, 2, 8, 9)}
-    assert skinny_gemm.MAX_ROWS == 0, "off until measured on the GPU"
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off
     for rows in (2, 8):
         torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b))
     assert calls == []
@@ -145,11 +145,17 @@ def test_the_pipeline_fits_the_shared_memory_budget(monkeypatch):
             return lambda *args, **kw: launched.update(kw)
 
     monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", Kernel())
+    monkeypatch.setattr(skinny_gemm, "BLOCK_N", 16)
+    monkeypatch.setattr(skinny_gemm, "BLOCK_K", 256)
     monkeypatch.setattr(skinny_gemm, "device_context", lambda device: __import__("contextlib").nullcontext())
     skinny_gemm.skinny_gemm(torch.zeros(64, 512), torch.zeros(32, 512))
     assert launched["BLOCK_M"] == 64 and launched["NUM_STAGES"] == 2  # (64 + 16) x 256 x 4 B = 80 KB a stage
     skinny_gemm.skinny_gemm(torch.zeros(8, 512, dtype=torch.float16), torch.zeros(32, 512, dtype=torch.float16))
     assert launched["BLOCK_M"] == 16 and launched["NUM_STAGES"] == skinny_gemm.NUM_STAGES
+    monkeypatch.setattr(skinny_gemm, "SILU_BLOCK_N", 64)  # gate/up: its own tiles, two weight tiles a stage
+    monkeypatch.setattr(skinny_gemm, "SILU_BLOCK_K", 256)
+    skinny_gemm.skinny_gemm_silu_and_mul(torch.zeros(64, 512), torch.zeros(128, 512))
+    assert launched["BLOCK_N"] == 64 and launched["NUM_STAGES"] == 1  # (64 + 2 x 64) x 256 x 4 B = 192 KB
 
 
 @pytest.mark.gpu

@@ -11,9 +11,8 @@ each at 32 rows (`-session17-profile-decode-step-b32.txt`). The batch-1 GEMV (`o
 giving each program a few whole weight rows to stream; this is the same shape of kernel with the rows of x as the
 M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
 
-Status: off (`MAX_ROWS = 0`) until measured on the GPU against cuBLAS (`bench/decode_gemms.py --skinny`, then W3
-batch 8 / 32 and W2 with `bench/config_ab.py --variants 'skinny_gemm.MAX_ROWS=0;skinny_gemm.MAX_ROWS=32' --w2 5`:
-every `DecodeLinear` of a few rows takes it, so short prefills and the small packed graphs do too). The Triton
+Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every `DecodeLinear` of a few
+rows takes it, so short prefills and the small packed graphs do too. The Triton
 interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
 """
 
@@ -34,9 +33,15 @@ if HAVE_TRITON:
 
 # Steps of 2 .. MAX_ROWS rows take these kernels (0: none, F.linear for all). Tiles: BLOCK_N weight rows (outputs)
 # per program in BLOCK_K columns, the step's rows padded to a power of two of at least 16 (`tl.dot`'s least M).
-MAX_ROWS = 0
-BLOCK_N = 16
+# H200 sweep (2026-11-30, `-session18-decode-gemms-skinny.txt`), us against cuBLAS: at 8 rows it wins every
+# projection (QKV 16.0 / 16.5, O 11.4 / 12.2, down 27.9 / 29.5, gate/up with its activation 48.3 / 54.6 with the
+# SILU tiles); at 32 rows it loses or ties every one (QKV 16.6 / 15.7, down 37.7 / 28.6). In the engine (A/B,
+# `-session18-skinny16-ab.json`): W3 batch 8 5.49 -> 5.39 ms, batch 16 5.46 -> 5.45, W2's engine part 7.67 -> 7.39.
+MAX_ROWS = 16
+BLOCK_N = 64
 BLOCK_K = 256
+SILU_BLOCK_N = 32
+SILU_BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
@@ -101,12 +106,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(rows))
-    stage_bytes = (block_m + (2 if silu else 1) * BLOCK_N) * BLOCK_K * x.element_size()
+    block_n, block_k = (SILU_BLOCK_N, SILU_BLOCK_K) if silu else (BLOCK_N, BLOCK_K)
+    stage_bytes = (block_m + (2 if silu else 1) * block_n) * block_k * x.element_size()
     stages = max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
     with device_context(x.device):
-        _skinny_gemm_kernel[(triton.cdiv(n, BLOCK_N),)](
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
             x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0), n if silu else 0,
-            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_STAGES=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
             SILU=silu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
     return y
