@@ -113,31 +113,6 @@ def test_cascade_matches_the_reference(kv_dtype, group, tail_splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("tail_splits,merged", [(1, True), (2, False)])
-def test_cascade_of_one_tail_split_merges_in_the_decode_kernel(monkeypatch, tail_splits, merged):
-    """One split of own keys: the decode kernel merges the shared partials, and no reduce kernel is launched;
-    with several, the reduce merges. With the merge turned off, the reduce merges again, to the same numbers."""
-    launches = []
-    reduce = pa._decode_reduce_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return reduce[grid]
-
-    monkeypatch.setattr(pa, "_decode_reduce_kernel", Counted())
-    pool, meta, cascade, q = _pool_and_meta("fp8", 4, seed=3)
-    want = pa.paged_attention_reference(q, pool, 0, meta)
-    got = pa.paged_decode_attention(q, pool, 0, cascade, use_triton=True, num_splits=tail_splits)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert len(launches) == (0 if merged else 1)
-    monkeypatch.setattr(pa, "MERGE_SHARED_IN_DECODE", False)
-    unmerged = pa.paged_decode_attention(q, pool, 0, cascade, use_triton=True, num_splits=tail_splits)
-    assert len(launches) == (1 if merged else 2)
-    torch.testing.assert_close(unmerged, got, atol=1e-6, rtol=0)
-
-
-@needs_triton
 def test_cascade_over_several_row_blocks(monkeypatch):
     """More (sequence, head) rows than one program holds: each row block finds its own longest prefix."""
     monkeypatch.setattr(ca, "BLOCK_M", 16)

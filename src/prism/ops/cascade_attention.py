@@ -3,17 +3,16 @@
 Owns "a shared prefix is read once per step". When many sequences continue the same cached prefix (the same
 images), the per-sequence decode kernel has every sequence's programs load and decode the same pages again:
 at batch 32 over an 8-image prefix that is most of a decode step's attention. Here a decode step runs in
-two or three launches:
+three launches:
 
 1. `_shared_prefix_kernel`: the keys that a row shares with the *leader* row (the same physical pages at the
    start of both block tables) are attended by all such rows together, whose (sequence, query head) pairs are
    the rows of the `tl.dot` tiles, so one tile load serves every sequence;
-2. the decode kernel with `SKIP_PREFIX`: each sequence's own remaining keys; when those take one split (large
-   batches), it also merges the shared pass's partial softmaxes into the row's output;
-3. otherwise the split reduce, which merges both kinds of partial softmax.
+2. the decode kernel with `SKIP_PREFIX`: each sequence's own remaining keys;
+3. the split reduce, which merges both kinds of partial softmax.
 
-`paged_decode_attention` makes the launches when the step's metadata carries a `SharedPrefix`; this module
-owns the host plan and the shared pass (`launch_shared_prefix_pass`).
+`paged_decode_attention` makes all three launches when the step's metadata carries a `SharedPrefix`; this
+module owns the host plan and the shared pass (`launch_shared_prefix_pass`).
 
 It is the same attention as `paged_decode_attention`, rounded differently (like another split count). Which
 rows share what is decided on the host from the block tables (`plan_shared_prefix`); the device only reads
@@ -30,14 +29,12 @@ from ..kv.fp8 import KVPool
 from . import kv_write
 from .attention_metadata import PagedAttentionMetadata
 from .kv_write import HAVE_TRITON
-from .pdl import launch_options
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     from .paged_attention import _attend_keys, _store_attention
-    from .pdl import wait_for_predecessors
 
 # Shared pass knobs (`bench/tune_decode_attention.py --cascade` sweeps them on the GPU): (sequence, head) rows
 # per program, keys per tile, the programs that split one row block's shared keys, warps per program, pipeline
@@ -128,12 +125,11 @@ if HAVE_TRITON:
                               SPLIT_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
                               OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                              V_WITH_K: tl.constexpr, PDL: tl.constexpr):
+                              V_WITH_K: tl.constexpr):
         # grid = (KV heads, row blocks, splits). Row r of a block is query head r % GROUP of KV head hk in
         # sequence r // GROUP; it sees the leader's keys [0, prefix[seq]) (a row with prefix 0 sees none, and
         # its partial is m = -inf, l = 0, which the reduce weighs 0). The splits divide the block's longest
         # prefix in whole tiles; partials go to slots FIRST_SLOT + split of SPLIT_SLOTS per (token, head).
-        wait_for_predecessors(PDL)
         hk = tl.program_id(0)
         r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -162,8 +158,8 @@ if HAVE_TRITON:
 def launch_shared_prefix_pass(q: torch.Tensor, pay: torch.Tensor, sc: torch.Tensor, pool: KVPool, layer: int,
                               meta: PagedAttentionMetadata, group: int, qk_scale: float, part_acc: torch.Tensor,
                               part_ml: torch.Tensor, *, first_slot: int, common: dict) -> None:
-    """Launch `_shared_prefix_kernel` for `paged_decode_attention` (which checked the operands, then launches the
-    decode kernel over each row's own keys and merges the partials): its partial softmaxes go to slots
+    """Launch `_shared_prefix_kernel` for `paged_decode_attention` (which checked the operands, launched the decode
+    kernel over each row's own keys and merges the partials): its partial softmaxes go to slots
     `first_slot ...` of `part_acc` / `part_ml`. `common`: the launch constants both kernels share."""
     shared = meta.shared_prefix
     if shared is None or not meta.is_decode:
@@ -178,5 +174,5 @@ def launch_shared_prefix_pass(q: torch.Tensor, pay: torch.Tensor, sc: torch.Tens
         q.stride(0), q.stride(1), meta.block_table.stride(0), layer, lay.num_layers + layer,
         *kv_write.row_strides(lay), lay.page_size, qk_scale, bsz, lay.num_kv_heads, hq, group, dim,
         SPLITS=shared.splits, FIRST_SLOT=first_slot, BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
-        V_WITH_K=V_WITH_K, num_warps=NUM_WARPS, **common, **launch_options(pool.device),
+        V_WITH_K=V_WITH_K, num_warps=NUM_WARPS, **common,
     )

@@ -60,9 +60,6 @@ _NUM_WARPS = 4
 # 70.3 -> 55.5, 16 rows of one sequence 29.0 -> 24.8, batch 1 6.9 -> 7.0.
 _NUM_STAGES = 2
 _V_WITH_K = True
-# Cascade steps whose own keys take one split (batch >= 24 at 8B shapes) merge the shared pass's partials in the
-# decode kernel's epilogue instead of a third launch (`_merge_earlier_partials`); off: the reduce kernel merges.
-MERGE_SHARED_IN_DECODE = True
 
 
 def _check_attention_inputs(q: torch.Tensor, pool: KVPool, layer: int, meta: PagedAttentionMetadata) -> None:
@@ -273,34 +270,6 @@ if HAVE_TRITON:
             tl.store(part_ml_ptr + base * 2, m_i, mask=rmask)
             tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=rmask)
 
-    @triton.jit
-    def _merge_earlier_partials(l_i, m_i, acc, token, head0, d, dmask, part_acc_ptr, part_ml_ptr, HQ, HEAD_DIM,
-                                ROWS: tl.constexpr, FIRST_SLOT: tl.constexpr, SLOTS: tl.constexpr,
-                                BLOCK_S: tl.constexpr):
-        """(l_i, acc) of rows 0 .. ROWS-1 (query heads head0 + row of `token`) merged with their partial softmaxes
-        in slots [FIRST_SLOT, SLOTS) of the `_store_attention` layout, which an earlier launch wrote: the reduce
-        kernel's formula (weights 2^(m - max), the weighted accumulators over the weighted sums). Each row's
-        slots are one tile, and the rows' loads do not depend on each other, so they are all in flight at once
-        (a loop over the slots waited for one load after another: 7 us per layer at batch 32). m_i must be finite
-        for these rows (they attended at least one key here); an empty slot (m = -inf) weighs 0."""
-        rows = tl.arange(0, l_i.shape[0])
-        s = FIRST_SLOT + tl.arange(0, BLOCK_S)
-        smask = s < SLOTS
-        for g in tl.static_range(ROWS):
-            base = (token.to(tl.int64) * HQ + head0 + g) * SLOTS + s
-            m_s = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-            acc_s = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
-                            mask=smask[:, None] & dmask[None, :], other=0.0)
-            is_g = rows == g
-            m_own = tl.max(tl.where(is_g, m_i, float("-inf")), axis=0)
-            m_max = tl.maximum(m_own, tl.max(m_s, axis=0))
-            w_own = tl.exp2(m_own - m_max)
-            w_s = tl.exp2(m_s - m_max)
-            l_i = tl.where(is_g, l_i * w_own + tl.sum(l_s * w_s, axis=0), l_i)
-            acc = tl.where(is_g[:, None], acc * w_own + tl.sum(acc_s * w_s[:, None], axis=0)[None, :], acc)
-        return l_i, acc
-
     # Not specialized: the block table's width (changes every step) and the layer's rows (one variant per
     # layer kind would compile, or load from Triton's disk cache, for 0.1-2 s in the middle of serving).
     @triton.jit(do_not_specialize=["stride_bt", "row_k", "row_v"])
@@ -309,8 +278,7 @@ if HAVE_TRITON:
                        row_k, row_v, stride_row, stride_slot, sc_stride_row, page_size, qk_scale,
                        H, HQ, GROUP, HEAD_DIM,
                        KIND: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_SLOTS: tl.constexpr,
-                       SKIP_PREFIX: tl.constexpr, MERGE_SHARED: tl.constexpr, BLOCK_S: tl.constexpr,
-                       BLOCK_G: tl.constexpr,
+                       SKIP_PREFIX: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
                        PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, V_WITH_K: tl.constexpr, PDL: tl.constexpr):
@@ -320,8 +288,6 @@ if HAVE_TRITON:
         # captured for the longest context still gives a short context all its programs.
         # SKIP_PREFIX (cascade attention): the first prefix_ptr[b] keys are attended by the shared-prefix pass,
         # so the splits cover [prefix, ctx); the partials go to slots [0, NUM_SPLITS) of SPLIT_SLOTS per row.
-        # MERGE_SHARED (one split; its value is GROUP): the shared pass ran first; its partials (slots
-        # [1, SPLIT_SLOTS)) are merged here and the rows' outputs stored, with no reduce launch.
         wait_for_predecessors(PDL)
         b = tl.program_id(0)
         hk = tl.program_id(1)
@@ -348,15 +314,8 @@ if HAVE_TRITON:
                                      stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
                                      BLOCK_G, BLOCK_N, BLOCK_D, KIND, DOT_DTYPE, PRECISION, OFFSET_DTYPE,
                                      NUM_STAGES, NATIVE_FP8, V_WITH_K, False)
-        token = tl.zeros([BLOCK_G], tl.int32) + b
-        if MERGE_SHARED:  # rows past GROUP are padding: MERGE_SHARED is GROUP itself
-            l_i, acc = _merge_earlier_partials(l_i, m_i, acc, b, hk * GROUP, d, dmask, part_acc_ptr, part_ml_ptr, HQ,
-                                               HEAD_DIM, MERGE_SHARED, NUM_SPLITS, SPLIT_SLOTS, BLOCK_S)
-            _store_attention(m_i, l_i, acc, token, qh, gmask, d, dmask, out_ptr, stride_ot, stride_oh,
-                             part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, 1)
-        else:
-            _store_attention(m_i, l_i, acc, token, qh, gmask, d, dmask, out_ptr, stride_ot, stride_oh,
-                             part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, SPLIT_SLOTS)
+        _store_attention(m_i, l_i, acc, tl.zeros([BLOCK_G], tl.int32) + b, qh, gmask, d, dmask, out_ptr,
+                         stride_ot, stride_oh, part_acc_ptr, part_ml_ptr, split, HQ, HEAD_DIM, SPLIT_SLOTS)
 
     def dot_dtype(q_dtype: torch.dtype, kv_dtype: str):
         """The tl.dot operand dtype and precision. fp32 q: fp32 with exact products (the CPU tests). Else fp16,
@@ -433,11 +392,9 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     # With a shared prefix (cascade attention) each row's own keys start after it, and the shared pass's partial
-    # softmaxes take the slots after the decode kernel's splits. The shared pass runs first, so that a decode
-    # kernel of one split can merge its partials itself (`MERGE_SHARED_IN_DECODE`).
+    # softmaxes take the slots after the decode kernel's splits.
     shared = meta.shared_prefix
     slots = num_splits + (shared.splits if shared is not None else 0)
-    merge_in_decode = shared is not None and num_splits == 1 and MERGE_SHARED_IN_DECODE
     qk_scale = (1.0 / math.sqrt(dim) if scale is None else float(scale)) * _LOG2E
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dev = pool.device
@@ -451,24 +408,23 @@ def paged_decode_attention(q: torch.Tensor, pool: KVPool, layer: int, meta: Page
     common = dict(KIND=kv_write._KINDS[lay.kv_dtype], SPLIT_SLOTS=slots, BLOCK_D=block_d, DOT_DTYPE=dot,
                   PRECISION=precision, OFFSET_DTYPE=kv_write._OFFSET_DTYPE, NATIVE_FP8=native_fp8(dev))
     with device_context(dev):
-        if shared is not None:
-            from .cascade_attention import launch_shared_prefix_pass  # imports this module's kernels
-
-            launch_shared_prefix_pass(q, pay, sc, pool, layer, meta, group, qk_scale, part_acc, part_ml,
-                                      first_slot=num_splits, common=common)
         _decode_kernel[(bsz, lay.num_kv_heads, num_splits)](
             q, out, pay, sc, meta.block_table, meta.context_lens,
             meta.context_lens if shared is None else shared.prefix_lens, part_acc, part_ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
             layer, lay.num_layers + layer, *kv_write.row_strides(lay), lay.page_size, qk_scale,
             lay.num_kv_heads, hq, group, dim,
-            NUM_SPLITS=num_splits, SKIP_PREFIX=shared is not None, MERGE_SHARED=group if merge_in_decode else 0,
-            BLOCK_S=triton.next_power_of_2(shared.splits) if merge_in_decode else 1,
+            NUM_SPLITS=num_splits, SKIP_PREFIX=shared is not None,
             BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
             BLOCK_N=_BLOCK_N, NUM_STAGES=_NUM_STAGES, V_WITH_K=_V_WITH_K, num_warps=_NUM_WARPS, **common,
             **launch_options(dev),
         )
-        if slots > 1 and not merge_in_decode:
+        if shared is not None:
+            from .cascade_attention import launch_shared_prefix_pass  # imports this module's kernels
+
+            launch_shared_prefix_pass(q, pay, sc, pool, layer, meta, group, qk_scale, part_acc, part_ml,
+                                      first_slot=num_splits, common=common)
+        if slots > 1:
             _decode_reduce_kernel[(bsz, hq)](
                 part_acc, part_ml, out, out.stride(0), out.stride(1), hq, dim,
                 NUM_SPLITS=slots, BLOCK_S=triton.next_power_of_2(slots), BLOCK_D=block_d, **launch_options(dev),
