@@ -253,9 +253,8 @@ COMPILE_FOR_HOPPER = r'''
 import json, sys
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from prism.ops import fused_norms, gemv, skinny_gemm
+from prism.testing.offline_compile import compile_for_hopper
 from prism.ops.pdl import wait_for_predecessors
 
 
@@ -267,16 +266,7 @@ def planted_reads_then_waits(x_ptr, y_ptr, PDL: tl.constexpr):
 
 
 def ptx(kernel, signature, constexprs):
-    constexprs = {"PDL": True, **constexprs}
-    full = {**signature, **{name: "constexpr" for name in constexprs}}
-    # as a real launch specializes them (16-byte aligned pointers, strides and K multiples of 16): without it no
-    # asynchronous copies are compiled, and the pipelined loads the check must see come before the wait would not
-    # be there to see
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if name in signature and (signature[name].startswith("*") or name.startswith("stride") or name == "K")}
-    source = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+    return compile_for_hopper(kernel, signature, {"PDL": True, **constexprs}).asm["ptx"]
 
 
 bf16 = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"}
