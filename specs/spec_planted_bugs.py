@@ -586,6 +586,23 @@ def test_cascade_counting_the_shared_keys_twice_is_caught(monkeypatch: pytest.Mo
                 "differs from per-sequence attention")
 
 
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_skinny_gemm_rows_read_as_one_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few-rows GEMM: each output row is the product of its own row of x. Planted: x's row stride launched as 0,
+    so every row of the step reads the first one (a broadcast where a stride belongs)."""
+    from prism.ops import skinny_gemm
+    from specs import spec_skinny_gemm
+
+    kernel = skinny_gemm._skinny_gemm_kernel
+
+    class FirstRowForAll:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: kernel[grid](*args[:6], 0, *args[7:], **kw)
+
+    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", FirstRowForAll())
+    _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
+
+
 def test_cascade_leader_by_length_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade attention: the leader is the row whose shared pages spare the most reads. Found by review: the first
     version took the row with the most full pages, so one long row sharing only a first page cut every other
