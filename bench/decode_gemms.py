@@ -142,17 +142,20 @@ def chain_sweep(bandwidth: float) -> list[str]:
 
 
 # Wider BLOCK_N: fewer programs re-reading the step's rows of x from L2 per weight tile (at 32 rows x 4096 columns,
-# 256 KB per program: 96 MB of L2 reads for QKV's 384 programs at 16, against its 50 MB weight).
-SKINNY_KNOBS = {"BLOCK_N": (16, 32, 64), "BLOCK_K": (128, 256), "NUM_STAGES": (3, 4), "NUM_WARPS": (4,)}
+# 256 KB per program: 96 MB of L2 reads for QKV's 384 programs at 16, against its 50 MB weight). Session 18's sweep (16-64 wide, 3-4 stages, 4 warps, no split) lost to cuBLAS at 32 rows everywhere; this one adds
+# wider tiles, 8 warps and programs along K (`SPLIT_K`: O and down have 4,096 outputs, 64 tiles of 64).
+SKINNY_KNOBS = {"BLOCK_N": (32, 64, 128), "BLOCK_K": (128, 256), "NUM_STAGES": (4,), "NUM_WARPS": (4, 8),
+                "SPLIT_K": (1, 2, 4)}
 
 
-def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Path | None = None) -> list[str]:
+def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Path | None = None,
+                 names: tuple[str, ...] = ("qkv", "o", "down", "gate_up")) -> list[str]:
     """`prism.ops.skinny_gemm` at a few rows against `F.linear` (gate/up: with the activation, against F.linear +
     silu_and_mul), its launch knobs swept, all launched early (PDL) as in the engine's graphs. A knob set the
     compiler refuses (shared memory) is reported and skipped; the report so far is written to `out` after each
     weight and row count, so a call cut short keeps what it measured."""
     lines = []
-    for name in ("qkv", "o", "down", "gate_up"):
+    for name in names:
         silu = name == "gate_up"
         n, k, copies, floor_us = weight_copies(name, bandwidth)
         for m in rows:
@@ -187,13 +190,16 @@ def main() -> None:
     parser.add_argument("--chain", action="store_true", help="norm + GEMV pairs, launched early or not")
     parser.add_argument("--skinny", action="store_true", help="the few-rows Triton GEMM's knobs swept at M = 8, "
                         "32 and 64 (see SKINNY_KNOBS)")
+    parser.add_argument("--rows", default="8,32,64", help="--skinny: the row counts")
+    parser.add_argument("--weights", default="qkv,o,down,gate_up", help="--skinny: the weights")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     lines = [f"copy bandwidth (read + write) {bandwidth / 1e12:.2f} TB/s"]
     if args.gemv or args.chain or args.skinny:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         if args.skinny:
-            lines += skinny_sweep(bandwidth, out=Path(args.out))
+            lines += skinny_sweep(bandwidth, tuple(int(r) for r in args.rows.split(",")), Path(args.out),
+                                  tuple(args.weights.split(",")))
         else:
             lines += chain_sweep(bandwidth) if args.chain else gemv_sweep(bandwidth)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,9 @@ GEMV_ARGS = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "
              "sumsq_in_ptr": "*fp32", "P_IN": "i32", "norm_w_ptr": "*bf16", "eps": "fp32", "res_ptr": "*bf16",
              "sumsq_out_ptr": "*fp32"}
 SILU_ARGS = {**{k: v for k, v in GEMV_ARGS.items() if k not in ("N", "res_ptr", "sumsq_out_ptr")}, "INTER": "i32"}
-SKINNY_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-               "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32", "INTER": "i32"}
+SKINNY_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
+               "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32",
+               "INTER": "i32"}
 POOL_ARGS = {"pay_ptr": "*u8", "sc_ptr": "*fp32", "row_k": "i32", "row_v": "i32", "stride_row": "i64",
              "stride_slot": "i32", "sc_stride_row": "i64"}
 DECODE_ARGS = {"q_ptr": "*bf16", "out_ptr": "*bf16", "bt_ptr": "*i64", "ctx_ptr": "*i64", "prefix_ptr": "*i64",
@@ -60,7 +61,7 @@ NORM_ARGS = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*
 
 
 # Integer arguments whose values at W3 are multiples of 16 (the launch specializes on it, as on aligned pointers)
-MULTIPLES_OF_16 = ("N", "INTER", "P_IN", "M", "HQ", "HEAD_DIM", "page_size", "num_slots", "D")
+MULTIPLES_OF_16 = ("N", "INTER", "P_IN", "M", "K_PER_SPLIT", "HQ", "HEAD_DIM", "page_size", "num_slots", "D")
 
 
 def attention_constexprs() -> dict:
@@ -75,7 +76,9 @@ def rows() -> dict[str, tuple]:
     block_p = triton.next_power_of_2(triton.cdiv(HIDDEN, gemv.BLOCK_N))
     gemv_knobs = dict(BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K, NUM_STAGES=gemv.NUM_STAGES, PDL=PDL)
     silu_knobs = dict(BLOCK_N=gemv.SILU_BLOCK_N, BLOCK_K=gemv.SILU_BLOCK_K, NUM_STAGES=gemv.NUM_STAGES, PDL=PDL)
-    skinny = dict(BLOCK_M=16, NUM_STAGES=skinny_gemm.NUM_STAGES, PRECISION="tf32", PDL=PDL)
+    skinny = dict(PRECISION="tf32", PDL=PDL, SPLIT_K=skinny_gemm.SPLIT_K)
+    skinny_tiles = {silu: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES"), skinny_gemm.tiles(16, silu, 2),
+                                   strict=True)) for silu in (False, True)}
     decode = dict(BLOCK_G=16, BLOCK_N=paged_attention._BLOCK_N, NUM_STAGES=paged_attention._NUM_STAGES,
                   V_WITH_K=paged_attention._V_WITH_K, PDL=PDL, **attention_constexprs())
     splits_b1 = paged_attention.decode_num_splits(1, KV_HEADS, 2500)  # W3: ~2,500 tokens of context
@@ -90,12 +93,9 @@ def rows() -> dict[str, tuple]:
         "GEMV, gate/up + activation": (gemv._gemv_silu_and_mul_kernel, SILU_ARGS,
                                        {**silu_knobs, "NORM_IN": True, "BLOCK_P": block_p}, gemv.NUM_WARPS),
         "few-rows GEMM, 16 rows": (skinny_gemm._skinny_gemm_kernel, SKINNY_ARGS,
-                                   {**skinny, "BLOCK_N": skinny_gemm.BLOCK_N, "BLOCK_K": skinny_gemm.BLOCK_K,
-                                    "SILU": False}, skinny_gemm.NUM_WARPS),
+                                   {**skinny, **skinny_tiles[False], "SILU": False}, skinny_gemm.NUM_WARPS),
         "few-rows GEMM, 16 rows, gate/up": (skinny_gemm._skinny_gemm_kernel, SKINNY_ARGS,
-                                            {**skinny, "BLOCK_N": skinny_gemm.SILU_BLOCK_N,
-                                             "BLOCK_K": skinny_gemm.SILU_BLOCK_K, "SILU": True},
-                                            skinny_gemm.NUM_WARPS),
+                                            {**skinny, **skinny_tiles[True], "SILU": True}, skinny_gemm.NUM_WARPS),
         "Q/K norm + rope + KV write": (qk_norm_rope_kv._qk_norm_rope_write_kv_kernel, QK_ARGS,
                                        dict(HALF=HEAD_DIM // 2, BLOCK_HQ=HEADS, BLOCK_HKV=KV_HEADS, DTYPE=tl.bfloat16,
                                             KIND=0, OFFSET_DTYPE=tl.int64, PDL=PDL), 4),

@@ -597,9 +597,26 @@ def test_skinny_gemm_rows_read_as_one_are_caught(monkeypatch: pytest.MonkeyPatch
 
     class FirstRowForAll:
         def __getitem__(self, grid):
-            return lambda *args, **kw: kernel[grid](*args[:6], 0, *args[7:], **kw)
+            return lambda *args, **kw: kernel[grid](*args[:8], 0, *args[9:], **kw)  # stride_xm
 
     monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", FirstRowForAll())
+    _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_skinny_gemm_split_sums_dropping_a_split_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few-rows GEMM split along K: the sums add every split's partial. Planted: the last split's left out (the
+    split count taken as the tiles' count of splits, less one)."""
+    from prism.ops import skinny_gemm
+    from specs import spec_skinny_gemm
+
+    kernel = skinny_gemm._split_sums_kernel
+
+    class LastSplitLost:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: kernel[grid](*args, **{**kw, "SPLIT_K": kw["SPLIT_K"] - 1})
+
+    monkeypatch.setattr(skinny_gemm, "_split_sums_kernel", LastSplitLost())
     _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
 
 

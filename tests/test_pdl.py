@@ -275,9 +275,10 @@ residual_out = {"res_ptr": "*bf16", "sumsq_out_ptr": "*fp32"}
 knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "NORM_IN": False, "BLOCK_P": 1}
 gemv_args = {**bf16, "N": "i32", "K": "i32", "stride_w": "i32", **norm_in, **residual_out}
 silu_args = {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32", **norm_in}
-skinny_args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-               "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32", "INTER": "i32"}
-skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "PRECISION": "tf32"}
+skinny_args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
+               "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32",
+               "INTER": "i32"}
+skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "PRECISION": "tf32", "SPLIT_K": 1}
 cases = {
     "gemv": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": False}),
     # the residual add + RMSNorm folded in (`gemv.ResidualRow`): the norm's partial sums are loaded first
@@ -295,6 +296,11 @@ cases = {
     # a few rows through tensor cores (`skinny_gemm`; off by default until measured)
     "skinny_gemm": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": False}),
     "skinny_gemm, silu": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": True}),
+    "skinny_gemm, split K": (skinny_gemm._skinny_gemm_kernel, skinny_args,
+                             {**skinny_knobs, "SILU": True, "SPLIT_K": 2}),
+    "skinny_gemm, split sums": (skinny_gemm._split_sums_kernel,
+                                {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"},
+                                {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel,
                      {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
                       "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32",
@@ -336,7 +342,8 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
 
 @pytest.mark.skipif(not pdl.HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("case", ["gemv", "gemv, norm in", "gemv, residual out", "gemv, trigger first",
-                                  "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu",
+                                  "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu", "skinny_gemm, split K",
+                                  "skinny_gemm, split sums",
                                   "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
     """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes

@@ -23,7 +23,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 @needs_triton
 @pytest.mark.parametrize("m,n,k", [(2, 16, 256), (3, 37, 1000), (17, 40, 70), (32, 64, 512)])  # tails everywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_skinny_gemm_matches_linear(m, n, k, dtype):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_skinny_gemm_matches_linear(m, n, k, dtype, split_k, monkeypatch):
+    monkeypatch.setattr(skinny_gemm, "SPLIT_K", split_k)
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEV)
@@ -50,6 +52,36 @@ def test_each_output_row_reads_its_own_row_of_x_and_each_gate_its_own_up():
     got = skinny_gemm.skinny_gemm_silu_and_mul(x, w).cpu()
     gate = (torch.arange(1.0, m + 1)[:, None] * torch.arange(1.0, n + 1)[None, :]) * 0.1
     torch.testing.assert_close(got, F.silu(gate) * 2.0, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
+    """K split over programs in whole BLOCK_K tiles: a K of 3 tiles asked for 8 splits takes 3, each with work, then
+    one launch adds the partials; one split launches nothing more. A bad SPLIT_K is refused."""
+    launched = []
+    for name in ("_skinny_gemm_kernel", "_split_sums_kernel"):
+        real = getattr(skinny_gemm, name)
+
+        class Recorded:
+            def __getitem__(self, grid, _real=real, _name=name):
+                launched.append((_name, grid))
+                return _real[grid]
+
+        monkeypatch.setattr(skinny_gemm, name, Recorded())
+    monkeypatch.setattr(skinny_gemm, "BLOCK_N", 16)
+    monkeypatch.setattr(skinny_gemm, "BLOCK_K", 32)
+    monkeypatch.setattr(skinny_gemm, "SPLIT_K", 8)
+    x, w = torch.randn(4, 96).to(DEV), torch.randn(20, 96).to(DEV)
+    torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert [(name, tuple(grid)) for name, grid in launched] == [
+        ("_skinny_gemm_kernel", (2, 3)), ("_split_sums_kernel", (1,))]  # 20 outputs in 16-wide tiles: 2
+    launched.clear()
+    monkeypatch.setattr(skinny_gemm, "SPLIT_K", 1)
+    skinny_gemm.skinny_gemm(x, w)
+    assert [name for name, _ in launched] == ["_skinny_gemm_kernel"]
+    monkeypatch.setattr(skinny_gemm, "SPLIT_K", 0)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        skinny_gemm.skinny_gemm(x, w)
 
 
 def test_skinny_gemm_rejects_bad_shapes():

@@ -12,7 +12,9 @@ giving each program a few whole weight rows to stream; this is the same shape of
 M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
 
 Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every `DecodeLinear` of a few
-rows takes it, so short prefills and the small packed graphs do too. The Triton
+rows takes it, so short prefills and the small packed graphs do too. K split over programs (`SPLIT_K`, with a second
+launch adding the fp32 partials in split order) is written for the narrow layers at 32 rows, off until measured
+(`bench/decode_gemms.py --skinny --rows 32`). The Triton
 interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
 """
 
@@ -44,6 +46,11 @@ SILU_BLOCK_N = 32
 SILU_BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
+# Programs along K per output tile (1: none). Above 1 each program leaves an fp32 partial product of its share of K
+# and `_split_sums_kernel` adds them in split order, then rounds (and applies the activation) as the one-program
+# kernel does: more programs for the narrow layers (O and down have 4,096 outputs, 64 tiles of 64: half the SMs),
+# at the price of a second launch, as cuBLAS pays with its split-K reduce. Not measured yet: off.
+SPLIT_K = 1
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -53,15 +60,29 @@ _DTYPES = (torch.bfloat16, torch.float16)
 if HAVE_TRITON:
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_w, stride_ym, INTER,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            NUM_STAGES: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr,
-                            PDL: tl.constexpr):
+    def _rounded_output(acc, acc_up, dtype, SILU: tl.constexpr):
+        """The output of fp32 products: rounded to the activation dtype; SILU: silu(gate) * up, each step rounded as
+        `fused_norms.silu_and_mul` rounds it."""
+        y = _round(acc, dtype)
+        if SILU:
+            y = _round(_round(y / (1.0 + tl.exp(-y)), dtype) * _round(acc_up, dtype), dtype)
+        return y
+
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w, stride_ym,
+                            INTER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            NUM_STAGES: tl.constexpr, SILU: tl.constexpr, SPLIT_K: tl.constexpr,
+                            PRECISION: tl.constexpr, PDL: tl.constexpr):
         # y[:, cols] = x . W[cols, :]^T for this program's BLOCK_N output columns; SILU: y[:, i] = silu(x . W[i])
         # * (x . W[INTER + i]), each product rounded to the activation dtype, then the silu, then their product.
+        # SPLIT_K > 1: program (tile, split) sums K columns [split, split + 1) * K_PER_SPLIT (a multiple of BLOCK_K)
+        # and stores its fp32 partials at part_ptr [SPLIT_K, 1 + SILU, M, N] for `_split_sums_kernel`.
         wait_for_predecessors(PDL)
         dtype = y_ptr.dtype.element_ty
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        k_lo = split * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         cmask = cols < N
         m = tl.arange(0, BLOCK_M)
         mmask = m < M
@@ -71,8 +92,8 @@ if HAVE_TRITON:
         up_rows = w_ptr + (cols + INTER)[:, None].to(tl.int64) * stride_w
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            kmask = k0 + k < K
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            kmask = k0 + k < k_hi
             x = tl.load(x_rows + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
@@ -80,11 +101,38 @@ if HAVE_TRITON:
             if SILU:
                 up = tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
                 acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-        y = _round(acc, dtype)
+        omask = mmask[:, None] & cmask[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :],
+                     _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
+        else:
+            parts = 2 if SILU else 1
+            at = ((split * parts) * M + m[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(part_ptr + at, acc, mask=omask)
+            if SILU:
+                tl.store(part_ptr + at + M.to(tl.int64) * N, acc_up, mask=omask)
+
+    @triton.jit
+    def _split_sums_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # grid = (cdiv(M * N, BLOCK),): each output of a split-K skinny GEMM, its SPLIT_K fp32 partials added in
+        # split order, then rounded (SILU: the activation) as the one-program kernel rounds.
+        wait_for_predecessors(PDL)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < M.to(tl.int64) * N
+        parts = 2 if SILU else 1
+        stride_split = parts * M.to(tl.int64) * N
+        acc = tl.load(part_ptr + i, mask=mask, other=0.0)
+        acc_up = acc
         if SILU:
-            y = _round(_round(y / (1.0 + tl.exp(-y)), dtype) * _round(acc_up, dtype), dtype)
-        tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :], y.to(dtype),
-                 mask=mmask[:, None] & cmask[None, :])
+            acc_up = tl.load(part_ptr + M.to(tl.int64) * N + i, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + s * stride_split + i, mask=mask, other=0.0)
+            if SILU:
+                acc_up += tl.load(part_ptr + s * stride_split + M.to(tl.int64) * N + i, mask=mask, other=0.0)
+        y = _rounded_output(acc, acc_up, y_ptr.dtype.element_ty, SILU)
+        row, col = i // N, i % N
+        tl.store(y_ptr + row * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -93,6 +141,16 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in _DTYPES
             and x.device == weight.device and weight.dim() == 2 and x.shape[1] == weight.shape[1]
             and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
+
+
+def tiles(rows: int, silu: bool, element_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages) of a launch: the rows padded to a power of two of at least 16
+    (`tl.dot`'s least M), the module's tiles, and `NUM_STAGES` cut so that every stage's tiles (x's rows and one
+    or two weight tiles) fit `SHARED_MEMORY_BUDGET`."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_n, block_k = (SILU_BLOCK_N, SILU_BLOCK_K) if silu else (BLOCK_N, BLOCK_K)
+    stage_bytes = (block_m + (2 if silu else 1) * block_n) * block_k * element_size
+    return block_m, block_n, block_k, max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -105,16 +163,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
         raise ValueError(f"the fused gate/up GEMM needs [gate | up] rows (an even count), got {weight.shape[0]}")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m = max(16, triton.next_power_of_2(rows))
-    block_n, block_k = (SILU_BLOCK_N, SILU_BLOCK_K) if silu else (BLOCK_N, BLOCK_K)
-    stage_bytes = (block_m + (2 if silu else 1) * block_n) * block_k * x.element_size()
-    stages = max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
+    block_m, block_n, block_k, stages = tiles(rows, silu, x.element_size())
+    if not isinstance(SPLIT_K, int) or isinstance(SPLIT_K, bool) or SPLIT_K < 1:
+        raise ValueError(f"skinny_gemm.SPLIT_K must be a positive int, got {SPLIT_K!r}")
+    k_per_split = triton.cdiv(triton.cdiv(k, SPLIT_K), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)  # a short K takes fewer splits than asked: none is empty
+    parts = (torch.empty((splits, 2 if silu else 1, rows, n), dtype=torch.float32, device=x.device)
+             if splits > 1 else y)  # unused with one split
     with device_context(x.device):
-        _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0), n if silu else 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages,
-            SILU=silu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n), splits)](
+            x, weight, y, parts, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+            n if silu else 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SILU=silu,
+            SPLIT_K=splits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
+        if splits > 1:
+            block = 1024
+            _split_sums_kernel[(triton.cdiv(rows * n, block),)](
+                parts, y, rows, n, y.stride(0), SPLIT_K=splits, SILU=silu, BLOCK=block, **launch_options(x.device))
     return y
 
 
