@@ -5,9 +5,9 @@ machine, no GPU needed (`prism.testing.offline_compile`: Triton's compiler and t
     python bench/kernel_resources.py --set paged_attention._NUM_WARPS=8 --set paged_attention._BLOCK_N=64
 
 Each row is one kernel as the engine launches it at W3's shapes: registers per thread, the stack frame, and the bytes
-per thread ptxas spills to local memory (stores / loads). Spills are not slowness by themselves (they may stay in L1:
-session 18's decode kernel spilled 1-3.6 KB per thread at 4 warps and measured faster than at 8, where it did not),
-but a knob set is worth a GPU minute when it removes them. `--set` changes a module's launch knob before the rows are
+per thread ptxas spills to local memory (stores / loads). Integer arguments that are multiples of 16 at W3 are marked
+as the JIT marks them: without that the compile is another kernel (session 18 read 3.6 KB of spills per thread in
+the decode kernel that way; compiled as launched it has none). `--set` changes a module's launch knob before the rows are
 built (`prism.ops.<module>.<NAME>=<int or name>`), as `config_ab.py --variants` does in the engine.
 """
 
@@ -60,8 +60,9 @@ NORM_ARGS = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*
              "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32", "eps": "fp32"}
 
 
-# Integer arguments whose values at W3 are multiples of 16 (the launch specializes on it, as on aligned pointers)
-MULTIPLES_OF_16 = ("N", "INTER", "P_IN", "M", "K_PER_SPLIT", "HQ", "HEAD_DIM", "page_size", "num_slots", "D")
+# Integer arguments whose values at W3 are multiples of 16 (the launch specializes on it, as on aligned pointers;
+# `M` is the few-rows GEMM's rows: its rows are named for 16)
+MULTIPLES_OF_16 = ("N", "INTER", "P_IN", "M", "HQ", "HEAD_DIM", "page_size", "num_slots", "D")
 
 
 def attention_constexprs() -> dict:
@@ -96,6 +97,10 @@ def rows() -> dict[str, tuple]:
                                    {**skinny, **skinny_tiles[False], "SILU": False}, skinny_gemm.NUM_WARPS),
         "few-rows GEMM, 16 rows, gate/up": (skinny_gemm._skinny_gemm_kernel, SKINNY_ARGS,
                                             {**skinny, **skinny_tiles[True], "SILU": True}, skinny_gemm.NUM_WARPS),
+        **({f"few-rows GEMM, its split sums ({skinny_gemm.SPLIT_K} splits)": (
+            skinny_gemm._split_sums_kernel, {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                                             "stride_ym": "i32"},
+            dict(SPLIT_K=skinny_gemm.SPLIT_K, SILU=False, BLOCK=1024, PDL=PDL), 4)} if skinny_gemm.SPLIT_K > 1 else {}),
         "Q/K norm + rope + KV write": (qk_norm_rope_kv._qk_norm_rope_write_kv_kernel, QK_ARGS,
                                        dict(HALF=HEAD_DIM // 2, BLOCK_HQ=HEADS, BLOCK_HKV=KV_HEADS, DTYPE=tl.bfloat16,
                                             KIND=0, OFFSET_DTYPE=tl.int64, PDL=PDL), 4),

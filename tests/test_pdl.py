@@ -301,6 +301,13 @@ cases = {
     "skinny_gemm, split sums": (skinny_gemm._split_sums_kernel,
                                 {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"},
                                 {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024}),
+    # one row, called directly: a launch compiles an int argument equal to 1 as a constant (no tensor methods on it)
+    "skinny_gemm, split K, one row": (skinny_gemm._skinny_gemm_kernel,
+                                      {k: v for k, v in skinny_args.items() if k != "M"},
+                                      {**skinny_knobs, "SILU": True, "SPLIT_K": 2, "M": 1}),
+    "skinny_gemm, split sums, one row": (skinny_gemm._split_sums_kernel,
+                                         {"part_ptr": "*fp32", "y_ptr": "*bf16", "N": "i32", "stride_ym": "i32"},
+                                         {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024, "M": 1}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel,
                      {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
                       "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32",
@@ -317,7 +324,8 @@ for name, (kernel, signature, constexprs) in cases.items():
         continue
     first = min([text.find(m) for m in memory if text.find(m) >= 0] or [len(text)])
     out[name] = {"wait": text.find("griddepcontrol.wait"), "first_memory_access": first,
-                 "launch_dependents": text.find("griddepcontrol.launch_dependents")}
+                 "launch_dependents": text.find("griddepcontrol.launch_dependents"),
+                 "async_copies": text.count("cp.async")}
 print(json.dumps(out))
 '''
 
@@ -343,7 +351,8 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
 @pytest.mark.skipif(not pdl.HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("case", ["gemv", "gemv, norm in", "gemv, residual out", "gemv, trigger first",
                                   "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu", "skinny_gemm, split K",
-                                  "skinny_gemm, split sums",
+                                  "skinny_gemm, split sums", "skinny_gemm, split K, one row",
+                                  "skinny_gemm, split sums, one row",
                                   "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
     """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes
@@ -354,6 +363,10 @@ def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_ord
     assert order["wait"] >= 0, "PDL on, but no griddepcontrol.wait in the kernel"
     assert order["wait"] < order["first_memory_access"], order
     assert order["launch_dependents"] >= 0, "PDL on, but the next kernel is never let in"
+    if case.startswith(("gemv", "skinny_gemm")) and "split sums" not in case:
+        # the pipelined weight loop compiled as a launch specializes it (aligned operands): the asynchronous copies
+        # this check must see before the wait are there
+        assert order["async_copies"] > 0, "no cp.async: not the kernel a launch compiles"
     if case == "gemv, trigger first":
         assert order["launch_dependents"] < order["wait"], order
     planted = hopper_ptx_order["planted: reads, then waits"]

@@ -84,6 +84,13 @@ def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
         skinny_gemm.skinny_gemm(x, w)
 
 
+@needs_triton
+def test_an_empty_inner_dimension_gives_zeros_as_linear_does():
+    x, w = torch.zeros(3, 0).to(DEV), torch.zeros(5, 0).to(DEV)
+    assert torch.equal(skinny_gemm.skinny_gemm(x, w), F.linear(x, w))
+    assert torch.equal(skinny_gemm.skinny_gemm_silu_and_mul(x, torch.zeros(10, 0).to(DEV)), torch.zeros(3, 5).to(DEV))
+
+
 def test_skinny_gemm_rejects_bad_shapes():
     with pytest.raises(ValueError, match="unit stride"):
         skinny_gemm.skinny_gemm(torch.zeros(4, 8), torch.zeros(6, 7))

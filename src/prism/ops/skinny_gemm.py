@@ -11,8 +11,10 @@ each at 32 rows (`-session17-profile-decode-step-b32.txt`). The batch-1 GEMV (`o
 giving each program a few whole weight rows to stream; this is the same shape of kernel with the rows of x as the
 M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
 
-Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every `DecodeLinear` of a few
-rows takes it, so short prefills and the small packed graphs do too. K split over programs (`SPLIT_K`, with a second
+Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every layer that goes through
+`gemv.linear` / `gemv.silu_and_mul_linear` takes it at those row counts (`DecodeLinear` with `batch1_gemv` set,
+`TextMLP`'s gate/up, tensor parallelism's row-parallel layers), so short prefills and the small packed graphs do
+too. K split over programs (`SPLIT_K`, with a second
 launch adding the fp32 partials in split order) is written for the narrow layers at 32 rows, off until measured
 (`bench/decode_gemms.py --skinny --rows 32`). The Triton
 interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
@@ -49,7 +51,9 @@ NUM_STAGES = 4
 # Programs along K per output tile (1: none). Above 1 each program leaves an fp32 partial product of its share of K
 # and `_split_sums_kernel` adds them in split order, then rounds (and applies the activation) as the one-program
 # kernel does: more programs for the narrow layers (O and down have 4,096 outputs, 64 tiles of 64: half the SMs),
-# at the price of a second launch, as cuBLAS pays with its split-K reduce. Not measured yet: off.
+# at the price of a second launch, as cuBLAS pays with its split-K reduce. Not measured yet: off. It applies to every
+# launch (every weight, every row count); meant for O and down at 17-32 rows, it needs knobs per row count and
+# weight (and MAX_ROWS raised) before it can be on.
 SPLIT_K = 1
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
@@ -110,7 +114,7 @@ if HAVE_TRITON:
             at = ((split * parts) * M + m[:, None]).to(tl.int64) * N + cols[None, :]
             tl.store(part_ptr + at, acc, mask=omask)
             if SILU:
-                tl.store(part_ptr + at + M.to(tl.int64) * N, acc_up, mask=omask)
+                tl.store(part_ptr + at + tl.cast(M, tl.int64) * N, acc_up, mask=omask)
 
     @triton.jit
     def _split_sums_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
@@ -119,17 +123,17 @@ if HAVE_TRITON:
         # split order, then rounded (SILU: the activation) as the one-program kernel rounds.
         wait_for_predecessors(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < M.to(tl.int64) * N
+        mask = i < tl.cast(M, tl.int64) * N
         parts = 2 if SILU else 1
-        stride_split = parts * M.to(tl.int64) * N
+        stride_split = parts * tl.cast(M, tl.int64) * N
         acc = tl.load(part_ptr + i, mask=mask, other=0.0)
         acc_up = acc
         if SILU:
-            acc_up = tl.load(part_ptr + M.to(tl.int64) * N + i, mask=mask, other=0.0)
+            acc_up = tl.load(part_ptr + tl.cast(M, tl.int64) * N + i, mask=mask, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
             acc += tl.load(part_ptr + s * stride_split + i, mask=mask, other=0.0)
             if SILU:
-                acc_up += tl.load(part_ptr + s * stride_split + M.to(tl.int64) * N + i, mask=mask, other=0.0)
+                acc_up += tl.load(part_ptr + s * stride_split + tl.cast(M, tl.int64) * N + i, mask=mask, other=0.0)
         y = _rounded_output(acc, acc_up, y_ptr.dtype.element_ty, SILU)
         row, col = i // N, i % N
         tl.store(y_ptr + row * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -162,6 +166,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     if silu and weight.shape[0] % 2:
         raise ValueError(f"the fused gate/up GEMM needs [gate | up] rows (an even count), got {weight.shape[0]}")
     n = weight.shape[0] // 2 if silu else weight.shape[0]
+    if k == 0:  # empty sums, as F.linear gives them (and silu(0) * 0)
+        return torch.zeros(rows, n, dtype=x.dtype, device=x.device)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, stages = tiles(rows, silu, x.element_size())
     if not isinstance(SPLIT_K, int) or isinstance(SPLIT_K, bool) or SPLIT_K < 1:
@@ -184,7 +190,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (Triton; any M, though it is meant for a few rows)."""
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (Triton). Meant for a few rows: x's rows are one tile of
+    the next power of two (at least 16), which stops compiling past the shared memory at a few hundred rows."""
     return _launch(x, weight, silu=False)
 
 
@@ -194,7 +201,8 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; 2 .. MAX_ROWS rows on a Triton device go through `skinny_gemm`."""
+    """`F.linear(x, weight, bias)`; 2 .. MAX_ROWS rows on a Triton device go through `skinny_gemm`. A bias is added
+    to the rounded product (a second rounding, where cuBLAS adds it before its one): Qwen3-VL's layers have none."""
     if takes_skinny_gemm(x, weight):
         y = skinny_gemm(x, weight)
         return y if bias is None else y + bias

@@ -13,10 +13,10 @@ import re
 import subprocess
 import tempfile
 
-# Pointers, strides and K (a GEMM's inner size) are 16-byte aligned / multiples of 16 in every real launch, which
-# Triton specializes on: without these attributes the compiled kernel has no asynchronous copies, and it is not
-# the kernel the GPU runs.
-ALIGNED_ARGUMENTS = ("K",)
+# Pointers, strides, K (a GEMM's inner size) and a split GEMM's K share are 16-byte aligned / multiples of 16 in
+# every real launch, which Triton specializes on: without these attributes the compiled kernel has no asynchronous
+# copies, and it is not the kernel the GPU runs.
+ALIGNED_ARGUMENTS = ("K", "K_PER_SPLIT")
 
 
 def compile_for_hopper(kernel, signature: dict, constexprs: dict, *, num_warps: int = 4, launch_pdl: bool = True,
@@ -24,15 +24,20 @@ def compile_for_hopper(kernel, signature: dict, constexprs: dict, *, num_warps: 
     """`kernel` (a `triton.jit` function) compiled for sm_90: `signature` maps each runtime argument to its Triton
     type ("*bf16", "i32", "fp32", ...), `constexprs` each constexpr argument to its value; `multiples_of_16` names
     the integer arguments (besides strides and K) whose launch values are multiples of 16, which a real launch
-    specializes on too. Returns Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.shared`)."""
+    specializes on too. Arguments a kernel declares `do_not_specialize` are never marked, as the JIT never marks
+    them. The JIT's other rule is the caller's to mirror: an integer argument equal to 1 at launch is compiled as a
+    constant, so pass it in `constexprs`. Returns Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`,
+    `.metadata.shared`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     full = {**signature, **{name: "constexpr" for name in constexprs}}
+    unspecialized = {p.name for p in kernel.params if p.do_not_specialize}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-               if name in signature and (signature[name].startswith("*") or name.startswith("stride")
-                                         or name in ALIGNED_ARGUMENTS or name in multiples_of_16)}
+               if name in signature and name not in unspecialized
+               and (signature[name].startswith("*") or name.startswith("stride") or name in ALIGNED_ARGUMENTS
+                    or name in multiples_of_16)}
     source = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "launch_pdl": launch_pdl})
@@ -57,8 +62,8 @@ _RESOURCE_PATTERNS = {
 
 
 def ptxas_resources(ptx: str, arch: str = "sm_90a") -> dict[str, int]:
-    """What `ptxas -v` reports for the (single-kernel) PTX: registers per thread, stack frame, spill stores and
-    loads in bytes per thread. A value ptxas does not print (no spills) is 0."""
+    """What `ptxas -v` reports for the single kernel of `ptx`: registers per thread, stack frame, spill stores and
+    loads in bytes per thread. RuntimeError if the report lacks any of them, or holds more than one function."""
     with tempfile.TemporaryDirectory() as tmp:
         src, out = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(src, "w") as f:
@@ -70,6 +75,8 @@ def ptxas_resources(ptx: str, arch: str = "sm_90a") -> dict[str, int]:
     report = done.stderr + done.stdout
     found = {}
     for key, pattern in _RESOURCE_PATTERNS.items():
-        match = re.search(pattern, report)
-        found[key] = int(match.group(1)) if match else 0
+        matches = re.findall(pattern, report)
+        if len(matches) != 1:
+            raise RuntimeError(f"ptxas -v: {len(matches)} matches of {pattern!r} (one kernel expected):\n{report}")
+        found[key] = int(matches[0])
     return found
