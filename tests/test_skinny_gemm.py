@@ -84,6 +84,18 @@ def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
         skinny_gemm.skinny_gemm(x, w)
 
 
+def test_split_to_programs_splits_the_narrow_launches_only(monkeypatch):
+    """`SPLIT_TO_PROGRAMS`: each launch asks for the splits that give it that many programs, so a weight of few
+    output tiles splits and one of many does not; off (0), `SPLIT_K` rules."""
+    monkeypatch.setattr(skinny_gemm, "SPLIT_K", 3)
+    assert skinny_gemm.asked_splits(64) == 3
+    monkeypatch.setattr(skinny_gemm, "SPLIT_TO_PROGRAMS", 264)
+    assert [skinny_gemm.asked_splits(t) for t in (64, 96, 132, 264, 768)] == [5, 3, 2, 1, 1]
+    monkeypatch.setattr(skinny_gemm, "SPLIT_TO_PROGRAMS", -1)
+    with pytest.raises(ValueError, match="SPLIT_TO_PROGRAMS"):
+        skinny_gemm.asked_splits(64)
+
+
 @needs_triton
 def test_an_empty_inner_dimension_gives_zeros_as_linear_does():
     x, w = torch.zeros(3, 0).to(DEV), torch.zeros(5, 0).to(DEV)

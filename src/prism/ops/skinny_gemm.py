@@ -14,9 +14,9 @@ M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of t
 Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every layer that goes through
 `gemv.linear` / `gemv.silu_and_mul_linear` takes it at those row counts (`DecodeLinear` with `batch1_gemv` set,
 `TextMLP`'s gate/up, tensor parallelism's row-parallel layers), so short prefills and the small packed graphs do
-too. K split over programs (`SPLIT_K`, with a second
-launch adding the fp32 partials in split order) is written for the narrow layers at 32 rows, off until measured
-(`bench/decode_gemms.py --skinny --rows 32`). The Triton
+too. K split over programs (`SPLIT_K`, or `SPLIT_TO_PROGRAMS`
+per launch; a second launch adds the fp32 partials in split order) is written for the narrow layers at 32 rows,
+off until measured (`bench/decode_gemms.py --skinny --rows 32`). The Triton
 interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
 """
 
@@ -55,6 +55,10 @@ NUM_STAGES = 4
 # launch (every weight, every row count); meant for O and down at 17-32 rows, it needs knobs per row count and
 # weight (and MAX_ROWS raised) before it can be on.
 SPLIT_K = 1
+# Or, when above 0: each launch splits K so that it has at least this many programs (tiles x splits), whatever its
+# weight: O and down (64 tiles of 64 outputs) split, gate/up (768 tiles of 32) does not. Off until measured
+# (`config_ab.py --variants 'skinny_gemm.MAX_ROWS=16;skinny_gemm.MAX_ROWS=32,skinny_gemm.SPLIT_TO_PROGRAMS=264'`).
+SPLIT_TO_PROGRAMS = 0
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -157,6 +161,16 @@ def tiles(rows: int, silu: bool, element_size: int) -> tuple[int, int, int, int]
     return block_m, block_n, block_k, max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
 
 
+def asked_splits(tiles: int) -> int:
+    """The splits of K a launch of `tiles` output tiles asks for: `SPLIT_K`, or with `SPLIT_TO_PROGRAMS` enough for
+    that many programs. (A K of fewer tiles takes fewer: no split is empty.)"""
+    if not isinstance(SPLIT_K, int) or isinstance(SPLIT_K, bool) or SPLIT_K < 1:
+        raise ValueError(f"skinny_gemm.SPLIT_K must be a positive int, got {SPLIT_K!r}")
+    if not isinstance(SPLIT_TO_PROGRAMS, int) or isinstance(SPLIT_TO_PROGRAMS, bool) or SPLIT_TO_PROGRAMS < 0:
+        raise ValueError(f"skinny_gemm.SPLIT_TO_PROGRAMS must be 0 (off) or a positive int, got {SPLIT_TO_PROGRAMS!r}")
+    return triton.cdiv(SPLIT_TO_PROGRAMS, tiles) if SPLIT_TO_PROGRAMS else SPLIT_K
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     if (x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.stride(1) != 1
             or weight.stride(1) != 1):
@@ -170,9 +184,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
         return torch.zeros(rows, n, dtype=x.dtype, device=x.device)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, stages = tiles(rows, silu, x.element_size())
-    if not isinstance(SPLIT_K, int) or isinstance(SPLIT_K, bool) or SPLIT_K < 1:
-        raise ValueError(f"skinny_gemm.SPLIT_K must be a positive int, got {SPLIT_K!r}")
-    k_per_split = triton.cdiv(triton.cdiv(k, SPLIT_K), block_k) * block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, asked_splits(triton.cdiv(n, block_n))), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # a short K takes fewer splits than asked: none is empty
     parts = (torch.empty((splits, 2 if silu else 1, rows, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)  # unused with one split
