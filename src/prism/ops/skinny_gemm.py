@@ -14,10 +14,10 @@ M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of t
 Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every layer that goes through
 `gemv.linear` / `gemv.silu_and_mul_linear` takes it at those row counts (`DecodeLinear` with `batch1_gemv` set,
 `TextMLP`'s gate/up, tensor parallelism's row-parallel layers), so short prefills and the small packed graphs do
-too. K split over programs (`SPLIT_K`, or `SPLIT_TO_PROGRAMS`
-per launch; a second launch adds the fp32 partials in split order) is written for the narrow layers at 32 rows,
-off until measured (`bench/decode_gemms.py --skinny --rows 32`). The Triton
-interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
+too. K split over programs (`SPLIT_K`, or `SPLIT_TO_PROGRAMS` per launch; a second launch adds the fp32 partials in
+split order) is written for the narrow layers at 32 rows, off until measured (`bench/decode_gemms.py --skinny
+--rows 32`). The Triton interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in
+fp32 / fp16 directly.
 """
 
 from __future__ import annotations
