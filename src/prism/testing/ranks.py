@@ -28,13 +28,19 @@ class RanksFailed(RuntimeError):
 
 def _entry(rank: int, fn: Callable, init_method: str, args: tuple, out_dir: str) -> None:
     torch.set_num_threads(1)
+    returned = False
     try:
         torch.save(fn(rank, init_method, *args), Path(out_dir) / f"rank{rank}.pt")
+        returned = True
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
         if torch.distributed.is_initialized():
+            if returned:
+                # every rank done before any closes its connections: a gloo rank whose peer tears down first may
+                # abort in C++ ("terminate called without an active exception", SIGABRT; seen once in CI)
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
@@ -54,7 +60,9 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 120.0) -> list
                         raise RanksFailed(f"ranks still running after {timeout_s} s (a hung collective?)")
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
                 errs = "\n".join(p.read_text() for p in sorted(Path(out_dir).glob("*.err")))
-                raise RanksFailed(f"a rank failed:\n{errs or error}") from error
+                returned = [r for r in range(world) if (Path(out_dir) / f"rank{r}.pt").exists()]
+                raise RanksFailed(f"a rank failed:\n{errs or error}\n(ranks that had returned their result: "
+                                  f"{returned})") from error
             finally:
                 for p in ctx.processes:
                     if p.is_alive():
