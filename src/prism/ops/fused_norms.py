@@ -163,6 +163,12 @@ if HAVE_TRITON:
                              HKV, eps, HALF, BLOCK_HKV, DTYPE)
 
     @triton.jit
+    def _silu_times(g, u, DTYPE: tl.constexpr):
+        """silu(g) * u in fp32 for a gate g and an up u already rounded to the activation dtype: the silu rounded,
+        then the product rounded, as HF's ops in that dtype round them (every fused gate/up kernel's epilogue)."""
+        return _round(_round(g / (1.0 + tl.exp(-g)), DTYPE) * u, DTYPE)
+
+    @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER, BLOCK: tl.constexpr,
                              DTYPE: tl.constexpr, PDL: tl.constexpr):
         # grid = (tokens, column blocks)
@@ -172,8 +178,7 @@ if HAVE_TRITON:
         mask = cols < INTER
         g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-        s = _round(g / (1.0 + tl.exp(-g)), DTYPE)
-        tl.store(out_ptr + row * stride_o + cols, (s * u).to(DTYPE), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, _silu_times(g, u, DTYPE).to(DTYPE), mask=mask)
 
     _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 

@@ -11,8 +11,8 @@ end) read them at 83%, 76%, 94% and 98% (`bench/decode_gemms.py --gemv`,
 `bench/results/2026-11-30-nvidia-h200-session16-gemv-pdl.txt`). Launched early (`ops/pdl.py`) in chains of the same
 GEMV the sweep's figures scatter (O 10.1-13.6 us by tiling), but in the engine the tiling does not matter: W3 batch
 1 4.40 / 4.41 / 4.41 ms with 8 x 512, 4 x 1024 and 16 x 512 (`-session16-gemv-tiles-ab.json`). Other shapes
-(more than one row) go to `F.linear`, where cuBLAS's GEMM kernels are the right tool, or to `ops.skinny_gemm`
-for a few rows once it is measured to be better (off until then).
+(more than one row) go to `ops.skinny_gemm` for a few rows (2 .. its `MAX_ROWS`, where it measured faster), else
+to `F.linear`, where cuBLAS's GEMM kernels are the right tool.
 
 Also owns the decoder's residual add + RMSNorm folded into these GEMVs at batch 1 (`ResidualRow`): the O and down
 GEMVs add their output to the residual stream in their epilogue and leave, beside the sum, its sum of squares in
@@ -42,7 +42,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .fused_norms import _round
+    from .fused_norms import _round, _silu_times
     from .pdl import wait_for_predecessors
 
 # H200 sweep (`decode_gemms.py --gemv`): 8 rows x 512 columns per tile, 4 warps, 3 stages was the best or within
@@ -132,10 +132,8 @@ if HAVE_TRITON:
             x = _input_tile(x_ptr, k0 + cols, kmask, norm_w_ptr, scale, NORM_IN, dtype)[None, :]
             acc_g += tl.load(gate_rows + (k0 + cols)[None, :], mask=wmask, other=0.0).to(tl.float32) * x
             acc_u += tl.load(up_rows + (k0 + cols)[None, :], mask=wmask, other=0.0).to(tl.float32) * x
-        g = _round(tl.sum(acc_g, axis=1), dtype)
-        u = _round(tl.sum(acc_u, axis=1), dtype)
-        s = _round(g / (1.0 + tl.exp(-g)), dtype)
-        tl.store(y_ptr + rows, (s * u).to(dtype), mask=rmask)
+        y = _silu_times(_round(tl.sum(acc_g, axis=1), dtype), _round(tl.sum(acc_u, axis=1), dtype), dtype)
+        tl.store(y_ptr + rows, y.to(dtype), mask=rmask)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .fused_norms import _round
+    from .fused_norms import _round, _silu_times
     from .pdl import wait_for_predecessors
 
 # Steps of 2 .. MAX_ROWS rows take these kernels (0: none, F.linear for all). Tiles: BLOCK_N weight rows (outputs)
@@ -71,10 +71,9 @@ if HAVE_TRITON:
     def _rounded_output(acc, acc_up, dtype, SILU: tl.constexpr):
         """The output of fp32 products: rounded to the activation dtype; SILU: silu(gate) * up, each step rounded as
         `fused_norms.silu_and_mul` rounds it."""
-        y = _round(acc, dtype)
         if SILU:
-            y = _round(_round(y / (1.0 + tl.exp(-y)), dtype) * _round(acc_up, dtype), dtype)
-        return y
+            return _silu_times(_round(acc, dtype), _round(acc_up, dtype), dtype)
+        return _round(acc, dtype)
 
     @triton.jit
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w, stride_ym,
@@ -127,17 +126,17 @@ if HAVE_TRITON:
         # split order, then rounded (SILU: the activation) as the one-program kernel rounds.
         wait_for_predecessors(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < tl.cast(M, tl.int64) * N
-        parts = 2 if SILU else 1
-        stride_split = parts * tl.cast(M, tl.int64) * N
+        outputs = tl.cast(M, tl.int64) * N  # one part's size; a split holds 1 + SILU parts
+        mask = i < outputs
+        stride_split = (2 if SILU else 1) * outputs
         acc = tl.load(part_ptr + i, mask=mask, other=0.0)
         acc_up = acc
         if SILU:
-            acc_up = tl.load(part_ptr + tl.cast(M, tl.int64) * N + i, mask=mask, other=0.0)
+            acc_up = tl.load(part_ptr + outputs + i, mask=mask, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
             acc += tl.load(part_ptr + s * stride_split + i, mask=mask, other=0.0)
             if SILU:
-                acc_up += tl.load(part_ptr + s * stride_split + tl.cast(M, tl.int64) * N + i, mask=mask, other=0.0)
+                acc_up += tl.load(part_ptr + s * stride_split + outputs + i, mask=mask, other=0.0)
         y = _rounded_output(acc, acc_up, y_ptr.dtype.element_ty, SILU)
         row, col = i // N, i % N
         tl.store(y_ptr + row * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
