@@ -4,7 +4,6 @@ module's launch knobs with its report."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -12,6 +11,7 @@ from types import ModuleType
 import torch
 
 from prism.kv.fp8 import KVLayout, KVPool
+from prism.testing.knobs import module_knobs  # noqa: F401 (the sweeps import it from here too)
 
 
 def random_fp8_pool(layout: KVLayout) -> KVPool:
@@ -43,19 +43,6 @@ def us_per_call_in_graph(call, calls: int = 20, replays: int = 5) -> float:
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
-
-
-@contextlib.contextmanager
-def module_knobs(module: ModuleType, values: dict):
-    """Within: `module`'s launch knobs (attribute name -> value) set to `values`; its own restored after."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 def sweep_knobs(module: ModuleType, knobs: dict[str, tuple], splits: Iterable[int], default_splits: int,

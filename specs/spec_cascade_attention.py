@@ -29,6 +29,7 @@ from prism.ops import cascade_attention as ca
 from prism.ops import kv_write as kw
 from prism.ops import paged_attention as pa
 from prism.ops.attention_metadata import PagedAttentionMetadata, SharedPrefix
+from prism.testing.knobs import module_knobs
 
 PAGE = 4
 NUM_PAGES = 40
@@ -127,11 +128,8 @@ def spec_cascade_attention_equals_per_sequence_attention(rows, kv_dtype, group, 
                                                                    shared_splits))
     q = torch.randn(len(rows), 2 * group, 16, generator=g)
     want = pa.paged_attention_reference(q, pool, 0, meta)
-    tiles = pa._BLOCK_N, ca.BLOCK_N
-    pa._BLOCK_N = ca.BLOCK_N = 16  # the smallest tl.dot tile: contexts of up to 32 keys span several splits
-    try:
+    # the smallest tl.dot tile: contexts of up to 32 keys span several splits
+    with module_knobs(pa, {"_BLOCK_N": 16}), module_knobs(ca, {"BLOCK_N": 16}):
         got = pa.paged_decode_attention(q, pool, 0, cascade, use_triton=True, num_splits=tail_splits)
-    finally:
-        pa._BLOCK_N, ca.BLOCK_N = tiles
     err = float((got - want).abs().max())
     assert err <= 1e-5, f"cascade attention differs from per-sequence attention by {err} (prefixes {prefix.tolist()})"

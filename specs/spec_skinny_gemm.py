@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from prism.ops import kv_write as kw
 from prism.ops import skinny_gemm
 from prism.ops.fused_norms import silu_and_mul_reference
+from prism.testing.knobs import module_knobs
 
 pytestmark = [
     pytest.mark.skipif(not (kw.HAVE_TRITON and (kw._INTERPRETED or torch.cuda.is_available())),
@@ -35,15 +36,8 @@ SPLITS = st.sampled_from([1, 2, 3, 8])  # programs along K (fewer when K has few
 
 
 def _with_knobs(fn, split_k: int = 1):
-    knobs = {**KNOBS, "SPLIT_K": split_k}
-    saved = {name: getattr(skinny_gemm, name) for name in knobs}
-    for name, value in knobs.items():
-        setattr(skinny_gemm, name, value)
-    try:
+    with module_knobs(skinny_gemm, {**KNOBS, "SPLIT_K": split_k}):
         return fn()
-    finally:
-        for name, value in saved.items():
-            setattr(skinny_gemm, name, value)
 
 
 @settings(max_examples=30, deadline=None)

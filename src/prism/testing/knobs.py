@@ -1,0 +1,23 @@
+"""A module's launch knobs (its capitalized constants: tiles, splits, `MAX_ROWS`...) set for a while, then restored.
+
+For specs, which cannot take pytest's `monkeypatch` inside a hypothesis example, and for the GPU sweeps in `bench/`
+that time one knob set after another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import ModuleType
+
+
+@contextlib.contextmanager
+def module_knobs(module: ModuleType, values: dict):
+    """Within: `module`'s launch knobs (attribute name -> value) set to `values`; its own restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
