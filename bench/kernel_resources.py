@@ -26,39 +26,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from prism.ops import cascade_attention, fused_norms, gemv, paged_attention, qk_norm_rope_kv, skinny_gemm  # noqa: E402
+from prism.testing import kernel_signatures as sig  # noqa: E402
 from prism.testing.offline_compile import compile_for_hopper, ptxas_resources  # noqa: E402
 
 # Qwen3-VL-8B's text decoder
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 12288
 GROUP = HEADS // KV_HEADS
 PDL = 2  # the engine's default (`pdl.TRIGGER_FIRST`)
-
-GEMV_ARGS = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "stride_w": "i32",
-             "sumsq_in_ptr": "*fp32", "P_IN": "i32", "norm_w_ptr": "*bf16", "eps": "fp32", "res_ptr": "*bf16",
-             "sumsq_out_ptr": "*fp32"}
-SILU_ARGS = {**{k: v for k, v in GEMV_ARGS.items() if k not in ("N", "res_ptr", "sumsq_out_ptr")}, "INTER": "i32"}
-SKINNY_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
-               "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32",
-               "INTER": "i32"}
-POOL_ARGS = {"pay_ptr": "*u8", "sc_ptr": "*fp32", "row_k": "i32", "row_v": "i32", "stride_row": "i64",
-             "stride_slot": "i32", "sc_stride_row": "i64"}
-DECODE_ARGS = {"q_ptr": "*bf16", "out_ptr": "*bf16", "bt_ptr": "*i64", "ctx_ptr": "*i64", "prefix_ptr": "*i64",
-               "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "stride_qt": "i32", "stride_qh": "i32",
-               "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "page_size": "i32", "qk_scale": "fp32",
-               "H": "i32", "HQ": "i32", "GROUP": "i32", "HEAD_DIM": "i32", **POOL_ARGS}
-SHARED_ARGS = {"q_ptr": "*bf16", "bt_ptr": "*i64", "prefix_ptr": "*i64", "leader_ptr": "*i64",
-               "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "stride_qt": "i32", "stride_qh": "i32",
-               "stride_bt": "i32", "page_size": "i32", "qk_scale": "fp32", "B": "i32", "H": "i32", "HQ": "i32",
-               "GROUP": "i32", "HEAD_DIM": "i32", **POOL_ARGS}
-REDUCE_ARGS = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32",
-               "stride_oh": "i32", "HQ": "i32", "HEAD_DIM": "i32"}
-QK_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
-           "cos_ptr": "*bf16", "sin_ptr": "*bf16", "qo_ptr": "*bf16", "slots_ptr": "*i64", "stride_qt": "i32",
-           "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32",
-           "stride_cs": "i32", "HQ": "i32", "HKV": "i32", "eps": "fp32", "num_slots": "i32", **POOL_ARGS}
-NORM_ARGS = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
-             "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32", "eps": "fp32"}
-
 
 # Integer arguments whose values at W3 are multiples of 16 (the launch specializes on it, as on aligned pointers;
 # `M` is the few-rows GEMM's rows: its rows are named for 16)
@@ -85,44 +59,43 @@ def rows() -> dict[str, tuple]:
     splits_b1 = paged_attention.decode_num_splits(1, KV_HEADS, 2500)  # W3: ~2,500 tokens of context
     shared_splits = cascade_attention.SPLITS
     return {
-        "GEMV, QKV (norm folded in)": (gemv._gemv_kernel, GEMV_ARGS,
+        "GEMV, QKV (norm folded in)": (gemv._gemv_kernel, sig.GEMV,
                                        {**gemv_knobs, "NORM_IN": True, "BLOCK_P": block_p, "ADD_RESIDUAL": False},
                                        gemv.NUM_WARPS),
-        "GEMV, O / down (residual out)": (gemv._gemv_kernel, GEMV_ARGS,
+        "GEMV, O / down (residual out)": (gemv._gemv_kernel, sig.GEMV,
                                           {**gemv_knobs, "NORM_IN": False, "BLOCK_P": 1, "ADD_RESIDUAL": True},
                                           gemv.NUM_WARPS),
-        "GEMV, gate/up + activation": (gemv._gemv_silu_and_mul_kernel, SILU_ARGS,
+        "GEMV, gate/up + activation": (gemv._gemv_silu_and_mul_kernel, sig.GEMV_SILU_AND_MUL,
                                        {**silu_knobs, "NORM_IN": True, "BLOCK_P": block_p}, gemv.NUM_WARPS),
-        "few-rows GEMM, 16 rows": (skinny_gemm._skinny_gemm_kernel, SKINNY_ARGS,
+        "few-rows GEMM, 16 rows": (skinny_gemm._skinny_gemm_kernel, sig.SKINNY_GEMM,
                                    {**skinny, **skinny_tiles[False], "SILU": False}, skinny_gemm.NUM_WARPS),
-        "few-rows GEMM, 16 rows, gate/up": (skinny_gemm._skinny_gemm_kernel, SKINNY_ARGS,
+        "few-rows GEMM, 16 rows, gate/up": (skinny_gemm._skinny_gemm_kernel, sig.SKINNY_GEMM,
                                             {**skinny, **skinny_tiles[True], "SILU": True}, skinny_gemm.NUM_WARPS),
         **({f"few-rows GEMM, its split sums ({skinny_gemm.SPLIT_K} splits)": (
-            skinny_gemm._split_sums_kernel, {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32",
-                                             "stride_ym": "i32"},
+            skinny_gemm._split_sums_kernel, sig.SPLIT_SUMS,
             dict(SPLIT_K=skinny_gemm.SPLIT_K, SILU=False, BLOCK=1024, PDL=PDL), 4)} if skinny_gemm.SPLIT_K > 1 else {}),
-        "Q/K norm + rope + KV write": (qk_norm_rope_kv._qk_norm_rope_write_kv_kernel, QK_ARGS,
+        "Q/K norm + rope + KV write": (qk_norm_rope_kv._qk_norm_rope_write_kv_kernel, sig.QK_NORM_ROPE_WRITE_KV,
                                        dict(HALF=HEAD_DIM // 2, BLOCK_HQ=HEADS, BLOCK_HKV=KV_HEADS, DTYPE=tl.bfloat16,
                                             KIND=0, OFFSET_DTYPE=tl.int64, PDL=PDL), 4),
         f"decode attention, batch 1 ({splits_b1} splits)": (
-            paged_attention._decode_kernel, DECODE_ARGS,
+            paged_attention._decode_kernel, sig.DECODE_ATTENTION,
             {**decode, "NUM_SPLITS": splits_b1, "SPLIT_SLOTS": splits_b1, "SKIP_PREFIX": False},
             paged_attention._NUM_WARPS),
         "decode attention, cascade own tails (1 split)": (
-            paged_attention._decode_kernel, DECODE_ARGS,
+            paged_attention._decode_kernel, sig.DECODE_ATTENTION,
             {**decode, "NUM_SPLITS": 1, "SPLIT_SLOTS": 1 + shared_splits, "SKIP_PREFIX": True},
             paged_attention._NUM_WARPS),
         f"cascade shared pass ({shared_splits} splits)": (
-            cascade_attention._shared_prefix_kernel, SHARED_ARGS,
+            cascade_attention._shared_prefix_kernel, sig.SHARED_PREFIX,
             dict(SPLITS=shared_splits, FIRST_SLOT=1, SPLIT_SLOTS=1 + shared_splits, BLOCK_M=cascade_attention.BLOCK_M,
                  BLOCK_N=cascade_attention.BLOCK_N, NUM_STAGES=cascade_attention.NUM_STAGES,
                  V_WITH_K=cascade_attention.V_WITH_K, **attention_constexprs()),
             cascade_attention.NUM_WARPS),
         f"decode split reduce ({1 + shared_splits} slots)": (
-            paged_attention._decode_reduce_kernel, REDUCE_ARGS,
+            paged_attention._decode_reduce_kernel, sig.DECODE_REDUCE,
             dict(NUM_SPLITS=1 + shared_splits, BLOCK_S=triton.next_power_of_2(1 + shared_splits), BLOCK_D=HEAD_DIM,
                  PDL=PDL), 4),
-        "residual add + RMSNorm": (fused_norms._add_rms_norm_kernel, NORM_ARGS,
+        "residual add + RMSNorm": (fused_norms._add_rms_norm_kernel, sig.ADD_RMS_NORM,
                                    dict(DTYPE=tl.bfloat16, BLOCK=HIDDEN, PDL=PDL), 4),
     }
 

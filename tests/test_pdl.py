@@ -254,6 +254,7 @@ import json, sys
 import triton
 import triton.language as tl
 from prism.ops import fused_norms, gemv, skinny_gemm
+from prism.testing import kernel_signatures as sig
 from prism.testing.offline_compile import compile_for_hopper
 from prism.ops.pdl import wait_for_predecessors
 
@@ -269,15 +270,8 @@ def ptx(kernel, signature, constexprs):
     return compile_for_hopper(kernel, signature, {"PDL": True, **constexprs}).asm["ptx"]
 
 
-bf16 = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16"}
-norm_in = {"sumsq_in_ptr": "*fp32", "P_IN": "i32", "norm_w_ptr": "*bf16", "eps": "fp32"}
-residual_out = {"res_ptr": "*bf16", "sumsq_out_ptr": "*fp32"}
 knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "NORM_IN": False, "BLOCK_P": 1}
-gemv_args = {**bf16, "N": "i32", "K": "i32", "stride_w": "i32", **norm_in, **residual_out}
-silu_args = {**bf16, "INTER": "i32", "K": "i32", "stride_w": "i32", **norm_in}
-skinny_args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
-               "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32",
-               "INTER": "i32"}
+gemv_args, silu_args, skinny_args = sig.GEMV, sig.GEMV_SILU_AND_MUL, sig.SKINNY_GEMM
 skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "PRECISION": "tf32", "SPLIT_K": 1}
 cases = {
     "gemv": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": False}),
@@ -292,26 +286,20 @@ cases = {
                                    {**knobs, "NORM_IN": True, "BLOCK_P": 512}),
     # an int argument equal to 1 is compiled as a constant (an intermediate of one row)
     "gemv_silu_and_mul, INTER = 1": (gemv._gemv_silu_and_mul_kernel,
-                                     {k: v for k, v in silu_args.items() if k != "INTER"}, {**knobs, "INTER": 1}),
-    # a few rows through tensor cores (`skinny_gemm`; off by default until measured)
+                                     sig.without(silu_args, "INTER"), {**knobs, "INTER": 1}),
+    # a few rows through tensor cores (`skinny_gemm`), its K split over programs, and the split's sums
     "skinny_gemm": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": False}),
     "skinny_gemm, silu": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": True}),
     "skinny_gemm, split K": (skinny_gemm._skinny_gemm_kernel, skinny_args,
                              {**skinny_knobs, "SILU": True, "SPLIT_K": 2}),
-    "skinny_gemm, split sums": (skinny_gemm._split_sums_kernel,
-                                {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"},
+    "skinny_gemm, split sums": (skinny_gemm._split_sums_kernel, sig.SPLIT_SUMS,
                                 {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024}),
     # one row, called directly: a launch compiles an int argument equal to 1 as a constant (no tensor methods on it)
-    "skinny_gemm, split K, one row": (skinny_gemm._skinny_gemm_kernel,
-                                      {k: v for k, v in skinny_args.items() if k != "M"},
+    "skinny_gemm, split K, one row": (skinny_gemm._skinny_gemm_kernel, sig.without(skinny_args, "M"),
                                       {**skinny_knobs, "SILU": True, "SPLIT_K": 2, "M": 1}),
-    "skinny_gemm, split sums, one row": (skinny_gemm._split_sums_kernel,
-                                         {"part_ptr": "*fp32", "y_ptr": "*bf16", "N": "i32", "stride_ym": "i32"},
+    "skinny_gemm, split sums, one row": (skinny_gemm._split_sums_kernel, sig.without(sig.SPLIT_SUMS, "M"),
                                          {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024, "M": 1}),
-    "add_rms_norm": (fused_norms._add_rms_norm_kernel,
-                     {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
-                      "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32",
-                      "eps": "fp32"}, {"DTYPE": tl.bfloat16, "BLOCK": 4096}),
+    "add_rms_norm": (fused_norms._add_rms_norm_kernel, sig.ADD_RMS_NORM, {"DTYPE": tl.bfloat16, "BLOCK": 4096}),
     "planted: reads, then waits": (planted_reads_then_waits, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}),
 }
 memory = ("ld.global", "st.global", "cp.async", "atom.", "red.")
