@@ -3,7 +3,7 @@
 `--field async_scheduling --values false,true` (session 6's A/B), `--field cascade_attention_min_batch
 --values 0,8`. Same checkpoint, prompts and measurement as `bench_engine.py`'s W3 (batch 1, 8, 32 over the same 8
 hot images, 128 greedy tokens, the step time without the first token); each batch is measured `--reps` times per
-engine, alternating, so both see the same GPU clocks. `--variants 'batch1_fused_norms=false;PEEL_FIRST_TILE=0'`:
+engine, alternating, so both see the same GPU clocks. `--variants 'batch1_fused_norms=false;pdl.TRIGGER_FIRST=false'`:
 instead of one field, engines given as sets of settings, each an EngineConfig field or (in capitals) a launch knob of
 `prism.ops.gemv` captured into that engine's graphs (session 16's tilings: `--variants
 'BLOCK_N=8,BLOCK_K=512;BLOCK_N=4,BLOCK_K=1024'`). `--w2 N`: W2's engine part too (as bench_engine.py's), N times
@@ -43,15 +43,13 @@ def parse_value(text: str):
     return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
 
 
-KV_GIB = 16  # each engine's KV memory (`--kv-gib`: less when many engines are loaded at once)
-
-
-def build(ckpt: Path, kv: str, **config) -> LLM:
-    return LLM(ckpt, kv_dtype=kv, kv_memory_bytes=KV_GIB * 2**30, page_size=256, max_num_seqs=64,
+def build(ckpt: Path, kv: str, kv_gib: int, **config) -> LLM:
+    """An engine as bench_engine.py's W3 builds it, with `kv_gib` GiB of KV memory (less when several are loaded)."""
+    return LLM(ckpt, kv_dtype=kv, kv_memory_bytes=kv_gib * 2**30, page_size=256, max_num_seqs=64,
                max_num_batched_tokens=8192, **config)
 
 
-def engines_of_variants(ckpt: Path, kv: str, variants: list[str]) -> dict[str, LLM]:
+def engines_of_variants(ckpt: Path, kv: str, kv_gib: int, variants: list[str]) -> dict[str, LLM]:
     """One engine per variant `NAME=VALUE,NAME=VALUE`: lowercase names are EngineConfig fields, capitals launch knobs
     of `prism.ops.gemv`, `module.NAME` a knob of `prism.ops.<module>` (e.g. `pdl.TRIGGER_FIRST`). The graphs capture
     the knobs set when they are built, so the engines keep theirs after the modules' are restored; their eager steps
@@ -79,7 +77,7 @@ def engines_of_variants(ckpt: Path, kv: str, variants: list[str]) -> dict[str, L
         with contextlib.ExitStack() as stack:
             for module, values in knobs.items():
                 stack.enter_context(module_knobs(module, values))
-            engines[variant] = build(ckpt, kv, **fields)
+            engines[variant] = build(ckpt, kv, kv_gib, **fields)
     return engines
 
 
@@ -120,16 +118,14 @@ def main() -> None:
                         "from a prepared prompt to the first token), this many times per engine, alternating")
     parser.add_argument("--kv-gib", type=int, default=16, help="each engine's KV memory")
     args = parser.parse_args()
-    global KV_GIB
-    KV_GIB = args.kv_gib
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists():
         build_checkpoint("8b", ckpt, device="cuda", progress=True)
     if args.variants:
-        engines = engines_of_variants(ckpt, args.kv, args.variants.split(";"))
+        engines = engines_of_variants(ckpt, args.kv, args.kv_gib, args.variants.split(";"))
     else:
         values = [parse_value(v) for v in args.values.split(",")]
-        engines = {f"{args.field}={value}": build(ckpt, args.kv, **{args.field: value}) for value in values}
+        engines = {f"{args.field}={value}": build(ckpt, args.kv, args.kv_gib, **{args.field: value}) for value in values}
     labels = list(engines)
     images = random_images([(448, 448)] * 8, seed=7)
     one = SamplingParams.greedy(max_tokens=1, ignore_eos=True)

@@ -11,8 +11,8 @@ at M = 1 for QKV, O and down, and its gate/up GEMV with the activation fused, th
 without programmatic dependent launch, against `F.linear` (how their defaults were chosen).
 
 --skinny: the few-rows GEMM of `prism.ops.skinny_gemm` (tensor cores, each program streaming whole weight rows) at
-M = 8, 32 and 64 (decode batches; 64: W2's packed question step), its knobs swept, against `F.linear` (how its
-defaults are to be chosen; it is off until then).
+M = 8, 32 and 64 (decode batches; 64: W2's packed question step; `--rows`, `--weights` to narrow it), its knobs
+swept, against `F.linear` (how its defaults and its row range were chosen).
 
 --chain: a residual add + RMSNorm, then a GEMV of its output, as in a decode layer, launched in order or early
 (`prism.ops.pdl`). (Session 16 also tried an L2 prefetch of each program's first weight columns before its wait:
@@ -142,8 +142,9 @@ def chain_sweep(bandwidth: float) -> list[str]:
 
 
 # Wider BLOCK_N: fewer programs re-reading the step's rows of x from L2 per weight tile (at 32 rows x 4096 columns,
-# 256 KB per program: 96 MB of L2 reads for QKV's 384 programs at 16, against its 50 MB weight). Session 18's sweep (16-64 wide, 3-4 stages, 4 warps, no split) lost to cuBLAS at 32 rows everywhere; this one adds
-# wider tiles, 8 warps and programs along K (`SPLIT_K`: O and down have 4,096 outputs, 64 tiles of 64).
+# 256 KB per program: 96 MB of L2 reads for QKV's 384 programs at 16, against its 50 MB weight). Session 18's sweep
+# (16-64 wide, 3-4 stages, 4 warps, no split) lost to cuBLAS at 32 rows everywhere; this one adds wider tiles, 8 warps
+# and programs along K (`SPLIT_K`: O and down have 4,096 outputs, 64 tiles of 64).
 SKINNY_KNOBS = {"BLOCK_N": (32, 64, 128), "BLOCK_K": (128, 256), "NUM_STAGES": (4,), "NUM_WARPS": (4, 8),
                 "SPLIT_K": (1, 2, 4)}
 
