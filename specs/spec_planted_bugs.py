@@ -32,6 +32,21 @@ def _machine_fails(match: str, machine: type = KVCacheMachine) -> None:
         run_state_machine_as_test(machine, settings=FIND_ONLY)
 
 
+def _plant_launch(monkeypatch: pytest.MonkeyPatch, module, name: str, change) -> None:
+    """Plant a bug in how `module.<name>` (a Triton kernel, launched as `kernel[grid](*args, **kw)`) is launched:
+    every launch gets `change(args, kw)`'s (args, kw) instead."""
+    kernel = getattr(module, name)
+
+    class PlantedLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                args, kw = change(args, kw)
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(module, name, PlantedLaunch())
+
+
 def _spec_fails(spec, match: str) -> None:
     """Run a spec (a @given one with its own example budget, but no shrinking, one reported failure and the
     derandomized examples of the CI profile, whatever profile is loaded); it must find a counterexample."""
@@ -575,13 +590,7 @@ def test_cascade_counting_the_shared_keys_twice_is_caught(monkeypatch: pytest.Mo
     from prism.ops import paged_attention
     from specs import spec_cascade_attention
 
-    kernel = paged_attention._decode_kernel
-
-    class WithoutSkip:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: kernel[grid](*args, **{**kw, "SKIP_PREFIX": False})
-
-    monkeypatch.setattr(paged_attention, "_decode_kernel", WithoutSkip())
+    _plant_launch(monkeypatch, paged_attention, "_decode_kernel", lambda args, kw: (args, {**kw, "SKIP_PREFIX": False}))
     _spec_fails(spec_cascade_attention.spec_cascade_attention_equals_per_sequence_attention,
                 "differs from per-sequence attention")
 
@@ -593,13 +602,8 @@ def test_skinny_gemm_rows_read_as_one_are_caught(monkeypatch: pytest.MonkeyPatch
     from prism.ops import skinny_gemm
     from specs import spec_skinny_gemm
 
-    kernel = skinny_gemm._skinny_gemm_kernel
-
-    class FirstRowForAll:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: kernel[grid](*args[:8], 0, *args[9:], **kw)  # stride_xm
-
-    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", FirstRowForAll())
+    _plant_launch(monkeypatch, skinny_gemm, "_skinny_gemm_kernel",
+                  lambda args, kw: ((*args[:8], 0, *args[9:]), kw))  # args[8]: stride_xm
     _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
 
 
@@ -610,13 +614,8 @@ def test_skinny_gemm_split_sums_dropping_a_split_are_caught(monkeypatch: pytest.
     from prism.ops import skinny_gemm
     from specs import spec_skinny_gemm
 
-    kernel = skinny_gemm._split_sums_kernel
-
-    class LastSplitLost:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: kernel[grid](*args, **{**kw, "SPLIT_K": kw["SPLIT_K"] - 1})
-
-    monkeypatch.setattr(skinny_gemm, "_split_sums_kernel", LastSplitLost())
+    _plant_launch(monkeypatch, skinny_gemm, "_split_sums_kernel",
+                  lambda args, kw: (args, {**kw, "SPLIT_K": kw["SPLIT_K"] - 1}))
     _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
 
 
