@@ -5,14 +5,12 @@ which compiles nothing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from prism.ops import kv_write
+from prism.testing.offline_compile import run_outside_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not kv_write.HAVE_TRITON, reason="needs Triton")
@@ -51,19 +49,12 @@ print(json.dumps(out))
 '''
 
 
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
-
-
 @pytest.fixture(scope="module")
 def resources(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("offline")
     script = tmp / "checks.py"  # @triton.jit needs a source file
     script.write_text(CHECKS)
-    done = _run([str(script)], tmp)
+    done = run_outside_interpreter([str(script)], tmp)
     if done.returncode != 0 and "ptxas" in done.stderr:
         pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -86,7 +77,7 @@ def test_an_argument_marked_as_a_multiple_of_16_is_specialized_on(resources):
 def test_kernel_resources_reads_every_kernel_of_the_decode_step(tmp_path):
     """The bench tool compiles each of its rows (it names the kernels' arguments: a signature that drifted from a
     kernel's fails here, not in a GPU session) and reports registers for each."""
-    done = _run([str(ROOT / "bench" / "kernel_resources.py")], tmp_path)
+    done = run_outside_interpreter([str(ROOT / "bench" / "kernel_resources.py")], tmp_path)
     if done.returncode != 0 and "ptxas" in done.stderr:
         pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stderr[-3000:]

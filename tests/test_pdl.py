@@ -321,15 +321,12 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def hopper_ptx_order(tmp_path_factory) -> dict:
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC.parent), env.get("PYTHONPATH", "")])
+    from prism.testing.offline_compile import run_outside_interpreter
+
     script = tmp_path_factory.mktemp("hopper") / "compile_for_hopper.py"  # @triton.jit needs a source file
     script.write_text(COMPILE_FOR_HOPPER)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = run_outside_interpreter([str(script)], script.parent, timeout_s=300)
     if done.returncode != 0 and "ptxas" in done.stderr:
         pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-500:]}")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 # Pointers, strides, K (a GEMM's inner size) and a split GEMM's K share are 16-byte aligned / multiples of 16 in
@@ -41,6 +42,16 @@ def compile_for_hopper(kernel, signature: dict, constexprs: dict, *, num_warps: 
     source = ASTSource(fn=kernel, signature=full, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "launch_pdl": launch_pdl})
+
+
+def run_outside_interpreter(args: list[str], cwd: str | os.PathLike, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """`python *args` in a child process with `TRITON_INTERPRET` unset (the tests run under the interpreter, which
+    compiles nothing) and this package importable; its output captured as text."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=cwd)
 
 
 def ptxas_path() -> str:
