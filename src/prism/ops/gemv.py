@@ -31,10 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import skinny_gemm
-from .fused_norms import silu_and_mul
 from .kv_write import HAVE_TRITON, _want_triton, device_context
 from .pdl import launch_options
 
@@ -249,8 +247,8 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; one row of x on a Triton device goes through `gemv`, a few rows through
-    `skinny_gemm` (when its `MAX_ROWS` admits them)."""
+    """`F.linear(x, weight, bias)`; one row of x on a Triton device goes through `gemv`, more through
+    `skinny_gemm.linear` (its kernel for a few rows, else `F.linear`)."""
     if takes_gemv(x, weight):
         y = gemv(weight, x[0].contiguous())[None]
         return y if bias is None else y + bias
@@ -259,9 +257,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight))` for [gate | up] weight rows; one row of x on a Triton device goes
-    through `gemv_silu_and_mul`, a few rows through `skinny_gemm.skinny_gemm_silu_and_mul`."""
+    through `gemv_silu_and_mul`, more through `skinny_gemm.silu_and_mul_linear`."""
     if takes_gemv(x, weight):
         return gemv_silu_and_mul(weight, x[0].contiguous())[None]
-    if skinny_gemm.takes_skinny_gemm(x, weight):
-        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight)
-    return silu_and_mul(F.linear(x, weight))
+    return skinny_gemm.silu_and_mul_linear(x, weight)

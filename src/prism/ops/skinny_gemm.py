@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fused_norms import silu_and_mul
 from .kv_write import HAVE_TRITON, _want_triton, device_context
 from .pdl import launch_options
 
@@ -218,3 +219,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = skinny_gemm(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(F.linear(x, weight))` for [gate | up] weight rows; 2 .. MAX_ROWS rows on a Triton device go
+    through `skinny_gemm_silu_and_mul`."""
+    if takes_skinny_gemm(x, weight):
+        return skinny_gemm_silu_and_mul(x, weight)
+    return silu_and_mul(F.linear(x, weight))
