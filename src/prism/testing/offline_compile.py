@@ -44,6 +44,16 @@ def compile_for_hopper(kernel, signature: dict, constexprs: dict, *, num_warps: 
                           options={"num_warps": num_warps, "launch_pdl": launch_pdl})
 
 
+def compile_error(kernel, signature: dict, constexprs: dict, **options) -> str | None:
+    """None if `compile_for_hopper` compiles the kernel, else the compiler's error, whatever its type, shortened
+    (for reproducers of kernels that did not compile)."""
+    try:
+        compile_for_hopper(kernel, signature, constexprs, **options)
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error)[-300:]}"
+    return None
+
+
 def run_outside_interpreter(args: list[str], cwd: str | os.PathLike, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """`python *args` in a child process with `TRITON_INTERPRET` unset (the tests run under the interpreter, which
     compiles nothing) and this package importable; its output captured as text."""
