@@ -141,12 +141,12 @@ def chain_sweep(bandwidth: float) -> list[str]:
     return lines
 
 
-# Wider BLOCK_N: fewer programs re-reading the step's rows of x from L2 per weight tile (at 32 rows x 4096 columns,
-# 256 KB per program: 96 MB of L2 reads for QKV's 384 programs at 16, against its 50 MB weight). Session 18's sweep
-# (16-64 wide, 3-4 stages, 4 warps, no split) lost to cuBLAS at 32 rows everywhere; this one adds wider tiles, 8 warps
-# and programs along K (`SPLIT_K`: O and down have 4,096 outputs, 64 tiles of 64).
-SKINNY_KNOBS = {"BLOCK_N": (32, 64, 128), "BLOCK_K": (128, 256), "NUM_STAGES": (4,), "NUM_WARPS": (4, 8),
-                "SPLIT_K": (1, 2, 4)}
+# The first 32-row sweep of split K (32-128 wide, 4 / 8 warps, SPLIT_K 1 / 2 / 4;
+# `-session19-decode-gemms-skinny-split.txt`): at 32 rows 64 x 256 tiles, 4 warps and 2 splits win O and down, QKV and gate/up keep cuBLAS. This one asks where the
+# split's partials are added (a second launch, or the tile's last program: `SPLIT_SUMS_IN_KERNEL`) and how many
+# splits. SPLIT_K sets the narrow band's splits too (`NARROW_SPLIT_K`), so it rules at every row count.
+SKINNY_KNOBS = {"BLOCK_N": (64, 128), "BLOCK_K": (128, 256), "NUM_STAGES": (4,), "NUM_WARPS": (4,),
+                "SPLIT_K": (1, 2, 3, 4), "SPLIT_SUMS_IN_KERNEL": (False, True)}
 
 
 def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Path | None = None,
@@ -169,6 +169,9 @@ def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Pat
                 # gate/up's tiles are knobs of their own (SILU_BLOCK_N, SILU_BLOCK_K)
                 module_values = {f"SILU_{key}" if silu and key.startswith("BLOCK") else key: value
                                  for key, value in knobs.items()}
+                module_values["NARROW_SPLIT_K"] = knobs["SPLIT_K"]
+                if knobs["SPLIT_K"] == 1 and knobs["SPLIT_SUMS_IN_KERNEL"]:
+                    continue  # (one split adds nothing)
                 try:
                     with module_knobs(ops_skinny, module_values), programmatic_launch(True):
                         err = float((kernel(x, copies[0]).float() - want).abs().max())

@@ -1,6 +1,6 @@
 """Linear layers of a few rows as a Triton GEMM (prism.ops.skinny_gemm): the kernel against `F.linear` (Triton
-interpreter on the CPU, fp32 / fp16: the interpreter's `tl.dot` is wrong for bf16), its dispatch (2 .. MAX_ROWS rows
-only), and a decoder step of a few rows with it on and off."""
+interpreter on the CPU, fp32 / fp16: the interpreter's `tl.dot` is wrong for bf16), its dispatch (2 .. MAX_ROWS rows,
+and the narrow band), and a decoder step of a few rows with it on and off."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 @needs_triton
 @pytest.mark.parametrize("m,n,k", [(2, 16, 256), (3, 37, 1000), (17, 40, 70), (32, 64, 512)])  # tails everywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_skinny_gemm_matches_linear(m, n, k, dtype, split_k, monkeypatch):
+@pytest.mark.parametrize("split_k,sums_in_kernel", [(1, False), (3, False), (3, True)])
+def test_skinny_gemm_matches_linear(m, n, k, dtype, split_k, sums_in_kernel, monkeypatch):
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", split_k)
+    monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", split_k)
+    monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", sums_in_kernel)
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEV)
@@ -55,9 +57,10 @@ def test_each_output_row_reads_its_own_row_of_x_and_each_gate_its_own_up():
 
 
 @needs_triton
-def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
+def test_split_k_takes_no_empty_split_and_adds_the_partials_once(monkeypatch):
     """K split over programs in whole BLOCK_K tiles: a K of 3 tiles asked for 8 splits takes 3, each with work, then
-    one launch adds the partials; one split launches nothing more. A bad SPLIT_K is refused."""
+    one launch adds the partials, or (`SPLIT_SUMS_IN_KERNEL`) the GEMM's own last program per tile does, leaving its
+    counters zero for the next launch; one split launches nothing more. A bad SPLIT_K is refused."""
     launched = []
     for name in ("_skinny_gemm_kernel", "_split_sums_kernel"):
         real = getattr(skinny_gemm, name)
@@ -76,6 +79,12 @@ def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
     assert [(name, tuple(grid)) for name, grid in launched] == [
         ("_skinny_gemm_kernel", (2, 3)), ("_split_sums_kernel", (1,))]  # 20 outputs in 16-wide tiles: 2
     launched.clear()
+    monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", True)
+    for _ in range(2):  # the second launch finds the counters the first left
+        torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert [name for name, _ in launched] == ["_skinny_gemm_kernel"] * 2
+    assert not skinny_gemm._tile_counters(x.device, 2).any(), "the last program of each tile resets its counter"
+    launched.clear()
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", 1)
     skinny_gemm.skinny_gemm(x, w)
     assert [name for name, _ in launched] == ["_skinny_gemm_kernel"]
@@ -84,16 +93,31 @@ def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
         skinny_gemm.skinny_gemm(x, w)
 
 
-def test_split_to_programs_splits_the_narrow_launches_only(monkeypatch):
-    """`SPLIT_TO_PROGRAMS`: each launch asks for the splits that give it that many programs, so a weight of few
-    output tiles splits and one of many does not; off (0), `SPLIT_K` rules."""
-    monkeypatch.setattr(skinny_gemm, "SPLIT_K", 3)
-    assert skinny_gemm.asked_splits(64) == 3
-    monkeypatch.setattr(skinny_gemm, "SPLIT_TO_PROGRAMS", 264)
-    assert [skinny_gemm.asked_splits(t) for t in (64, 96, 132, 264, 768)] == [5, 3, 2, 1, 1]
-    monkeypatch.setattr(skinny_gemm, "SPLIT_TO_PROGRAMS", -1)
-    with pytest.raises(ValueError, match="SPLIT_TO_PROGRAMS"):
-        skinny_gemm.asked_splits(64)
+def test_the_narrow_band_takes_narrow_layers_only_and_splits_them(monkeypatch):
+    """Steps of MAX_ROWS + 1 .. NARROW_MAX_ROWS rows: the kernel for launches of at most NARROW_MAX_TILES output
+    tiles and no activation (the 8B's O and down: 4,096 outputs, 64 tiles of 64), K split NARROW_SPLIT_K ways;
+    QKV (96 tiles), gate/up and more rows keep cuBLAS. Below it every launch, split SPLIT_K ways."""
+    monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: True)
+    for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "NARROW_MAX_TILES": 64, "BLOCK_N": 64,
+                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1}.items():
+        monkeypatch.setattr(skinny_gemm, knob, value)
+
+    def takes(rows, n, silu=False):
+        x, w = torch.zeros(rows, 8, dtype=torch.bfloat16), torch.zeros(2 * n if silu else n, 8, dtype=torch.bfloat16)
+        return skinny_gemm.takes_skinny_gemm(x, w, silu)
+
+    assert [takes(rows, 4096) for rows in (1, 2, 16, 17, 32, 33)] == [False, True, True, True, True, False]
+    assert [takes(rows, 6144) for rows in (16, 17, 32)] == [True, False, False]  # QKV: 96 tiles
+    assert [takes(rows, 4096, silu=True) for rows in (16, 17)] == [True, False]  # gate/up
+    assert [skinny_gemm.asked_splits(rows, 4096, False) for rows in (16, 17, 32)] == [1, 2, 2]
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # the band still starts at 2 rows
+    assert [takes(rows, 4096) for rows in (1, 2, 32)] == [False, True, True]
+    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)  # both off
+    assert not any(takes(rows, 4096) for rows in (2, 17, 32))
+    monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", 0)
+    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 32)
+    with pytest.raises(ValueError, match="NARROW_SPLIT_K"):
+        skinny_gemm.asked_splits(20, 4096, False)
 
 
 @needs_triton
@@ -121,7 +145,8 @@ def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
     half = torch.float16  # (the dispatch takes 16-bit activations only)
     w, b = (torch.randn(24, 40) * 0.2).to(half).to(DEV), torch.randn(24).to(half).to(DEV)
     x = {rows: torch.randn(rows, 40).to(half).to(DEV) for rows in (1, 2, 8, 9)}
-    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off, the narrow band too
+    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)
     for rows in (2, 8):
         torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b))
     assert calls == []
@@ -130,10 +155,13 @@ def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
         want = F.linear(x[rows].float(), w.float(), b.float())
         torch.testing.assert_close(gemv.linear(x[rows], w, b).float(), want, atol=1e-2, rtol=1e-2)
     assert calls == [2, 8], "one row goes to the GEMV, more than MAX_ROWS to F.linear"
+    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 9)  # 24 outputs: one tile, a narrow layer
+    gemv.linear(x[9], w, b)
+    assert calls == [2, 8, 9], "the narrow band takes 9 rows"
     assert not skinny_gemm.takes_skinny_gemm(x[2].float(), w.float()), "an fp32 model keeps F.linear"
     monkeypatch.setenv(KERNELS_ENV, "reference")
     gemv.linear(x[2], w, b)
-    assert calls == [2, 8], "PRISM_KERNELS=reference must keep F.linear"
+    assert calls == [2, 8, 9], "PRISM_KERNELS=reference must keep F.linear"
 
 
 @needs_triton
@@ -218,3 +246,28 @@ def test_skinny_gemm_in_fp32_is_not_rounded_to_tf32():
     w = torch.randn(256, 1024, device="cuda", generator=g) * 0.05
     want = (x.double() @ w.double().T).float()
     torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [17, 32])
+def test_split_sums_in_kernel_equal_the_second_launch_bit_for_bit(rows, monkeypatch):
+    """The narrow band's O and down shapes, K split 2 and 3 ways: the tile's last program adds the partials in split
+    order, as `_split_sums_kernel` does, so the bits are the same; 50 launches back to back, launched early (PDL),
+    as the decode graph launches them, each must find its counters zero."""
+    from prism.ops.pdl import programmatic_launch
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for n, k in ((4096, 4096), (4096, 12288)):
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        xs = [torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(50)]
+        for splits in (2, 3):
+            monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", splits)
+            with programmatic_launch(True):
+                monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", False)
+                want = [skinny_gemm.skinny_gemm(x, w) for x in xs]
+                monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", True)
+                got = [skinny_gemm.skinny_gemm(x, w) for x in xs]
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(a, b), f"launch {i} ({rows} x {k} -> {n}, {splits} splits) differs"
+            assert not skinny_gemm._tile_counters(w.device, 64).any()

@@ -105,6 +105,33 @@ def assert_same_or_near_tie(ours, reference) -> None:
             return
 
 
+def test_decode_steps_of_the_narrow_band_match_eager_cublas(ckpt_8b, monkeypatch):
+    """24 text requests decoding together: steps of 24 rows, whose O and down go through the few-rows GEMM's narrow
+    band (K split, `skinny_gemm.NARROW_*`) in the captured decode graphs, against the eager engine with the few-rows
+    GEMM off (cuBLAS everywhere)."""
+    from prism.ops import skinny_gemm
+
+    prompts = [chat(f"Question number {i}: what comes after {i}?") for i in range(24)]
+    with monkeypatch.context() as off:
+        off.setattr(skinny_gemm, "MAX_ROWS", 0)
+        off.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)
+        eager = engine(ckpt_8b, "fp8", cuda_graphs=False, max_num_seqs=32)
+        reference = eager.generate(prompts, GREEDY)
+        del eager
+        release_gpu_memory()
+    rows: list[int] = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    graphs = engine(ckpt_8b, "fp8", max_num_seqs=32)
+    assert any(17 <= r <= 32 for r in rows), f"no graph captured the narrow band's GEMM: {sorted(set(rows))}"
+    out = graphs.generate(prompts, GREEDY)
+    assert graphs.engine.runner.graphs.replays > 0
+    for ours, ref in zip(out, reference, strict=True):
+        assert_same_or_near_tie(ours, ref)
+    del graphs
+    release_gpu_memory()
+
+
 def test_cuda_graph_decode_matches_eager(ckpt_8b):
     import time
 

@@ -1,6 +1,6 @@
 """Linear layers of a few rows (a decode step of a small batch) as a Triton GEMM that streams the weight.
 
-Owns: `linear(x, weight)` and `silu_and_mul_linear(x, weight)` for 2 <= rows <= `MAX_ROWS`, equal to
+Owns: `linear(x, weight)` and `silu_and_mul_linear(x, weight)` for the few rows `takes_skinny_gemm` names, equal to
 `F.linear(x, weight)` and `silu_and_mul(F.linear(x, weight))` up to the order of the fp32 sums (each output rounded
 to the activation dtype, as cuBLAS rounds it; the activation rounded as `fused_norms.silu_and_mul` rounds it).
 
@@ -11,13 +11,13 @@ each at 32 rows (`-session17-profile-decode-step-b32.txt`). The batch-1 GEMV (`o
 giving each program a few whole weight rows to stream; this is the same shape of kernel with the rows of x as the
 M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
 
-Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below); more rows keep cuBLAS. Every layer that goes through
+Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below), and at 17 .. 32 rows for the narrow layers (O and down,
+`NARROW_*`) with K split over two programs per output tile; the rest keep cuBLAS. Every layer that goes through
 `gemv.linear` / `gemv.silu_and_mul_linear` takes it at those row counts (`DecodeLinear` with `batch1_gemv` set,
 `TextMLP`'s gate/up, tensor parallelism's row-parallel layers), so short prefills and the small packed graphs do
-too. K split over programs (`SPLIT_K`, or `SPLIT_TO_PROGRAMS` per launch; a second launch adds the fp32 partials in
-split order) is written for the narrow layers at 32 rows, off until measured (`bench/decode_gemms.py --skinny
---rows 32`). The Triton interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call the kernel in
-fp32 / fp16 directly.
+too. A split launch adds its fp32 partials in split order, in a second launch or (`SPLIT_SUMS_IN_KERNEL`) in the
+tile's last program to finish. The Triton interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call
+the kernel in fp32 / fp16 directly.
 """
 
 from __future__ import annotations
@@ -49,17 +49,24 @@ SILU_BLOCK_N = 32
 SILU_BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
-# Programs along K per output tile (1: none). Above 1 each program leaves an fp32 partial product of its share of K
-# and `_split_sums_kernel` adds them in split order, then rounds (and applies the activation) as the one-program
-# kernel does: more programs for the narrow layers (O and down have 4,096 outputs, 64 tiles of 64: half the SMs),
-# at the price of a second launch, as cuBLAS pays with its split-K reduce. Not measured yet: off. It applies to every
-# launch (every weight, every row count); meant for O and down at 17-32 rows, it needs knobs per row count and
-# weight (and MAX_ROWS raised) before it can be on.
+# Programs along K per output tile at 2 .. MAX_ROWS rows (1: none). Above 1 each program leaves an fp32 partial
+# product of its share of K and the partials are added in split order, then rounded (and the activation applied) as
+# the one-program kernel does: more programs for a narrow layer, at the price of the partials' round trip, as cuBLAS
+# pays with its split-K reduce. Measured at 32 rows only (the narrow band below): off here.
 SPLIT_K = 1
-# Or, when above 0: each launch splits K so that it has at least this many programs (tiles x splits), whatever its
-# weight: O and down (64 tiles of 64 outputs) split, gate/up (768 tiles of 32) does not. Off until measured
-# (`config_ab.py --variants 'skinny_gemm.MAX_ROWS=16;skinny_gemm.MAX_ROWS=32,skinny_gemm.SPLIT_TO_PROGRAMS=264'`).
-SPLIT_TO_PROGRAMS = 0
+# The narrow band: steps of MAX_ROWS + 1 .. NARROW_MAX_ROWS rows take the kernel for launches of at most
+# NARROW_MAX_TILES output tiles (no activation), their K split NARROW_SPLIT_K ways; the rest keep cuBLAS. H200 sweep
+# at 32 rows (2026-11-30, `-session19-decode-gemms-skinny-split.txt`), us against cuBLAS: O (64 tiles) 11.5 / 13.8,
+# down (64 tiles) 27.8 / 28.6, both 64 x 256 tiles, 2 splits; QKV (96 tiles) 20.9 / 16.1 and gate/up + activation
+# 52.4 / 50.7 at their best lose. Splitting every launch to >= 264 programs lost at batch 8 and 32
+# (`-session19-skinny-split-ab.json`: batch 8 5.08 -> 5.17 ms; with MAX_ROWS 32, batch 32 5.68 -> 6.03).
+NARROW_MAX_ROWS = 32
+NARROW_MAX_TILES = 64
+NARROW_SPLIT_K = 2
+# Where a split launch adds its partials. False: a second launch (`_split_sums_kernel`). True: in the GEMM itself,
+# by the last of a tile's programs to finish, told by a counter per output tile (`_tile_counters`, one set per stream:
+# zero between launches, the last program resets it), which saves the launch.
+SPLIT_SUMS_IN_KERNEL = False
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -77,17 +84,36 @@ if HAVE_TRITON:
         return _round(acc, dtype)
 
     @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w, stride_ym,
-                            INTER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _summed_partials(part_ptr, at, outputs, mask, SPLIT_K: tl.constexpr, SILU: tl.constexpr):
+        """The fp32 sums of a split launch's partials at offsets `at` of one part ([M, N], `outputs` long) added in
+        split order (the same bits whichever program or launch adds them); SILU: (gate, up) sums, else (sum, sum).
+        Loaded past L1 (.cg): other programs wrote them."""
+        stride_split = (2 if SILU else 1) * outputs
+        acc = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+        acc_up = acc
+        if SILU:
+            acc_up = tl.load(part_ptr + outputs + at, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + s * stride_split + at, mask=mask, other=0.0, cache_modifier=".cg")
+            if SILU:
+                acc_up += tl.load(part_ptr + s * stride_split + outputs + at, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+        return acc, acc_up
+
+    @triton.jit
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w,
+                            stride_ym, INTER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             NUM_STAGES: tl.constexpr, SILU: tl.constexpr, SPLIT_K: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            SUMS_IN_KERNEL: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # y[:, cols] = x . W[cols, :]^T for this program's BLOCK_N output columns; SILU: y[:, i] = silu(x . W[i])
         # * (x . W[INTER + i]), each product rounded to the activation dtype, then the silu, then their product.
         # SPLIT_K > 1: program (tile, split) sums K columns [split, split + 1) * K_PER_SPLIT (a multiple of BLOCK_K)
-        # and stores its fp32 partials at part_ptr [SPLIT_K, 1 + SILU, M, N] for `_split_sums_kernel`.
+        # and stores its fp32 partials at part_ptr [SPLIT_K, 1 + SILU, M, N]; `_split_sums_kernel` adds them, or
+        # (SUMS_IN_KERNEL) the tile's last program to finish does, counted at count_ptr[tile].
         wait_for_predecessors(PDL)
         dtype = y_ptr.dtype.element_ty
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile = tl.program_id(0)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         k_lo = split * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
@@ -110,15 +136,22 @@ if HAVE_TRITON:
                 up = tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
                 acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
         omask = mmask[:, None] & cmask[None, :]
+        y_at = y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :]
         if SPLIT_K == 1:
-            tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :],
-                     _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
+            tl.store(y_at, _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
         else:
-            parts = 2 if SILU else 1
-            at = ((split * parts) * M + m[:, None]).to(tl.int64) * N + cols[None, :]
-            tl.store(part_ptr + at, acc, mask=omask)
+            outputs = tl.cast(M, tl.int64) * N  # one part's size; a split holds 1 + SILU parts
+            at = m[:, None].to(tl.int64) * N + cols[None, :]
+            mine = part_ptr + (split * (2 if SILU else 1)) * outputs + at
+            tl.store(mine, acc, mask=omask)
             if SILU:
-                tl.store(part_ptr + at + tl.cast(M, tl.int64) * N, acc_up, mask=omask)
+                tl.store(mine + outputs, acc_up, mask=omask)
+            if SUMS_IN_KERNEL:
+                tl.debug_barrier()  # every thread's partials stored before the count says so (the release below)
+                if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                    acc, acc_up = _summed_partials(part_ptr, at, outputs, omask, SPLIT_K, SILU)
+                    tl.store(y_at, _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
+                    tl.store(count_ptr + tile, 0)  # zero for the next launch (which waits for this one to end)
 
     @triton.jit
     def _split_sums_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
@@ -127,28 +160,12 @@ if HAVE_TRITON:
         # split order, then rounded (SILU: the activation) as the one-program kernel rounds.
         wait_for_predecessors(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        outputs = tl.cast(M, tl.int64) * N  # one part's size; a split holds 1 + SILU parts
+        outputs = tl.cast(M, tl.int64) * N
         mask = i < outputs
-        stride_split = (2 if SILU else 1) * outputs
-        acc = tl.load(part_ptr + i, mask=mask, other=0.0)
-        acc_up = acc
-        if SILU:
-            acc_up = tl.load(part_ptr + outputs + i, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part_ptr + s * stride_split + i, mask=mask, other=0.0)
-            if SILU:
-                acc_up += tl.load(part_ptr + s * stride_split + outputs + i, mask=mask, other=0.0)
+        acc, acc_up = _summed_partials(part_ptr, i, outputs, mask, SPLIT_K, SILU)
         y = _rounded_output(acc, acc_up, y_ptr.dtype.element_ty, SILU)
         row, col = i // N, i % N
         tl.store(y_ptr + row * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` runs this kernel: 2 .. MAX_ROWS rows on a Triton device, in the weight's dtype,
-    both with unit stride along K."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype and x.dtype in _DTYPES
-            and x.device == weight.device and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
 
 
 def tiles(rows: int, silu: bool, element_size: int) -> tuple[int, int, int, int]:
@@ -161,14 +178,50 @@ def tiles(rows: int, silu: bool, element_size: int) -> tuple[int, int, int, int]
     return block_m, block_n, block_k, max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
 
 
-def asked_splits(tiles: int) -> int:
-    """The splits of K a launch of `tiles` output tiles asks for: `SPLIT_K`, or with `SPLIT_TO_PROGRAMS` enough for
-    that many programs. (A K of fewer tiles takes fewer: no split is empty.)"""
-    if not isinstance(SPLIT_K, int) or isinstance(SPLIT_K, bool) or SPLIT_K < 1:
-        raise ValueError(f"skinny_gemm.SPLIT_K must be a positive int, got {SPLIT_K!r}")
-    if not isinstance(SPLIT_TO_PROGRAMS, int) or isinstance(SPLIT_TO_PROGRAMS, bool) or SPLIT_TO_PROGRAMS < 0:
-        raise ValueError(f"skinny_gemm.SPLIT_TO_PROGRAMS must be 0 (off) or a positive int, got {SPLIT_TO_PROGRAMS!r}")
-    return triton.cdiv(SPLIT_TO_PROGRAMS, tiles) if SPLIT_TO_PROGRAMS else SPLIT_K
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"skinny_gemm.{name} must be a positive int, got {value!r}")
+    return value
+
+
+def in_narrow_band(rows: int, n: int, silu: bool) -> bool:
+    """Whether a launch of `rows` rows and `n` outputs is in the narrow band: MAX_ROWS + 1 .. NARROW_MAX_ROWS rows
+    (at least 2; NARROW_MAX_ROWS = 0: none), no activation, at most NARROW_MAX_TILES output tiles."""
+    return (not silu and max(MAX_ROWS + 1, 2) <= rows <= NARROW_MAX_ROWS
+            and triton.cdiv(n, BLOCK_N) <= NARROW_MAX_TILES)
+
+
+def asked_splits(rows: int, n: int, silu: bool) -> int:
+    """The splits of K a launch asks for: `NARROW_SPLIT_K` in the narrow band, else `SPLIT_K`. (A K of fewer tiles
+    takes fewer: no split is empty.)"""
+    if in_narrow_band(rows, n, silu):
+        return _positive_int("NARROW_SPLIT_K", NARROW_SPLIT_K)
+    return _positive_int("SPLIT_K", SPLIT_K)
+
+
+def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
+    """Whether `linear(x, weight)` (`silu`: `silu_and_mul_linear`) runs this kernel: 2 .. MAX_ROWS rows or the
+    narrow band, on a Triton device, in the weight's dtype, both with unit stride along K."""
+    if not (x.dim() == 2 and weight.dim() == 2):
+        return False
+    rows, n = x.shape[0], weight.shape[0] // 2 if silu else weight.shape[0]
+    return ((2 <= rows <= MAX_ROWS or in_narrow_band(rows, n, silu)) and x.dtype == weight.dtype
+            and x.dtype in _DTYPES and x.device == weight.device and x.shape[1] == weight.shape[1]
+            and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The int32 counters of finished splits, one per output tile (`SPLIT_SUMS_IN_KERNEL`), of the current stream
+    on `device`: zero between launches, since launches on one stream run one after the other (a launch on another
+    stream, such as a graph captured there, counts in counters of its own). Made once per stream and grown."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    counters = _COUNTERS.get((device, stream))
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[device, stream] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -184,17 +237,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
         return torch.zeros(rows, n, dtype=x.dtype, device=x.device)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, stages = tiles(rows, silu, x.element_size())
-    k_per_split = triton.cdiv(triton.cdiv(k, asked_splits(triton.cdiv(n, block_n))), block_k) * block_k
+    out_tiles = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, asked_splits(rows, n, silu)), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # a short K takes fewer splits than asked: none is empty
     parts = (torch.empty((splits, 2 if silu else 1, rows, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)  # unused with one split
+    sums_in_kernel = splits > 1 and bool(SPLIT_SUMS_IN_KERNEL)
+    counters = _tile_counters(x.device, out_tiles) if sums_in_kernel else y  # unused without
     with device_context(x.device):
-        _skinny_gemm_kernel[(triton.cdiv(n, block_n), splits)](
-            x, weight, y, parts, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        _skinny_gemm_kernel[(out_tiles, splits)](
+            x, weight, y, parts, counters, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
             n if silu else 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SILU=silu,
-            SPLIT_K=splits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            SPLIT_K=splits, SUMS_IN_KERNEL=sums_in_kernel,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
-        if splits > 1:
+        if splits > 1 and not sums_in_kernel:
             block = 1024
             _split_sums_kernel[(triton.cdiv(rows * n, block),)](
                 parts, y, rows, n, y.stride(0), SPLIT_K=splits, SILU=silu, BLOCK=block, **launch_options(x.device))
@@ -213,7 +270,7 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; 2 .. MAX_ROWS rows on a Triton device go through `skinny_gemm`. A bias is added
+    """`F.linear(x, weight, bias)`; the launches `takes_skinny_gemm` names go through `skinny_gemm`. A bias is added
     to the rounded product (a second rounding, where cuBLAS adds it before its one): Qwen3-VL's layers have none."""
     if takes_skinny_gemm(x, weight):
         y = skinny_gemm(x, weight)
@@ -223,7 +280,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, weight))` for [gate | up] weight rows; 2 .. MAX_ROWS rows on a Triton device go
-    through `skinny_gemm_silu_and_mul`."""
-    if takes_skinny_gemm(x, weight):
+    through `skinny_gemm_silu_and_mul` (the narrow band takes no activation)."""
+    if takes_skinny_gemm(x, weight, silu=True):
         return skinny_gemm_silu_and_mul(x, weight)
     return silu_and_mul(F.linear(x, weight))
