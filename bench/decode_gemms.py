@@ -141,12 +141,12 @@ def chain_sweep(bandwidth: float) -> list[str]:
     return lines
 
 
-# The first 32-row sweep of split K (32-128 wide, 4 / 8 warps, SPLIT_K 1 / 2 / 4;
-# `-session19-decode-gemms-skinny-split.txt`): at 32 rows 64 x 256 tiles, 4 warps and 2 splits win O and down, QKV and gate/up keep cuBLAS. This one asks where the
-# split's partials are added (a second launch, or the tile's last program: `SPLIT_SUMS_IN_KERNEL`) and how many
-# splits. SPLIT_K sets the narrow band's splits too (`NARROW_SPLIT_K`), so it rules at every row count.
+# Session 19's sweeps at 24 and 32 rows (`-session19-decode-gemms-skinny-split.txt`, `-narrow.txt`): 64 x 256 tiles,
+# 4 warps and 2 splits win O and down (`skinny_gemm.NARROW_*`); QKV and gate/up keep cuBLAS; adding the partials in
+# the GEMM's last program per tile lost at 32 rows. SPLIT_K sets the narrow band's splits too (`NARROW_SPLIT_K`), so
+# it rules at every row count swept.
 SKINNY_KNOBS = {"BLOCK_N": (64, 128), "BLOCK_K": (128, 256), "NUM_STAGES": (4,), "NUM_WARPS": (4,),
-                "SPLIT_K": (1, 2, 3, 4), "SPLIT_SUMS_IN_KERNEL": (False, True)}
+                "SPLIT_K": (1, 2, 3, 4)}
 
 
 def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Path | None = None,
@@ -170,8 +170,6 @@ def skinny_sweep(bandwidth: float, rows: tuple[int, ...] = (8, 32, 64), out: Pat
                 module_values = {f"SILU_{key}" if silu and key.startswith("BLOCK") else key: value
                                  for key, value in knobs.items()}
                 module_values["NARROW_SPLIT_K"] = knobs["SPLIT_K"]
-                if knobs["SPLIT_K"] == 1 and knobs["SPLIT_SUMS_IN_KERNEL"]:
-                    continue  # (one split adds nothing)
                 try:
                     with module_knobs(ops_skinny, module_values), programmatic_launch(True):
                         err = float((kernel(x, copies[0]).float() - want).abs().max())

@@ -51,14 +51,13 @@ def rows() -> dict[str, tuple]:
     block_p = triton.next_power_of_2(triton.cdiv(HIDDEN, gemv.BLOCK_N))
     gemv_knobs = dict(BLOCK_N=gemv.BLOCK_N, BLOCK_K=gemv.BLOCK_K, NUM_STAGES=gemv.NUM_STAGES, PDL=PDL)
     silu_knobs = dict(BLOCK_N=gemv.SILU_BLOCK_N, BLOCK_K=gemv.SILU_BLOCK_K, NUM_STAGES=gemv.NUM_STAGES, PDL=PDL)
-    skinny = dict(PRECISION="tf32", PDL=PDL, SPLIT_K=skinny_gemm.SPLIT_K, SUMS_IN_KERNEL=False)
+    skinny = dict(PRECISION="tf32", PDL=PDL, SPLIT_K=skinny_gemm.SPLIT_K)
     skinny_tiles = {silu: dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES"), skinny_gemm.tiles(16, silu, 2),
                                    strict=True)) for silu in (False, True)}
     # the narrow band at 32 rows: O and down, K split NARROW_SPLIT_K ways
     narrow_splits = skinny_gemm.NARROW_SPLIT_K
     narrow = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES"), skinny_gemm.tiles(32, False, 2), strict=True),
-                  PRECISION="tf32", PDL=PDL, SPLIT_K=narrow_splits, SILU=False,
-                  SUMS_IN_KERNEL=narrow_splits > 1 and bool(skinny_gemm.SPLIT_SUMS_IN_KERNEL))
+                  PRECISION="tf32", PDL=PDL, SPLIT_K=narrow_splits, SILU=False)
     decode = dict(BLOCK_G=16, BLOCK_N=paged_attention._BLOCK_N, NUM_STAGES=paged_attention._NUM_STAGES,
                   V_WITH_K=paged_attention._V_WITH_K, PDL=PDL, **attention_constexprs())
     splits_b1 = paged_attention.decode_num_splits(1, KV_HEADS, 2500)  # W3: ~2,500 tokens of context
@@ -84,7 +83,7 @@ def rows() -> dict[str, tuple]:
         **({f"few-rows GEMM, 32 rows, its split sums ({narrow_splits} splits)": (
             skinny_gemm._split_sums_kernel, sig.SPLIT_SUMS,
             dict(SPLIT_K=narrow_splits, SILU=False, BLOCK=1024, PDL=PDL), 4)}
-           if narrow_splits > 1 and not narrow["SUMS_IN_KERNEL"] else {}),
+           if narrow_splits > 1 else {}),
         "Q/K norm + rope + KV write": (qk_norm_rope_kv._qk_norm_rope_write_kv_kernel, sig.QK_NORM_ROPE_WRITE_KV,
                                        dict(HALF=HEAD_DIM // 2, BLOCK_HQ=HEADS, BLOCK_HKV=KV_HEADS, DTYPE=tl.bfloat16,
                                             KIND=0, OFFSET_DTYPE=tl.int64, PDL=PDL), 4),

@@ -16,7 +16,7 @@ from prism.testing.offline_compile import compile_error  # noqa: E402
 
 gemm = compile_error(skinny_gemm._skinny_gemm_kernel, sig.without(sig.SKINNY_GEMM, "M"),
                      {"M": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "NUM_STAGES": 4, "SILU": True,
-                      "SPLIT_K": 2, "SUMS_IN_KERNEL": True, "PRECISION": "tf32", "PDL": True})
+                      "SPLIT_K": 2, "PRECISION": "tf32", "PDL": True})
 sums = compile_error(skinny_gemm._split_sums_kernel, sig.without(sig.SPLIT_SUMS, "M"),
                      {"M": 1, "SPLIT_K": 2, "SILU": True, "BLOCK": 1024, "PDL": True})
 _common.verdict(gemm is None and sums is None,

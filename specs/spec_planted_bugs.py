@@ -619,21 +619,6 @@ def test_skinny_gemm_split_sums_dropping_a_split_are_caught(monkeypatch: pytest.
     _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
 
 
-@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-def test_skinny_gemm_split_sums_in_kernel_with_stale_counters_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The few-rows GEMM adding a split's partials in its tile's last program (`SPLIT_SUMS_IN_KERNEL`): the count of
-    finished splits starts at zero on every launch. Planted: counters a launch left at one (a last program that did
-    not reset its count), so a tile's programs miscount and one adds partials not yet written."""
-    import torch
-
-    from prism.ops import skinny_gemm
-    from specs import spec_skinny_gemm
-
-    monkeypatch.setattr(skinny_gemm, "_tile_counters",
-                        lambda device, tiles: torch.ones(max(tiles, 4096), dtype=torch.int32, device=device))
-    _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it, "rows mixed up")
-
-
 def test_cascade_leader_by_length_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cascade attention: the leader is the row whose shared pages spare the most reads. Found by review: the first
     version took the row with the most full pages, so one long row sharing only a first page cut every other

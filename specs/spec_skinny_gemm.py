@@ -2,7 +2,7 @@
 
 Invariant: each row of the step gets its own product, `F.linear`'s (gate/up: `silu_and_mul` of it), whatever rows
 are beside it, and however many programs share its K (`SPLIT_K`, `NARROW_SPLIT_K`: fp32 partials added in split
-order, by a second launch or by the tile's last program, `SPLIT_SUMS_IN_KERNEL`). Against `F.linear` within the
+order). Against `F.linear` within the
 tolerance of fp32 sums in another order; bit for bit where the order cannot matter (small-integer operands, whose
 sums are exact in fp32); and for the gate/up variant, whose activation rounds, bit for bit against the same kernel
 with the row among other companions. Any step of 2 .. 32 rows, any layer size including ones that are not a
@@ -35,29 +35,26 @@ KNOBS = {"BLOCK_N": 16, "BLOCK_K": 32, "SILU_BLOCK_N": 16, "SILU_BLOCK_K": 32} i
 # K long enough for several of the tiles (the engine's 256-column ones on the GPU), so that splits happen
 MAX_K = 200 if DEV == "cpu" else 1200
 SPLITS = st.sampled_from([1, 2, 3, 8])  # programs along K (fewer when K has fewer tiles)
-SUMS_IN_KERNEL = st.booleans()  # who adds a split launch's partials
 ROWS = 32
 
 
-def _with_knobs(fn, split_k: int = 1, sums_in_kernel: bool = False):
-    with module_knobs(skinny_gemm, {**KNOBS, "SPLIT_K": split_k, "NARROW_SPLIT_K": split_k,
-                                    "SPLIT_SUMS_IN_KERNEL": sums_in_kernel}):
+def _with_knobs(fn, split_k: int = 1):
+    with module_knobs(skinny_gemm, {**KNOBS, "SPLIT_K": split_k, "NARROW_SPLIT_K": split_k}):
         return fn()
 
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(2, ROWS), n=st.integers(1, 70), k=st.integers(1, MAX_K),
-       dtype=st.sampled_from([torch.float32, torch.float16]), split_k=SPLITS, in_kernel=SUMS_IN_KERNEL,
-       seed=st.integers(0, 2**16))
-def spec_skinny_gemm_equals_linear(rows, n, k, dtype, split_k, in_kernel, seed) -> None:
+       dtype=st.sampled_from([torch.float32, torch.float16]), split_k=SPLITS, seed=st.integers(0, 2**16))
+def spec_skinny_gemm_equals_linear(rows, n, k, dtype, split_k, seed) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(2 * n, k, generator=g) * 0.1).to(dtype).to(DEV)
     want = F.linear(x.double(), w.double()).float()
-    got = _with_knobs(lambda: skinny_gemm.skinny_gemm(x, w), split_k, in_kernel)
+    got = _with_knobs(lambda: skinny_gemm.skinny_gemm(x, w), split_k)
     err = float((got.float() - want).abs().max())
     assert err <= TOL[dtype] * (1 + float(want.abs().max())), f"not close to F.linear: {err} ({rows} x {k} -> {2 * n})"
-    got = _with_knobs(lambda: skinny_gemm.skinny_gemm_silu_and_mul(x, w), split_k, in_kernel)
+    got = _with_knobs(lambda: skinny_gemm.skinny_gemm_silu_and_mul(x, w), split_k)
     want = silu_and_mul_reference(F.linear(x.float(), w.float()))
     err = float((got.float() - want).abs().max())
     assert err <= TOL[dtype] * (1 + float(want.abs().max())), f"gate/up not close to the reference: {err}"
@@ -65,17 +62,17 @@ def spec_skinny_gemm_equals_linear(rows, n, k, dtype, split_k, in_kernel, seed) 
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(2, ROWS), n=st.integers(1, 70), k=st.integers(1, MAX_K), split_k=SPLITS,
-       in_kernel=SUMS_IN_KERNEL, seed=st.integers(0, 2**16), data=st.data())
-def spec_each_row_gets_its_own_product_whatever_is_beside_it(rows, n, k, split_k, in_kernel, seed, data) -> None:
+       seed=st.integers(0, 2**16), data=st.data())
+def spec_each_row_gets_its_own_product_whatever_is_beside_it(rows, n, k, split_k, seed, data) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-3, 4, (rows, k), generator=g).float().to(DEV)  # exact fp32 sums: any order, the same bits
     w = torch.randint(-3, 4, (2 * n, k), generator=g).float().to(DEV)
-    got = _with_knobs(lambda: skinny_gemm.skinny_gemm(x, w), split_k, in_kernel)
+    got = _with_knobs(lambda: skinny_gemm.skinny_gemm(x, w), split_k)
     assert torch.equal(got, F.linear(x, w)), "a row's product is not F.linear's (rows mixed up, or a tail lost)"
     # the same rows in another order beside other companions (at least two rows, so the kernel still takes them)
     order = data.draw(st.permutations(range(rows)))
     others = torch.randint(-3, 4, (data.draw(st.integers(0, ROWS - rows)), k), generator=g).float().to(DEV)
     step = torch.cat([x[list(order)], others])
-    silu = _with_knobs(lambda: skinny_gemm.skinny_gemm_silu_and_mul(x, w), split_k, in_kernel)
-    again = _with_knobs(lambda: skinny_gemm.skinny_gemm_silu_and_mul(step, w), split_k, in_kernel)
+    silu = _with_knobs(lambda: skinny_gemm.skinny_gemm_silu_and_mul(x, w), split_k)
+    again = _with_knobs(lambda: skinny_gemm.skinny_gemm_silu_and_mul(step, w), split_k)
     assert torch.equal(again[: rows], silu[list(order)]), "a row's gate/up output changed with its companions"

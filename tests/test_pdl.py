@@ -272,8 +272,7 @@ def ptx(kernel, signature, constexprs):
 
 knobs = {"BLOCK_N": 8, "BLOCK_K": 512, "NUM_STAGES": 3, "NORM_IN": False, "BLOCK_P": 1}
 gemv_args, silu_args, skinny_args = sig.GEMV, sig.GEMV_SILU_AND_MUL, sig.SKINNY_GEMM
-skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "PRECISION": "tf32", "SPLIT_K": 1,
-                "SUMS_IN_KERNEL": False}
+skinny_knobs = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "NUM_STAGES": 4, "PRECISION": "tf32", "SPLIT_K": 1}
 cases = {
     "gemv": (gemv._gemv_kernel, gemv_args, {**knobs, "ADD_RESIDUAL": False}),
     # the residual add + RMSNorm folded in (`gemv.ResidualRow`): the norm's partial sums are loaded first
@@ -293,16 +292,11 @@ cases = {
     "skinny_gemm, silu": (skinny_gemm._skinny_gemm_kernel, skinny_args, {**skinny_knobs, "SILU": True}),
     "skinny_gemm, split K": (skinny_gemm._skinny_gemm_kernel, skinny_args,
                              {**skinny_knobs, "SILU": True, "SPLIT_K": 2}),
-    # the partials added by the tile's last program, told by an atomic count (after the wait, as every access)
-    "skinny_gemm, split K, sums in kernel": (skinny_gemm._skinny_gemm_kernel, skinny_args,
-                                             {**skinny_knobs, "SILU": False, "SPLIT_K": 2, "SUMS_IN_KERNEL": True,
-                                              "BLOCK_M": 32}),
     "skinny_gemm, split sums": (skinny_gemm._split_sums_kernel, sig.SPLIT_SUMS,
                                 {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024}),
     # one row, called directly: a launch compiles an int argument equal to 1 as a constant (no tensor methods on it)
     "skinny_gemm, split K, one row": (skinny_gemm._skinny_gemm_kernel, sig.without(skinny_args, "M"),
-                                      {**skinny_knobs, "SILU": True, "SPLIT_K": 2, "SUMS_IN_KERNEL": True,
-                                       "M": 1}),
+                                      {**skinny_knobs, "SILU": True, "SPLIT_K": 2, "M": 1}),
     "skinny_gemm, split sums, one row": (skinny_gemm._split_sums_kernel, sig.without(sig.SPLIT_SUMS, "M"),
                                          {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024, "M": 1}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel, sig.ADD_RMS_NORM, {"DTYPE": tl.bfloat16, "BLOCK": 4096}),
@@ -342,8 +336,7 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
 @pytest.mark.skipif(not pdl.HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("case", ["gemv", "gemv, norm in", "gemv, residual out", "gemv, trigger first",
                                   "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu", "skinny_gemm, split K",
-                                  "skinny_gemm, split K, sums in kernel", "skinny_gemm, split sums",
-                                  "skinny_gemm, split K, one row",
+                                  "skinny_gemm, split sums", "skinny_gemm, split K, one row",
                                   "skinny_gemm, split sums, one row",
                                   "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):

@@ -23,11 +23,10 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 @needs_triton
 @pytest.mark.parametrize("m,n,k", [(2, 16, 256), (3, 37, 1000), (17, 40, 70), (32, 64, 512)])  # tails everywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("split_k,sums_in_kernel", [(1, False), (3, False), (3, True)])
-def test_skinny_gemm_matches_linear(m, n, k, dtype, split_k, sums_in_kernel, monkeypatch):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_skinny_gemm_matches_linear(m, n, k, dtype, split_k, monkeypatch):
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", split_k)
     monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", split_k)
-    monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", sums_in_kernel)
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEV)
@@ -57,10 +56,9 @@ def test_each_output_row_reads_its_own_row_of_x_and_each_gate_its_own_up():
 
 
 @needs_triton
-def test_split_k_takes_no_empty_split_and_adds_the_partials_once(monkeypatch):
+def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
     """K split over programs in whole BLOCK_K tiles: a K of 3 tiles asked for 8 splits takes 3, each with work, then
-    one launch adds the partials, or (`SPLIT_SUMS_IN_KERNEL`) the GEMM's own last program per tile does, leaving its
-    counters zero for the next launch; one split launches nothing more. A bad SPLIT_K is refused."""
+    one launch adds the partials; one split launches nothing more. A bad SPLIT_K is refused."""
     launched = []
     for name in ("_skinny_gemm_kernel", "_split_sums_kernel"):
         real = getattr(skinny_gemm, name)
@@ -78,12 +76,6 @@ def test_split_k_takes_no_empty_split_and_adds_the_partials_once(monkeypatch):
     torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
     assert [(name, tuple(grid)) for name, grid in launched] == [
         ("_skinny_gemm_kernel", (2, 3)), ("_split_sums_kernel", (1,))]  # 20 outputs in 16-wide tiles: 2
-    launched.clear()
-    monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", True)
-    for _ in range(2):  # the second launch finds the counters the first left
-        torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    assert [name for name, _ in launched] == ["_skinny_gemm_kernel"] * 2
-    assert not skinny_gemm._tile_counters(x.device, 2).any(), "the last program of each tile resets its counter"
     launched.clear()
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", 1)
     skinny_gemm.skinny_gemm(x, w)
@@ -247,27 +239,3 @@ def test_skinny_gemm_in_fp32_is_not_rounded_to_tf32():
     want = (x.double() @ w.double().T).float()
     torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), want, atol=1e-4, rtol=1e-5)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [17, 32])
-def test_split_sums_in_kernel_equal_the_second_launch_bit_for_bit(rows, monkeypatch):
-    """The narrow band's O and down shapes, K split 2 and 3 ways: the tile's last program adds the partials in split
-    order, as `_split_sums_kernel` does, so the bits are the same; 50 launches back to back, launched early (PDL),
-    as the decode graph launches them, each must find its counters zero."""
-    from prism.ops.pdl import programmatic_launch
-
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    for n, k in ((4096, 4096), (4096, 12288)):
-        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-        xs = [torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(50)]
-        for splits in (2, 3):
-            monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", splits)
-            with programmatic_launch(True):
-                monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", False)
-                want = [skinny_gemm.skinny_gemm(x, w) for x in xs]
-                monkeypatch.setattr(skinny_gemm, "SPLIT_SUMS_IN_KERNEL", True)
-                got = [skinny_gemm.skinny_gemm(x, w) for x in xs]
-            for i, (a, b) in enumerate(zip(got, want, strict=True)):
-                assert torch.equal(a, b), f"launch {i} ({rows} x {k} -> {n}, {splits} splits) differs"
-            assert not skinny_gemm._tile_counters(w.device, 64).any()

@@ -15,9 +15,9 @@ Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below), and at 17 .. 32 rows f
 `NARROW_*`) with K split over two programs per output tile; the rest keep cuBLAS. Every layer that goes through
 `gemv.linear` / `gemv.silu_and_mul_linear` takes it at those row counts (`DecodeLinear` with `batch1_gemv` set,
 `TextMLP`'s gate/up, tensor parallelism's row-parallel layers), so short prefills and the small packed graphs do
-too. A split launch adds its fp32 partials in split order, in a second launch or (`SPLIT_SUMS_IN_KERNEL`) in the
-tile's last program to finish. The Triton interpreter's `tl.dot` is wrong for bf16 operands, so the CPU tests call
-the kernel in fp32 / fp16 directly.
+too. A split launch adds its fp32 partials in split order in a second launch (adding them in the GEMM's last
+program per tile instead was slower at 32 rows: `bench/NOTES.md`, session 19). The Triton interpreter's `tl.dot`
+is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 directly.
 """
 
 from __future__ import annotations
@@ -63,10 +63,6 @@ SPLIT_K = 1
 NARROW_MAX_ROWS = 32
 NARROW_MAX_TILES = 64
 NARROW_SPLIT_K = 2
-# Where a split launch adds its partials. False: a second launch (`_split_sums_kernel`). True: in the GEMM itself,
-# by the last of a tile's programs to finish, told by a counter per output tile (`_tile_counters`, one set per stream:
-# zero between launches, the last program resets it), which saves the launch.
-SPLIT_SUMS_IN_KERNEL = False
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -84,36 +80,17 @@ if HAVE_TRITON:
         return _round(acc, dtype)
 
     @triton.jit
-    def _summed_partials(part_ptr, at, outputs, mask, SPLIT_K: tl.constexpr, SILU: tl.constexpr):
-        """The fp32 sums of a split launch's partials at offsets `at` of one part ([M, N], `outputs` long) added in
-        split order (the same bits whichever program or launch adds them); SILU: (gate, up) sums, else (sum, sum).
-        Loaded past L1 (.cg): other programs wrote them."""
-        stride_split = (2 if SILU else 1) * outputs
-        acc = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
-        acc_up = acc
-        if SILU:
-            acc_up = tl.load(part_ptr + outputs + at, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part_ptr + s * stride_split + at, mask=mask, other=0.0, cache_modifier=".cg")
-            if SILU:
-                acc_up += tl.load(part_ptr + s * stride_split + outputs + at, mask=mask, other=0.0,
-                                  cache_modifier=".cg")
-        return acc, acc_up
-
-    @triton.jit
-    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w,
-                            stride_ym, INTER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w, stride_ym,
+                            INTER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             NUM_STAGES: tl.constexpr, SILU: tl.constexpr, SPLIT_K: tl.constexpr,
-                            SUMS_IN_KERNEL: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            PRECISION: tl.constexpr, PDL: tl.constexpr):
         # y[:, cols] = x . W[cols, :]^T for this program's BLOCK_N output columns; SILU: y[:, i] = silu(x . W[i])
         # * (x . W[INTER + i]), each product rounded to the activation dtype, then the silu, then their product.
         # SPLIT_K > 1: program (tile, split) sums K columns [split, split + 1) * K_PER_SPLIT (a multiple of BLOCK_K)
-        # and stores its fp32 partials at part_ptr [SPLIT_K, 1 + SILU, M, N]; `_split_sums_kernel` adds them, or
-        # (SUMS_IN_KERNEL) the tile's last program to finish does, counted at count_ptr[tile].
+        # and stores its fp32 partials at part_ptr [SPLIT_K, 1 + SILU, M, N] for `_split_sums_kernel`.
         wait_for_predecessors(PDL)
         dtype = y_ptr.dtype.element_ty
-        tile = tl.program_id(0)
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         k_lo = split * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
@@ -136,22 +113,15 @@ if HAVE_TRITON:
                 up = tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
                 acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
         omask = mmask[:, None] & cmask[None, :]
-        y_at = y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :]
         if SPLIT_K == 1:
-            tl.store(y_at, _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
+            tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :],
+                     _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
         else:
-            outputs = tl.cast(M, tl.int64) * N  # one part's size; a split holds 1 + SILU parts
-            at = m[:, None].to(tl.int64) * N + cols[None, :]
-            mine = part_ptr + (split * (2 if SILU else 1)) * outputs + at
-            tl.store(mine, acc, mask=omask)
+            parts = 2 if SILU else 1
+            at = ((split * parts) * M + m[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(part_ptr + at, acc, mask=omask)
             if SILU:
-                tl.store(mine + outputs, acc_up, mask=omask)
-            if SUMS_IN_KERNEL:
-                tl.debug_barrier()  # every thread's partials stored before the count says so (the release below)
-                if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                    acc, acc_up = _summed_partials(part_ptr, at, outputs, omask, SPLIT_K, SILU)
-                    tl.store(y_at, _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
-                    tl.store(count_ptr + tile, 0)  # zero for the next launch (which waits for this one to end)
+                tl.store(part_ptr + at + tl.cast(M, tl.int64) * N, acc_up, mask=omask)
 
     @triton.jit
     def _split_sums_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
@@ -160,9 +130,17 @@ if HAVE_TRITON:
         # split order, then rounded (SILU: the activation) as the one-program kernel rounds.
         wait_for_predecessors(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        outputs = tl.cast(M, tl.int64) * N
+        outputs = tl.cast(M, tl.int64) * N  # one part's size; a split holds 1 + SILU parts
         mask = i < outputs
-        acc, acc_up = _summed_partials(part_ptr, i, outputs, mask, SPLIT_K, SILU)
+        stride_split = (2 if SILU else 1) * outputs
+        acc = tl.load(part_ptr + i, mask=mask, other=0.0)
+        acc_up = acc
+        if SILU:
+            acc_up = tl.load(part_ptr + outputs + i, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + s * stride_split + i, mask=mask, other=0.0)
+            if SILU:
+                acc_up += tl.load(part_ptr + s * stride_split + outputs + i, mask=mask, other=0.0)
         y = _rounded_output(acc, acc_up, y_ptr.dtype.element_ty, SILU)
         row, col = i // N, i % N
         tl.store(y_ptr + row * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -210,20 +188,6 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu: bool = False)
             and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The int32 counters of finished splits, one per output tile (`SPLIT_SUMS_IN_KERNEL`), of the current stream
-    on `device`: zero between launches, since launches on one stream run one after the other (a launch on another
-    stream, such as a graph captured there, counts in counters of its own). Made once per stream and grown."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    counters = _COUNTERS.get((device, stream))
-    if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[device, stream] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return counters
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     if (x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.stride(1) != 1
             or weight.stride(1) != 1):
@@ -242,16 +206,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     splits = triton.cdiv(k, k_per_split)  # a short K takes fewer splits than asked: none is empty
     parts = (torch.empty((splits, 2 if silu else 1, rows, n), dtype=torch.float32, device=x.device)
              if splits > 1 else y)  # unused with one split
-    sums_in_kernel = splits > 1 and bool(SPLIT_SUMS_IN_KERNEL)
-    counters = _tile_counters(x.device, out_tiles) if sums_in_kernel else y  # unused without
     with device_context(x.device):
         _skinny_gemm_kernel[(out_tiles, splits)](
-            x, weight, y, parts, counters, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+            x, weight, y, parts, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
             n if silu else 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SILU=silu,
-            SPLIT_K=splits, SUMS_IN_KERNEL=sums_in_kernel,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            SPLIT_K=splits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
-        if splits > 1 and not sums_in_kernel:
+        if splits > 1:
             block = 1024
             _split_sums_kernel[(triton.cdiv(rows * n, block),)](
                 parts, y, rows, n, y.stride(0), SPLIT_K=splits, SILU=silu, BLOCK=block, **launch_options(x.device))

@@ -11,9 +11,9 @@ GEMV = {"w_ptr": "*bf16", "x_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "
         "sumsq_out_ptr": "*fp32"}
 GEMV_SILU_AND_MUL = {**{k: v for k, v in GEMV.items() if k not in ("N", "res_ptr", "sumsq_out_ptr")},
                      "INTER": "i32"}
-SKINNY_GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-               "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_w": "i32",
-               "stride_ym": "i32", "INTER": "i32"}
+SKINNY_GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32",
+               "K": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_w": "i32", "stride_ym": "i32",
+               "INTER": "i32"}
 SPLIT_SUMS = {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"}
 ADD_RMS_NORM = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32", "eps": "fp32"}
