@@ -80,9 +80,10 @@ def rows() -> dict[str, tuple]:
             dict(SPLIT_K=skinny_gemm.SPLIT_K, SILU=False, BLOCK=1024, PDL=PDL), 4)} if skinny_gemm.SPLIT_K > 1 else {}),
         f"few-rows GEMM, 32 rows, O / down ({narrow_splits} splits)": (
             skinny_gemm._skinny_gemm_kernel, sig.SKINNY_GEMM, narrow, skinny_gemm.NUM_WARPS),
-        **({f"residual add + RMSNorm of its split partials ({narrow_splits} splits)": (
-            fused_norms._partials_add_rms_norm_kernel, sig.PARTIALS_ADD_RMS_NORM,
-            dict(SPLITS=narrow_splits, DTYPE=tl.bfloat16, BLOCK=HIDDEN, PDL=PDL), 4)} if narrow_splits > 1 else {}),
+        **({f"few-rows GEMM, 32 rows, its split sums ({narrow_splits} splits)": (
+            skinny_gemm._split_sums_kernel, sig.SPLIT_SUMS,
+            dict(SPLIT_K=narrow_splits, SILU=False, BLOCK=1024, PDL=PDL), 4)}
+           if narrow_splits > 1 else {}),
         "Q/K norm + rope + KV write": (qk_norm_rope_kv._qk_norm_rope_write_kv_kernel, sig.QK_NORM_ROPE_WRITE_KV,
                                        dict(HALF=HEAD_DIM // 2, BLOCK_HQ=HEADS, BLOCK_HKV=KV_HEADS, DTYPE=tl.bfloat16,
                                             KIND=0, OFFSET_DTYPE=tl.int64, PDL=PDL), 4),

@@ -95,23 +95,3 @@ def test_add_rms_norm_kernel_matches_reference(dtype):
     torch.testing.assert_close(got_norm.float(), want_norm.float(), atol=TOL[dtype] * 8, rtol=TOL[dtype])
     with pytest.raises(ValueError, match="differ"):
         fn.add_rms_norm(x, r[:3], w, 1e-6)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("splits", [1, 2, 3])
-def test_partials_add_rms_norm_is_the_sums_then_the_add_and_norm(dtype, splits):
-    """A split GEMM's fp32 partials read by the add + norm: added in split order and rounded once, the same bits as
-    `summed_partials_reference` followed by the add + norm kernel; the reference path is that composition."""
-    g = torch.Generator().manual_seed(splits)
-    parts = (torch.randn(splits, 5, 96, generator=g) * 3).to(DEV)
-    r = (torch.randn(5, 96, generator=g) * 3).to(DEV, dtype)
-    w = (torch.rand(96, generator=g) + 0.5).to(DEV, dtype)
-    want = fn.add_rms_norm(fn.summed_partials_reference(parts, dtype), r, w, 1e-6, use_triton=True)
-    got = fn.partials_add_rms_norm(parts, r, w, 1e-6, use_triton=True)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    reference = fn.partials_add_rms_norm(parts, r, w, 1e-6, use_triton=False)
-    assert torch.equal(reference[1], want[1])
-    torch.testing.assert_close(reference[0].float(), want[0].float(), atol=TOL[dtype] * 8, rtol=TOL[dtype])
-    with pytest.raises(ValueError, match="fp32"):
-        fn.partials_add_rms_norm(parts.to(dtype) if dtype != torch.float32 else parts[:, :3], r, w, 1e-6)

@@ -109,8 +109,7 @@ def test_every_kernel_launched_early_waits_for_its_predecessors_first():
     launched = early_launched_kernels(sources)
     # the decode step's chain, layer by layer (`model/text.py` at batch 1)
     assert {"_gemv_kernel", "_gemv_silu_and_mul_kernel", "_add_rms_norm_kernel", "_rms_norm_kernel",
-            "_qk_norm_rope_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel",
-            "_partials_add_rms_norm_kernel", "_skinny_gemm_kernel"} <= launched, launched
+            "_qk_norm_rope_write_kv_kernel", "_decode_kernel", "_decode_reduce_kernel"} <= launched, launched
     assert rule_violations(sources) == []
 
 
@@ -301,9 +300,6 @@ cases = {
     "skinny_gemm, split sums, one row": (skinny_gemm._split_sums_kernel, sig.without(sig.SPLIT_SUMS, "M"),
                                          {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024, "M": 1}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel, sig.ADD_RMS_NORM, {"DTYPE": tl.bfloat16, "BLOCK": 4096}),
-    # the same, reading a split GEMM's fp32 partials (the narrow band's O and down)
-    "partials_add_rms_norm": (fused_norms._partials_add_rms_norm_kernel, sig.PARTIALS_ADD_RMS_NORM,
-                              {"SPLITS": 2, "DTYPE": tl.bfloat16, "BLOCK": 4096}),
     "planted: reads, then waits": (planted_reads_then_waits, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}),
 }
 memory = ("ld.global", "st.global", "cp.async", "atom.", "red.")
@@ -342,8 +338,7 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
                                   "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu", "skinny_gemm, split K",
                                   "skinny_gemm, split sums", "skinny_gemm, split K, one row",
                                   "skinny_gemm, split sums, one row",
-                                  "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm",
-                                  "partials_add_rms_norm"])
+                                  "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
     """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes
     before the first global load, store, async copy or atomic (no helper, alias or compiler reordering moved a

@@ -85,24 +85,6 @@ def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
         skinny_gemm.skinny_gemm(x, w)
 
 
-@needs_triton
-def test_linear_unreduced_leaves_a_split_launch_unsummed(monkeypatch):
-    """`linear_unreduced`: in the narrow band (K split) the partials, whose `summed()` is `linear`'s output bit for
-    bit; a one-split launch, or rows the kernel does not take, a tensor as `linear` gives it."""
-    monkeypatch.setenv(KERNELS_ENV, "triton")
-    for knob, value in {"MAX_ROWS": 4, "NARROW_MAX_ROWS": 32, "BLOCK_N": 16, "BLOCK_K": 32, "NARROW_SPLIT_K": 3}.items():
-        monkeypatch.setattr(skinny_gemm, knob, value)
-    g = torch.Generator().manual_seed(2)
-    w = (torch.randn(40, 192, generator=g) * 0.1).half().to(DEV)
-    x = torch.randn(20, 192, generator=g).half().to(DEV)
-    product = skinny_gemm.linear_unreduced(x, w)
-    assert isinstance(product, skinny_gemm.SplitProduct) and product.parts.shape == (3, 20, 40)  # 64 columns each
-    assert torch.equal(product.summed(), skinny_gemm.linear(x, w))
-    for rows in (3, 33):  # below the band (one split), above it (F.linear)
-        y = skinny_gemm.linear_unreduced(x[:1].expand(rows, 192).contiguous(), w)
-        assert isinstance(y, torch.Tensor) and y.shape == (rows, 40)
-
-
 def test_the_narrow_band_takes_narrow_layers_only_and_splits_them(monkeypatch):
     """Steps of MAX_ROWS + 1 .. NARROW_MAX_ROWS rows: the kernel for launches of at most NARROW_MAX_TILES output
     tiles and no activation (the 8B's O and down: 4,096 outputs, 64 tiles of 64), K split NARROW_SPLIT_K ways;
@@ -196,48 +178,14 @@ def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypat
 
     want = forward()
     calls = []
-    real = skinny_gemm._launch
-    monkeypatch.setattr(skinny_gemm, "_launch", lambda a, w, silu, **kw: calls.append(silu) or real(a, w, silu, **kw))
+    for name in ("skinny_gemm", "skinny_gemm_silu_and_mul"):
+        real = getattr(skinny_gemm, name)
+        monkeypatch.setattr(skinny_gemm, name, lambda a, w, _real=real, _name=name: calls.append(_name) or _real(a, w))
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 32)
     got = forward()
-    assert calls.count(False) == 3 * 2 and calls.count(True) == 2  # QKV, O, down; gate/up with its activation
+    assert calls.count("skinny_gemm") == 3 * 2 and calls.count("skinny_gemm_silu_and_mul") == 2  # QKV, O, down
     assert got.abs().max() > 0.1
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-@needs_triton
-def test_a_decoder_step_in_the_narrow_band_adds_the_split_sums_in_its_norms(monkeypatch):
-    """20 packed one-token sequences: O and down in the narrow band (K split 3 ways) reach their residual add + norm
-    as unsummed partials, which that kernel adds (no sums launch), and the step is the same, bit for bit, as with
-    the sums launched first."""
-    from prism.model.attention import DenseCausalAttention
-    from prism.model.config import TextConfig
-    from prism.model.text import TextDecoder, set_batch1_gemv
-    from prism.ops import fused_norms
-
-    monkeypatch.setenv(KERNELS_ENV, "triton")
-    for knob, value in {"MAX_ROWS": 4, "NARROW_MAX_ROWS": 32, "BLOCK_N": 16, "BLOCK_K": 32, "NARROW_SPLIT_K": 3}.items():
-        monkeypatch.setattr(skinny_gemm, knob, value)
-    cfg = TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, vocab_size=64, rope_theta=1e4, mrope_section=(4, 2, 2))
-    torch.manual_seed(3)
-    decoder = TextDecoder(cfg).to(DEV).half()
-    set_batch1_gemv(decoder, True)
-    x = torch.randn(20, 64).to(DEV).half()
-
-    def forward():
-        with torch.no_grad():
-            return decoder(x, torch.zeros(3, 20, dtype=torch.long, device=DEV), DenseCausalAttention([1] * 20))
-
-    folded = []
-    real = fused_norms.partials_add_rms_norm
-    monkeypatch.setattr("prism.model.text.partials_add_rms_norm",
-                        lambda parts, *a, **k: folded.append(parts.shape) or real(parts, *a, **k))
-    got = forward()
-    # O (K 64: two splits of 32) and down (K 96: three) of two layers, the last one's in the final norm
-    assert folded == [(2, 20, 64), (3, 20, 64)] * 2, folded
-    monkeypatch.setattr("prism.model.text.skinny_gemm.linear_unreduced", skinny_gemm.linear)  # sums launched
-    assert torch.equal(got, forward())
 
 
 @pytest.mark.gpu

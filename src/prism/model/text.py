@@ -17,15 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import gemv, skinny_gemm
-from ..ops.fused_norms import (
-    add_rms_norm,
-    partials_add_rms_norm,
-    qk_norm_rope,
-    rms_norm,
-    rotate_half,
-    silu_and_mul,
-)
+from ..ops import gemv
+from ..ops.fused_norms import add_rms_norm, qk_norm_rope, rms_norm, rotate_half, silu_and_mul
 from ..ops.fused_norms import apply_rope_reference as apply_rope
 from .attention import AttentionBackend
 from .config import TextConfig
@@ -57,25 +50,6 @@ class DecodeLinear(nn.Linear):
             return gemv.linear(x, self.weight, self.bias)
         return super().forward(x)
 
-    def forward_unreduced(self, x: torch.Tensor) -> torch.Tensor | skinny_gemm.SplitProduct:
-        """`forward(x)`, or the few-rows GEMM's partials before their sums where it splits K (the narrow band: O
-        and down at 17-32 rows), for the residual add + norm that reads them to add them itself (`add_norm`)."""
-        if self.batch1_gemv and self.bias is None and x.dim() == 2 and x.shape[0] > 1:
-            return skinny_gemm.linear_unreduced(x, self.weight)
-        return self(x)
-
-
-def add_norm(x: torch.Tensor | skinny_gemm.SplitProduct, residual: torch.Tensor, norm: RMSNorm
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x), x a tensor or a split GEMM's unsummed partials (the same bits)."""
-    if isinstance(x, skinny_gemm.SplitProduct):
-        return partials_add_rms_norm(x.parts, residual, norm.weight, norm.eps)
-    return add_rms_norm(x, residual, norm.weight, norm.eps)
-
-
-def materialized(x: torch.Tensor | skinny_gemm.SplitProduct) -> torch.Tensor:
-    return x.summed() if isinstance(x, skinny_gemm.SplitProduct) else x
-
 
 def set_batch1_gemv(model: nn.Module, enabled: bool, *, fused_norms: bool = True) -> int:
     """Turn `ops.gemv` on or off for every layer of `model` that has it (`batch1_gemv`); returns how many. With
@@ -88,12 +62,6 @@ def set_batch1_gemv(model: nn.Module, enabled: bool, *, fused_norms: bool = True
         if isinstance(m, DecoderLayer):
             m.batch1_fused_norms = enabled and fused_norms and m.can_fold_norms()
     return len(layers)
-
-
-def _unreduced(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | skinny_gemm.SplitProduct:
-    """O's or down's product, unsummed where `DecodeLinear.forward_unreduced` leaves it so (tensor parallelism's
-    row-parallel layers sum their own)."""
-    return linear.forward_unreduced(x) if isinstance(linear, DecodeLinear) else linear(x)
 
 
 class MRoPE:
@@ -181,13 +149,9 @@ class TextMLP(nn.Module):
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activated(x))
-
-    def activated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, down's input."""
         if self.batch1_gemv and self.gate_up.bias is None:  # (Qwen3's MLP has none; the fused GEMV adds none)
-            return gemv.silu_and_mul_linear(x, self.gate_up.weight)
-        return silu_and_mul(self.gate_up(x))
+            return self.down_proj(gemv.silu_and_mul_linear(x, self.gate_up.weight))
+        return self.down_proj(silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -200,21 +164,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = TextMLP(cfg)
 
-    def forward(self, residual: torch.Tensor, pending, cos, sin, backend: AttentionBackend,
-                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | skinny_gemm.SplitProduct]:
+    def forward(self, residual: torch.Tensor, pending: torch.Tensor | None, cos, sin, backend: AttentionBackend,
+                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer over the residual stream. `pending` is the previous layer's MLP output not yet added to
         `residual` (None when there is none): every residual add runs fused into the norm that reads its sum,
-        with the same roundings as HF's separate add. O's and down's outputs may reach their add + norm as a split
-        GEMM's unsummed partials (`DecodeLinear.forward_unreduced`), which that kernel adds. Returns (residual,
-        this layer's MLP output as the next `pending`)."""
-        attn, mlp = self.self_attn, self.mlp
+        with the same roundings as HF's separate add. Returns (residual, this layer's MLP output as the next
+        `pending`)."""
+        attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
         if pending is None:
-            normed = self.input_layernorm(residual)
+            normed = attn_norm(residual)
         else:
-            normed, residual = add_norm(pending, residual, self.input_layernorm)
-        out = attn.attend(attn.qkv(normed), cos, sin, backend, layer_idx)
-        normed, residual = add_norm(_unreduced(attn.o_proj, out), residual, self.post_attention_layernorm)
-        return residual, _unreduced(mlp.down_proj, mlp.activated(normed))
+            normed, residual = add_rms_norm(pending, residual, attn_norm.weight, attn_norm.eps)
+        attn = self.self_attn(normed, cos, sin, backend, layer_idx)
+        normed, residual = add_rms_norm(attn, residual, mlp_norm.weight, mlp_norm.eps)
+        return residual, self.mlp(normed)
 
     def can_fold_norms(self) -> bool:
         """Whether this layer's modules let `forward_one_row` serve it: its O and down projections whole on this
@@ -309,7 +272,7 @@ class TextDecoder(nn.Module):
             residual, pending = layer(residual, pending, cos, sin, backend, i)
             if i < num_ds:  # DeepStack adds to the layer's full output: materialize it
                 assert deepstack is not None
-                h = residual + materialized(pending)
+                h = residual + pending
                 features = deepstack.features[i].to(h.dtype)
                 if deepstack.token_index is None:
                     residual, pending = h + features, None
@@ -317,4 +280,4 @@ class TextDecoder(nn.Module):
                     residual, pending = h.index_add(0, deepstack.token_index, features), None
         if pending is None:
             return self.norm(residual)
-        return add_norm(pending, residual, self.norm)[0]
+        return add_rms_norm(pending, residual, self.norm.weight, self.norm.eps)[0]

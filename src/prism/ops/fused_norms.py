@@ -43,14 +43,6 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return rms_norm_reference(summed, weight, eps), summed
 
 
-def summed_partials_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 partial products [splits, rows, D] (a split GEMM's) added in split order, rounded to `dtype` once."""
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total.to(dtype)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -107,16 +99,6 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_row(x, r_ptr, w_ptr, out_ptr, sum_ptr, row, cols, mask, stride_r, stride_o, stride_s, D, eps,
-                          DTYPE: tl.constexpr):
-        """Row `row`: x (fp32 holding activation-dtype values) + the residual, rounded, stored; its RMSNorm stored."""
-        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = _round(x + r, DTYPE)  # the norm sees the rounded sum, as the reference does
-        tl.store(sum_ptr + row * stride_s + cols, summed.to(DTYPE), mask=mask)
-        y = _normed(summed, w_ptr, cols, mask, D, eps, DTYPE)
-        tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
-
-    @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, D,
                              eps, DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         wait_for_predecessors(PDL)
@@ -124,25 +106,11 @@ if HAVE_TRITON:
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        _add_rms_norm_row(x, r_ptr, w_ptr, out_ptr, sum_ptr, row, cols, mask, stride_r, stride_o, stride_s, D, eps,
-                          DTYPE)
-
-    @triton.jit
-    def _partials_add_rms_norm_kernel(p_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_split, stride_p, stride_r,
-                                      stride_o, stride_s, D, eps, SPLITS: tl.constexpr, DTYPE: tl.constexpr,
-                                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # x = the fp32 partials p[0..SPLITS) of this row added in split order, rounded once to the activation dtype
-        # (as `skinny_gemm._split_sums_kernel` makes a split GEMM's output), then as `_add_rms_norm_kernel`.
-        wait_for_predecessors(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        at = p_ptr + row * stride_p + cols
-        x = tl.load(at, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            x += tl.load(at + s * stride_split, mask=mask, other=0.0)
-        _add_rms_norm_row(_round(x, DTYPE), r_ptr, w_ptr, out_ptr, sum_ptr, row, cols, mask, stride_r, stride_o,
-                          stride_s, D, eps, DTYPE)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = _round(x + r, DTYPE)  # the norm sees the rounded sum, as the reference does
+        tl.store(sum_ptr + row * stride_s + cols, summed.to(DTYPE), mask=mask)
+        y = _normed(summed, w_ptr, cols, mask, D, eps, DTYPE)
+        tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
 
     @triton.jit
     def _norm_rope_heads(src, stride_h, w_ptr, cos_ptr, sin_ptr, dst, num_heads, eps,
@@ -256,31 +224,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                                              DTYPE=_TL_DTYPE[x.dtype], BLOCK=block,
                                              num_warps=max(1, min(16, block // 256)), **launch_options(x.device))
     return out.view(x.shape), summed.view(x.shape)
-
-
-def partials_add_rms_norm(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                          use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm(x, residual, ...)` where x is a split GEMM's output not yet summed: its fp32 partials
-    [splits, rows, D] added in split order and rounded to residual's dtype (`summed_partials_reference`), the same
-    bits as summing them first; one launch instead of the GEMM's sums launch and the add + norm's."""
-    if parts.dim() != 3 or parts.shape[1:] != residual.shape or parts.dtype != torch.float32 or residual.dim() != 2:
-        raise ValueError(f"partials_add_rms_norm: parts must be fp32 [splits, *{tuple(residual.shape)}] of a 2-D "
-                         f"residual, got {parts.dtype} {tuple(parts.shape)}")
-    if not _want_triton(residual.device, use_triton) or residual.numel() == 0:
-        return add_rms_norm_reference(summed_partials_reference(parts, residual.dtype), residual, weight, eps)
-    if parts.stride(-1) != 1:
-        raise ValueError("partials_add_rms_norm: the partials need a unit stride along D")
-    residual = _rows(residual)
-    rows, d = residual.shape
-    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    summed = torch.empty_like(out)
-    block = triton.next_power_of_2(d)
-    with device_context(residual.device):
-        _partials_add_rms_norm_kernel[(rows,)](
-            parts, residual, weight, out, summed, parts.stride(0), parts.stride(1), residual.stride(0), out.stride(0),
-            summed.stride(0), d, eps, SPLITS=parts.shape[0], DTYPE=_TL_DTYPE[residual.dtype], BLOCK=block,
-            num_warps=max(1, min(16, block // 256)), **launch_options(residual.device))
-    return out, summed
 
 
 def check_rope_heads(op: str, *heads: torch.Tensor) -> None:

@@ -22,8 +22,6 @@ is wrong for bf16 operands, so the CPU tests call the kernel in fp32 / fp16 dire
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -65,9 +63,6 @@ SPLIT_K = 1
 NARROW_MAX_ROWS = 32
 NARROW_MAX_TILES = 64
 NARROW_SPLIT_K = 2
-# `linear_unreduced` leaves a split launch's partials for the residual add + RMSNorm after O and down to add
-# (`fused_norms.partials_add_rms_norm`: one launch fewer per projection). False: it sums them first, as `linear`.
-UNSUMMED_INTO_NORMS = True
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -193,33 +188,7 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu: bool = False)
             and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
 
 
-@dataclass(frozen=True)
-class SplitProduct:
-    """A split launch's product before its sums: fp32 partials [splits, rows, n] (contiguous) whose sum in split
-    order, rounded to `dtype`, is the output. Whoever reads it adds them: `summed()` (the sums launch), or the
-    residual add + RMSNorm after O and down (`fused_norms.partials_add_rms_norm`), which saves that launch."""
-
-    parts: torch.Tensor
-    dtype: torch.dtype
-
-    def summed(self) -> torch.Tensor:
-        splits, rows, n = self.parts.shape
-        y = torch.empty(rows, n, dtype=self.dtype, device=self.parts.device)
-        _add_split_sums(self.parts, y, splits, silu=False)
-        return y
-
-
-def _add_split_sums(parts: torch.Tensor, y: torch.Tensor, splits: int, silu: bool) -> None:
-    """y = the partials [splits, 1 + silu, rows, n] added in split order and rounded (silu: the activation)."""
-    rows, n = y.shape
-    block = 1024
-    with device_context(y.device):
-        _split_sums_kernel[(triton.cdiv(rows * n, block),)](
-            parts, y, rows, n, y.stride(0), SPLIT_K=splits, SILU=silu, BLOCK=block, **launch_options(y.device))
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, sum_splits: bool = True
-            ) -> torch.Tensor | SplitProduct:
+def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     if (x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.stride(1) != 1
             or weight.stride(1) != 1):
         raise ValueError(f"skinny GEMM needs x [M, K] and weight [N, K] with unit stride along K, got "
@@ -243,10 +212,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool, sum_splits: bool 
             n if silu else 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SILU=silu,
             SPLIT_K=splits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
-    if splits > 1:
-        if not sum_splits and not silu:
-            return SplitProduct(parts[:, 0], x.dtype)
-        _add_split_sums(parts, y, splits, silu)
+        if splits > 1:
+            block = 1024
+            _split_sums_kernel[(triton.cdiv(rows * n, block),)](
+                parts, y, rows, n, y.stride(0), SPLIT_K=splits, SILU=silu, BLOCK=block, **launch_options(x.device))
     return y
 
 
@@ -256,22 +225,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _launch(x, weight, silu=False)
 
 
-def skinny_gemm_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | SplitProduct:
-    """`skinny_gemm(x, weight)`, except that a launch split along K returns its partials unsummed."""
-    return _launch(x, weight, silu=False, sum_splits=False)
-
-
 def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K], weight [2I, K] as [gate | up] rows -> silu(x G^T) * (x U^T) [M, I] in one launch."""
     return _launch(x, weight, silu=True)
-
-
-def linear_unreduced(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | SplitProduct:
-    """`linear(x, weight)`, except that a launch split along K returns its partials unsummed (`SplitProduct`), for
-    a reader that adds them itself (the residual add + norm after O and down)."""
-    if takes_skinny_gemm(x, weight):
-        return skinny_gemm_unreduced(x, weight) if UNSUMMED_INTO_NORMS else skinny_gemm(x, weight)
-    return F.linear(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,9 +17,6 @@ SKINNY_GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr":
 SPLIT_SUMS = {"part_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32", "N": "i32", "stride_ym": "i32"}
 ADD_RMS_NORM = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_s": "i32", "D": "i32", "eps": "fp32"}
-PARTIALS_ADD_RMS_NORM = {"p_ptr": "*fp32", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
-                         "stride_split": "i32", "stride_p": "i32", "stride_r": "i32", "stride_o": "i32",
-                         "stride_s": "i32", "D": "i32", "eps": "fp32"}
 _POOL = {"pay_ptr": "*u8", "sc_ptr": "*fp32", "row_k": "i32", "row_v": "i32", "stride_row": "i64",
          "stride_slot": "i32", "sc_stride_row": "i64"}
 DECODE_ATTENTION = {"q_ptr": "*bf16", "out_ptr": "*bf16", "bt_ptr": "*i64", "ctx_ptr": "*i64", "prefix_ptr": "*i64",
