@@ -102,14 +102,51 @@ def test_the_narrow_band_takes_narrow_layers_only_and_splits_them(monkeypatch):
     assert [takes(rows, 6144) for rows in (16, 17, 32)] == [True, False, False]  # QKV: 96 tiles
     assert [takes(rows, 4096, silu=True) for rows in (16, 17)] == [True, False]  # gate/up
     assert [skinny_gemm.asked_splits(rows, 4096, False) for rows in (16, 17, 32)] == [1, 2, 2]
-    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # the band still starts at 2 rows
-    assert [takes(rows, 4096) for rows in (1, 2, 32)] == [False, True, True]
-    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)  # both off
-    assert not any(takes(rows, 4096) for rows in (2, 17, 32))
-    monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", 0)
+    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)  # the band off, 2 .. MAX_ROWS on
+    assert [takes(rows, 4096) for rows in (2, 16, 17, 32)] == [True, True, False, False]
     monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 32)
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off, the band too (its rows start past MAX_ROWS)
+    assert not any(takes(rows, 4096) for rows in (2, 17, 32))
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 16)
+    monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", 0)
     with pytest.raises(ValueError, match="NARROW_SPLIT_K"):
         skinny_gemm.asked_splits(20, 4096, False)
+
+
+def test_dispatch_without_triton_keeps_linear(monkeypatch):
+    """On a machine without Triton (an optional extra) every row count keeps F.linear, the narrow band's included:
+    the dispatch asks nothing of Triton before it knows the kernel can run (found by review: a tile count through
+    `triton.cdiv` raised NameError for 17-32 rows)."""
+    monkeypatch.setattr(skinny_gemm, "triton", None, raising=False)
+    monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: False)
+    w = torch.randn(24, 40, dtype=torch.bfloat16)
+    for rows in (1, 2, 20, 40):
+        x = torch.randn(rows, 40, dtype=torch.bfloat16)
+        assert not skinny_gemm.takes_skinny_gemm(x, w)
+        assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+
+
+@needs_triton
+def test_a_launch_in_the_narrow_band_splits_as_asked(monkeypatch):
+    """20 rows of a one-tile layer: the narrow band's launch has NARROW_SPLIT_K programs along K (not SPLIT_K's),
+    then the sums; 8 rows (below the band) take SPLIT_K's."""
+    grids = []
+    real = skinny_gemm._skinny_gemm_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return real[grid]
+
+    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", Recorded())
+    for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1,
+                        "NARROW_SPLIT_K": 3}.items():
+        monkeypatch.setattr(skinny_gemm, knob, value)
+    w = torch.randn(16, 96).to(DEV)
+    for rows in (20, 8):
+        x = torch.randn(rows, 96).to(DEV)
+        torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert grids == [(1, 3), (1, 1)]
 
 
 @needs_triton
@@ -138,10 +175,10 @@ def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
     w, b = (torch.randn(24, 40) * 0.2).to(half).to(DEV), torch.randn(24).to(half).to(DEV)
     x = {rows: torch.randn(rows, 40).to(half).to(DEV) for rows in (1, 2, 8, 9)}
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off, the narrow band too
-    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)
-    for rows in (2, 8):
+    for rows in (2, 8, 9):
         torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b))
     assert calls == []
+    monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 8)
     for rows in (1, 2, 8, 9):
         want = F.linear(x[rows].float(), w.float(), b.float())

@@ -11,8 +11,8 @@ end) read them at 83%, 76%, 94% and 98% (`bench/decode_gemms.py --gemv`,
 `bench/results/2026-11-30-nvidia-h200-session16-gemv-pdl.txt`). Launched early (`ops/pdl.py`) in chains of the same
 GEMV the sweep's figures scatter (O 10.1-13.6 us by tiling), but in the engine the tiling does not matter: W3 batch
 1 4.40 / 4.41 / 4.41 ms with 8 x 512, 4 x 1024 and 16 x 512 (`-session16-gemv-tiles-ab.json`). Other shapes
-(more than one row) go to `ops.skinny_gemm` for a few rows (2 .. its `MAX_ROWS`, where it measured faster), else
-to `F.linear`, where cuBLAS's GEMM kernels are the right tool.
+(more than one row) go to `ops.skinny_gemm` for a few rows (2 .. its `MAX_ROWS`, and O and down up to its
+`NARROW_MAX_ROWS`, where it measured faster), else to `F.linear`, where cuBLAS's GEMM kernels are the right tool.
 
 Also owns the decoder's residual add + RMSNorm folded into these GEMVs at batch 1 (`ResidualRow`): the O and down
 GEMVs add their output to the residual stream in their epilogue and leave, beside the sum, its sum of squares in

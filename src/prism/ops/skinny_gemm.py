@@ -36,7 +36,7 @@ if HAVE_TRITON:
     from .fused_norms import _round, _silu_times
     from .pdl import wait_for_predecessors
 
-# Steps of 2 .. MAX_ROWS rows take these kernels (0: none, F.linear for all). Tiles: BLOCK_N weight rows (outputs)
+# Steps of 2 .. MAX_ROWS rows take these kernels (0: none, the narrow band's neither: F.linear for all). Tiles: BLOCK_N weight rows (outputs)
 # per program in BLOCK_K columns, the step's rows padded to a power of two of at least 16 (`tl.dot`'s least M).
 # H200 sweep (2026-11-30, `-session18-decode-gemms-skinny.txt`), us against cuBLAS: at 8 rows it wins every
 # projection (QKV 16.0 / 16.5, O 11.4 / 12.2, down 27.9 / 29.5, gate/up with its activation 48.3 / 54.6 with the
@@ -55,10 +55,12 @@ NUM_STAGES = 4
 # pays with its split-K reduce. Measured at 32 rows only (the narrow band below): off here.
 SPLIT_K = 1
 # The narrow band: steps of MAX_ROWS + 1 .. NARROW_MAX_ROWS rows take the kernel for launches of at most
-# NARROW_MAX_TILES output tiles (no activation), their K split NARROW_SPLIT_K ways; the rest keep cuBLAS. H200 sweep
-# at 32 rows (2026-11-30, `-session19-decode-gemms-skinny-split.txt`), us against cuBLAS: O (64 tiles) 11.5 / 13.8,
-# down (64 tiles) 27.8 / 28.6, both 64 x 256 tiles, 2 splits; QKV (96 tiles) 20.9 / 16.1 and gate/up + activation
-# 52.4 / 50.7 at their best lose. Splitting every launch to >= 264 programs lost at batch 8 and 32
+# NARROW_MAX_TILES output tiles of BLOCK_N (no activation), their K split NARROW_SPLIT_K ways; the rest keep cuBLAS.
+# H200 sweep at 32 rows (2026-11-30, `-session19-decode-gemms-skinny-split.txt`), us against cuBLAS: O (64 tiles)
+# 11.5 / 13.8, down (64 tiles) 27.8 / 28.6, both 64 x 256 tiles, 2 splits; QKV (96 tiles) 20.9 / 16.1 with those
+# tiles (15.9 at best, 128 x 128), gate/up + activation 52.4 / 50.7 at best. The rule is a tile count, not a layer:
+# it also takes tensor parallelism's narrow shards (TP2's QKV, 3,072 outputs in 48 tiles; its O and down, K halved),
+# measured only in TP2's whole step. Splitting every launch to >= 264 programs lost at batch 8 and 32
 # (`-session19-skinny-split-ab.json`: batch 8 5.08 -> 5.17 ms; with MAX_ROWS 32, batch 32 5.68 -> 6.03).
 NARROW_MAX_ROWS = 32
 NARROW_MAX_TILES = 64
@@ -164,9 +166,10 @@ def _positive_int(name: str, value) -> int:
 
 def in_narrow_band(rows: int, n: int, silu: bool) -> bool:
     """Whether a launch of `rows` rows and `n` outputs is in the narrow band: MAX_ROWS + 1 .. NARROW_MAX_ROWS rows
-    (at least 2; NARROW_MAX_ROWS = 0: none), no activation, at most NARROW_MAX_TILES output tiles."""
-    return (not silu and max(MAX_ROWS + 1, 2) <= rows <= NARROW_MAX_ROWS
-            and triton.cdiv(n, BLOCK_N) <= NARROW_MAX_TILES)
+    (none when either is 0), no activation, at most NARROW_MAX_TILES output tiles. (Plain Python: dispatch asks it
+    on machines without Triton too.)"""
+    return (not silu and 0 < MAX_ROWS < rows <= NARROW_MAX_ROWS
+            and -(-n // max(BLOCK_N, 1)) <= NARROW_MAX_TILES)
 
 
 def asked_splits(rows: int, n: int, silu: bool) -> int:
@@ -182,10 +185,12 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu: bool = False)
     narrow band, on a Triton device, in the weight's dtype, both with unit stride along K."""
     if not (x.dim() == 2 and weight.dim() == 2):
         return False
+    if not (x.dtype == weight.dtype and x.dtype in _DTYPES and x.device == weight.device
+            and x.shape[1] == weight.shape[1] and weight.stride(1) == 1 and x.stride(1) == 1
+            and _want_triton(x.device, None)):
+        return False
     rows, n = x.shape[0], weight.shape[0] // 2 if silu else weight.shape[0]
-    return ((2 <= rows <= MAX_ROWS or in_narrow_band(rows, n, silu)) and x.dtype == weight.dtype
-            and x.dtype in _DTYPES and x.device == weight.device and x.shape[1] == weight.shape[1]
-            and weight.stride(1) == 1 and x.stride(1) == 1 and _want_triton(x.device, None))
+    return 2 <= rows <= MAX_ROWS or in_narrow_band(rows, n, silu)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
