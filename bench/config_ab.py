@@ -37,10 +37,7 @@ from prism.engine.sampling import SamplingParams  # noqa: E402
 from prism.ops import gemv as ops_gemv  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
-
-
-def parse_value(text: str):
-    return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
+from prism.testing.knobs import parse_value  # noqa: E402
 
 
 def build(ckpt: Path, kv: str, kv_gib: int, **config) -> LLM:

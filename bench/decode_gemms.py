@@ -204,7 +204,6 @@ def main() -> None:
                                   tuple(args.weights.split(",")))
         else:
             lines += chain_sweep(bandwidth) if args.chain else gemv_sweep(bandwidth)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
         return
     for name in SHAPES:

@@ -27,6 +27,7 @@ import triton.language as tl  # noqa: E402
 
 from prism.ops import cascade_attention, fused_norms, gemv, paged_attention, qk_norm_rope_kv, skinny_gemm  # noqa: E402
 from prism.testing import kernel_signatures as sig  # noqa: E402
+from prism.testing.knobs import parse_value  # noqa: E402
 from prism.testing.offline_compile import compile_for_hopper, ptxas_resources  # noqa: E402
 
 # Qwen3-VL-8B's text decoder
@@ -118,8 +119,7 @@ def set_knob(assignment: str) -> None:
     module = importlib.import_module(f"prism.ops.{module_name}")
     if not hasattr(module, knob):
         raise SystemExit(f"{module.__name__} has no knob {knob}")
-    setattr(module, knob, int(value) if value.lstrip("-").isdigit() else
-            {"true": True, "false": False}.get(value.lower(), value))
+    setattr(module, knob, parse_value(value))
 
 
 def main() -> None:

@@ -20,6 +20,21 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 
 
+def _record_launches(monkeypatch, *names: str) -> list[tuple[str, tuple]]:
+    """Each launch of the named kernels of `skinny_gemm`, as (name, grid), in order; the kernels still run."""
+    launched = []
+    for name in names:
+        real = getattr(skinny_gemm, name)
+
+        class Recorded:
+            def __getitem__(self, grid, _real=real, _name=name):
+                launched.append((_name, tuple(grid)))
+                return _real[grid]
+
+        monkeypatch.setattr(skinny_gemm, name, Recorded())
+    return launched
+
+
 @needs_triton
 @pytest.mark.parametrize("m,n,k", [(2, 16, 256), (3, 37, 1000), (17, 40, 70), (32, 64, 512)])  # tails everywhere
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -59,23 +74,13 @@ def test_each_output_row_reads_its_own_row_of_x_and_each_gate_its_own_up():
 def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
     """K split over programs in whole BLOCK_K tiles: a K of 3 tiles asked for 8 splits takes 3, each with work, then
     one launch adds the partials; one split launches nothing more. A bad SPLIT_K is refused."""
-    launched = []
-    for name in ("_skinny_gemm_kernel", "_split_sums_kernel"):
-        real = getattr(skinny_gemm, name)
-
-        class Recorded:
-            def __getitem__(self, grid, _real=real, _name=name):
-                launched.append((_name, grid))
-                return _real[grid]
-
-        monkeypatch.setattr(skinny_gemm, name, Recorded())
+    launched = _record_launches(monkeypatch, "_skinny_gemm_kernel", "_split_sums_kernel")
     monkeypatch.setattr(skinny_gemm, "BLOCK_N", 16)
     monkeypatch.setattr(skinny_gemm, "BLOCK_K", 32)
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", 8)
     x, w = torch.randn(4, 96).to(DEV), torch.randn(20, 96).to(DEV)
     torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    assert [(name, tuple(grid)) for name, grid in launched] == [
-        ("_skinny_gemm_kernel", (2, 3)), ("_split_sums_kernel", (1,))]  # 20 outputs in 16-wide tiles: 2
+    assert launched == [("_skinny_gemm_kernel", (2, 3)), ("_split_sums_kernel", (1,))]  # 20 outputs in 16-wide tiles: 2
     launched.clear()
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", 1)
     skinny_gemm.skinny_gemm(x, w)
@@ -130,15 +135,7 @@ def test_dispatch_without_triton_keeps_linear(monkeypatch):
 def test_a_launch_in_the_narrow_band_splits_as_asked(monkeypatch):
     """20 rows of a one-tile layer: the narrow band's launch has NARROW_SPLIT_K programs along K (not SPLIT_K's),
     then the sums; 8 rows (below the band) take SPLIT_K's."""
-    grids = []
-    real = skinny_gemm._skinny_gemm_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            grids.append(tuple(grid))
-            return real[grid]
-
-    monkeypatch.setattr(skinny_gemm, "_skinny_gemm_kernel", Recorded())
+    launched = _record_launches(monkeypatch, "_skinny_gemm_kernel")
     for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1,
                         "NARROW_SPLIT_K": 3}.items():
         monkeypatch.setattr(skinny_gemm, knob, value)
@@ -146,7 +143,7 @@ def test_a_launch_in_the_narrow_band_splits_as_asked(monkeypatch):
     for rows in (20, 8):
         x = torch.randn(rows, 96).to(DEV)
         torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    assert grids == [(1, 3), (1, 1)]
+    assert [grid for _, grid in launched] == [(1, 3), (1, 1)]
 
 
 @needs_triton

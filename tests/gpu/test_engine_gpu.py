@@ -121,7 +121,8 @@ def test_decode_steps_of_the_narrow_band_match_eager_cublas(ckpt_8b, monkeypatch
         release_gpu_memory()
     rows: list[int] = []
     real = skinny_gemm._launch
-    monkeypatch.setattr(skinny_gemm, "_launch", lambda x, w, silu, **kw: rows.append(x.shape[0]) or real(x, w, silu, **kw))
+    monkeypatch.setattr(skinny_gemm, "_launch",
+                        lambda x, w, silu, **kw: rows.append(x.shape[0]) or real(x, w, silu, **kw))
     graphs = engine(ckpt_8b, "fp8", max_num_seqs=32)
     assert any(17 <= r <= 32 for r in rows), f"no graph captured the narrow band's GEMM: {sorted(set(rows))}"
     out = graphs.generate(prompts, GREEDY)

@@ -36,8 +36,8 @@ if HAVE_TRITON:
     from .fused_norms import _round, _silu_times
     from .pdl import wait_for_predecessors
 
-# Steps of 2 .. MAX_ROWS rows take these kernels (0: none, the narrow band's neither: F.linear for all). Tiles: BLOCK_N weight rows (outputs)
-# per program in BLOCK_K columns, the step's rows padded to a power of two of at least 16 (`tl.dot`'s least M).
+# Steps of 2 .. MAX_ROWS rows take these kernels (0: none, nor the narrow band's: F.linear for all). Tiles: BLOCK_N
+# weight rows (outputs) per program in BLOCK_K columns, the step's rows padded to a power of two of at least 16 (`tl.dot`'s least M).
 # H200 sweep (2026-11-30, `-session18-decode-gemms-skinny.txt`), us against cuBLAS: at 8 rows it wins every
 # projection (QKV 16.0 / 16.5, O 11.4 / 12.2, down 27.9 / 29.5, gate/up with its activation 48.3 / 54.6 with the
 # SILU tiles); at 32 rows it loses or ties every one (QKV 16.6 / 15.7, down 37.7 / 28.6). In the engine (A/B,

@@ -10,6 +10,11 @@ import contextlib
 from types import ModuleType
 
 
+def parse_value(text: str):
+    """A knob's or config field's value as written on a command line: true / false, an int, else the text."""
+    return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
+
+
 @contextlib.contextmanager
 def module_knobs(module: ModuleType, values: dict):
     """Within: `module`'s launch knobs (attribute name -> value) set to `values`; its own restored after."""
