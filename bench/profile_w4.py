@@ -4,12 +4,17 @@ the default and the interleaved mode, and print the slowest engine steps with wh
 their time went (prepare, vision, decoder). `--timeline N ...`: instead, for interleave budgets N (`none` for the
 default), the steps from ~16 before the cold request's first token to it, in order, without syncs (neither the
 harness nor a server syncs between steps): each `step()` call's wall time (the device may still be running what
-it launched), tokens computed, running requests and encoder calls. Not part of `nox -s bench`."""
+it launched), tokens computed, running requests and encoder calls; then the cold request's path on the host's
+and the device's clocks (CUDA events: its preparation, its encoding ahead on the side stream, each step's end on
+the main stream, its admission and first token). `--kernels` adds the profiler's kernel table over that span;
+`--engine name=value ...` sets engine settings and `--side-priority N` the side stream's CUDA priority (A/Bs).
+Not part of `nox -s bench`."""
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,11 +26,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_workloads import CKPT, w4_injection  # noqa: E402
 
+from prism.engine import background_encoding as background_mod  # noqa: E402
 from prism.engine import engine as engine_mod  # noqa: E402
+from prism.engine import inputs as inputs_mod  # noqa: E402
 from prism.engine import runner as runner_mod  # noqa: E402
 from prism.testing.checkpoints import ensure_tiny_checkpoint  # noqa: E402
+from prism.testing.knobs import parse_value  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv  # the harness on the CPU, tiny checkpoint
+KERNELS = "--kernels" in sys.argv  # with --timeline: the kernels between the cold request's arrival and first token
 
 
 def sync() -> None:
@@ -51,25 +60,103 @@ def timed(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
+def engine_overrides() -> dict:
+    """`--engine name=value ...` (up to the next option): engine settings for an A/B of the timeline."""
+    if "--engine" not in sys.argv:
+        return {}
+    out = {}
+    for arg in sys.argv[sys.argv.index("--engine") + 1:]:
+        if arg.startswith("--"):
+            break
+        name, value = arg.split("=", 1)
+        out[name] = parse_value(value)
+    return out
+
+
 def run_w4(interleave: int | None) -> dict:
     if SMOKE:
-        return w4_injection(ensure_tiny_checkpoint(), 64, 2, 2**26, interleave and 32)
-    return w4_injection(CKPT, 448, 8, 12 * 2**30, interleave)
+        return w4_injection(ensure_tiny_checkpoint(), 64, 2, 2**26, interleave and 32, **engine_overrides())
+    return w4_injection(CKPT, 448, 8, 12 * 2**30, interleave, **engine_overrides())
+
+
+def side_stream_priority(priority: int) -> None:
+    """`--side-priority N`: the encoding ahead's stream at CUDA priority N (-1: high; torch's streams are 0)."""
+    init = background_mod.BackgroundEncoding.__init__
+
+    def with_priority(self, device, apart_from):
+        init(self, device, apart_from)
+        self.stream = torch.cuda.Stream(device, priority=priority)  # from another pool than the capture streams
+        assert all(self.stream != other for other in apart_from)
+
+    background_mod.BackgroundEncoding.__init__ = with_priority
+
+
+class DeviceClock:
+    """Device times of CUDA events on the host's clock: one host sync when the decodes are added (before the cold
+    request, so the measured span has none), then each event's time is that sync's host time plus its elapsed
+    time from an event recorded right after it."""
+
+    def __init__(self) -> None:
+        self.ref: torch.cuda.Event | None = None
+        self.host = 0.0
+        self.marks: list[tuple[str, torch.cuda.Event | float]] = []
+
+    def start(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+            self.host = time.perf_counter()
+        self.marks.clear()
+
+    def device(self, label: str, stream=None) -> None:
+        """Mark when the device reaches this point of `stream` (default: the current one)."""
+        if self.ref is None:
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        self.marks.append((label, event))
+
+    def host_mark(self, label: str) -> None:
+        self.marks.append((label, time.perf_counter()))
+
+    def resolved(self) -> list[tuple[float, str]]:
+        sync()
+        out = []
+        for label, mark in self.marks:
+            t = mark if isinstance(mark, float) else self.host + self.ref.elapsed_time(mark) / 1e3
+            out.append((t, label))
+        return sorted(out)
 
 
 def timeline(budgets: list[int | None]) -> None:
-    """Each step around the cold request, in order (see the module docstring)."""
+    """Each step around the cold request, in order (see the module docstring), then the cold request's path on the
+    host's and the device's clocks: arrival, prepared, its encoding ahead (launched, begun and ended on the side
+    stream), each step's start on the main stream (the device reaching work queued at the step's entry, i.e. the
+    end of what was queued before), its admission and its first token."""
     steps: list[dict] = []
+    clock = DeviceClock()
+    profiler = {"prof": None, "done": False}  # --kernels: the device's kernels from the cold request's admission
     step = engine_mod.Engine.step
 
     def step_wrapper(self):
         rec = {"t": time.perf_counter(), "encodes": 0}
         steps.append(rec)
+        cold = self.requests.get("cold")
+        if cold is not None and cold.times.first_token is None:
+            clock.device(f"step {len(steps)} device start")
+            clock.host_mark(f"step {len(steps)} host entry")
         out = step(self)
         rec["ms"] = (time.perf_counter() - rec["t"]) * 1e3
         rec["running"] = len(self.scheduler.running)
         rec["tokens"] = self.runner.stats.tokens_computed
         rec["cold"] = any(e.request_id == "cold" and e.new_token_ids for e in out)
+        if rec["cold"] and not any(label.startswith("cold first token") for label, _ in clock.marks):
+            if profiler["prof"] is not None and not profiler["done"]:
+                profiler["prof"].stop()
+                profiler["done"] = True
+            clock.host_mark(f"cold first token (step {len(steps)} returned)")
+            clock.marks.append(("cold first scheduled (host)", cold.times.first_scheduled))
         return out
 
     encode = runner_mod.ModelRunner._encode
@@ -79,7 +166,43 @@ def timeline(budgets: list[int | None]) -> None:
             steps[-1]["encodes"] += 1
         return encode(*a, **k)
 
+    background_run = background_mod.BackgroundEncoding.run
+
+    def marked_background_run(self, encode_fn):
+        clock.host_mark("encoding ahead launched (host)")
+
+        def marked():
+            clock.device("encoding ahead begins (side stream)", self.stream)
+            features = encode_fn()
+            clock.device("encoding ahead ends (side stream)", self.stream)
+            return features
+
+        return background_run(self, marked)
+
+    prepare_chat = inputs_mod.InputProcessor.prepare_chat
+
+    def marked_prepare_chat(self, *a, **k):
+        clock.host_mark(f"preparation begins ({threading.current_thread().name})")
+        return prepare_chat(self, *a, **k)
+
+    add_request = engine_mod.Engine.add_request
+
+    def marked_add_request(self, request_id, *a, **k):
+        if request_id == "long0":
+            clock.start()
+        if request_id == "cold":
+            clock.host_mark("cold added (prepared)")
+            if KERNELS and profiler["prof"] is None:
+                activity = torch.profiler.ProfilerActivity
+                profiler["prof"] = torch.profiler.profile(
+                    activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
+                profiler["prof"].start()
+        return add_request(self, request_id, *a, **k)
+
     engine_mod.Engine.step, runner_mod.ModelRunner._encode = step_wrapper, counted_encode
+    background_mod.BackgroundEncoding.run = marked_background_run
+    engine_mod.Engine.add_request = marked_add_request
+    inputs_mod.InputProcessor.prepare_chat = marked_prepare_chat
     for interleave in budgets:
         steps.clear()
         r = run_w4(interleave)
@@ -93,13 +216,31 @@ def timeline(budgets: list[int | None]) -> None:
         for s in steps[max(0, last - 16): last + 2]:
             print(f"  +{(s['t'] - t0) * 1e3:7.1f} ms  step {s['ms']:6.1f} ms  tokens "
                   f"{s['new']:5d}  running {s['running']}  encoder calls {s['encodes']}{'  <- cold first token' if s is steps[last] else ''}")
+        marks = clock.resolved()
+        # The harness times the first token when `step` returns it, as the mark does: arrival = that - TTFT.
+        first = next(t for t, label in marks if label.startswith("cold first token"))
+        arrival = first - r["cold_ttft_ms"] / 1e3
+        print("  the cold request's path (ms from its arrival; device marks on the host's clock):")
+        for t, label in marks:
+            print(f"    {(t - arrival) * 1e3:+8.1f}  {label}")
+        if profiler["prof"] is not None:
+            print("  kernels from the cold request's arrival to its first token (all streams; the profiler slows the "
+                  "host, so this run's times above are not the harness's):")
+            print(profiler["prof"].key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=30, max_name_column_width=90))
+            profiler["prof"], profiler["done"] = None, False
         sys.stdout.flush()
 
 
 def main() -> None:
+    if "--side-priority" in sys.argv:
+        side_stream_priority(int(sys.argv[sys.argv.index("--side-priority") + 1]))
     if "--timeline" in sys.argv:
-        args = sys.argv[sys.argv.index("--timeline") + 1:]
-        timeline([None if a == "none" else int(a) for a in args if not a.startswith("--")])
+        budgets = []
+        for arg in sys.argv[sys.argv.index("--timeline") + 1:]:
+            if arg.startswith("--"):
+                break
+            budgets.append(None if arg == "none" else int(arg))
+        timeline(budgets)
         return
     step = engine_mod.Engine.step
 

@@ -11,8 +11,16 @@ from types import ModuleType
 
 
 def parse_value(text: str):
-    """A knob's or config field's value as written on a command line: true / false, an int, else the text."""
-    return {"true": True, "false": False}.get(text.lower(), int(text) if text.lstrip("-").isdigit() else text)
+    """A knob's or config field's value as written on a command line: true / false, an int, a float, else the
+    text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 @contextlib.contextmanager
