@@ -4,6 +4,8 @@ for the vision encoder and the prefill in the same step. Real engine, tiny check
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prism.engine.llm import LLM
@@ -237,3 +239,94 @@ def test_a_failed_encoding_ahead_fails_its_request_and_not_the_decodes(monkeypat
     got, want, cold = decodes_beside_a_failing_encoding(monkeypatch)
     assert got == want, "the decoders must finish as if the cold request had never come"
     assert cold.is_finished and cold.finish_reason.value == "error" and "planted vision failure" in cold.error
+
+
+def test_the_host_waits_for_the_encoding_ahead_or_the_step_in_flight_before_the_next_launch(monkeypatch):
+    """With async scheduling the next step is scheduled while the one before runs, so a request held back by its
+    media encoding beside the decodes would be asked about a step early. The engine first waits for that encoding
+    or the step in flight and the configured pause, whichever ends first (`ModelRunner.encoding_finished_before`),
+    in each step launched while such a request waits, and in no other; the tokens do not change."""
+    eng = engine(async_admissions=True, encode_ahead_decode_pause_ms=3.5)
+    waits: list[object] = []
+    encoding = {"steps": 0}
+
+    def finished_before(event, pause_s) -> bool:
+        waits.append((eng.scheduler.waiting[0].request_id, pause_s))
+        return False
+
+    def in_background() -> bool:  # the CPU has no side stream: the runner reports an encoding for three steps
+        if any(r.media_sent_ahead for r in eng.scheduler.waiting) and encoding["steps"] < 3:
+            encoding["steps"] += 1
+            return True
+        return False
+
+    monkeypatch.setattr(eng.runner, "encoding_finished_before", finished_before)
+    monkeypatch.setattr(eng.runner, "encoding_in_background", in_background)
+    requests, _, tokens = held_back_while_pending(eng, pending_steps=3)
+    assert waits == [("cold", 3.5e-3)] * 3, waits
+    _, _, tokens_plain = held_back_while_pending(engine(async_admissions=True), pending_steps=3)
+    assert tokens == tokens_plain
+
+
+class FakeEvent:
+    """A CUDA event's `query` for `BackgroundEncoding.finished_before`: complete after `after` queries."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.queries = after, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.after
+
+
+def finished_before(encoding_after: int | None, step_after: int | None, pause_s: float = 0.0) -> bool:
+    from prism.engine.background_encoding import BackgroundEncoding
+
+    background = object.__new__(BackgroundEncoding)  # no CUDA stream on the CPU: only the host's wait is tested
+    background._launched = None if encoding_after is None else FakeEvent(encoding_after)
+    return background.finished_before(None if step_after is None else FakeEvent(step_after), pause_s, poll_s=0)
+
+
+def test_the_wait_for_an_encoding_ahead_ends_with_whichever_ends_first():
+    assert finished_before(None, 5)  # nothing launched: nothing to wait for
+    assert finished_before(0, None)  # already finished
+    assert not finished_before(3, None)  # no step in flight: never waits
+    assert finished_before(3, 10)  # the encoding ends first
+    assert not finished_before(10, 3)  # the step in flight ends first, and no pause
+    assert finished_before(10, 3, pause_s=10.0)  # ... the encoding ends in the pause after it (not 10 s later)
+    t = time.perf_counter()
+    assert not finished_before(10**12, 3, pause_s=0.02)  # the pause ends first
+    assert time.perf_counter() - t >= 0.02
+
+
+def test_beside_the_decodes_the_encoding_ahead_is_launched_before_the_steps_decode_rows(monkeypatch):
+    """Where media encode beside the decodes, the step scheduled ahead that sends a waiting request's media launches
+    their encoding first, then waits as for an encoding already running, then launches its decode rows with no
+    media left to encode (the encoder starts alone on the device). The CPU has no side stream: the runner is told
+    it has one, encodes at once, and the tokens are those of the plain engine. (The CPU schedules ahead through the
+    graphs' rows run eagerly.)"""
+    eng = engine(async_admissions=True, graph_rows_without_cuda=True)
+    order: list[str] = []
+    encode_beside, execute = eng.runner.encode_beside_decodes, eng.runner.execute
+
+    def launched_first(items):
+        order.append(f"encode {len(items)}")
+        return encode_beside(items)
+
+    def step(slices, kv, media_ahead=(), **kwargs):
+        order.append(f"step {len(media_ahead)}")
+        return execute(slices, kv, media_ahead, **kwargs)
+
+    monkeypatch.setattr(eng.runner, "encodes_beside_decodes", lambda: True)
+    monkeypatch.setattr(eng.runner, "encode_beside_decodes", launched_first)
+    monkeypatch.setattr(eng.runner, "execute", step)
+    _, _, tokens = held_back_while_pending(eng, pending_steps=0)
+    assert f"encode {len(IMAGES)}" in order, order
+    at = order.index(f"encode {len(IMAGES)}")
+    assert order[at + 1] == "step 0", order  # the step launched after it encodes nothing
+    assert all(entry == "step 0" for entry in order if entry.startswith("step")), order
+    assert eng.runner.stats.vision_items_encoded == len(IMAGES)
+    assert eng.stats.scheduled_ahead_steps > 0
+    _, _, tokens_plain = held_back_while_pending(engine(async_admissions=True, graph_rows_without_cuda=True),
+                                                 pending_steps=0)
+    assert tokens == tokens_plain

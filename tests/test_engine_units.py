@@ -45,6 +45,9 @@ def test_shipped_configs_load(path):
         ({"python_switch_interval_ms": True}, "python_switch_interval_ms must be a finite number >= 0.001 or null"),
         ({"python_switch_interval_ms": float("inf")}, "python_switch_interval_ms must be a finite number"),
         ({"encode_ahead_beside_decodes": "yes"}, "encode_ahead_beside_decodes must be true, false or null"),
+        ({"encode_ahead_decode_pause_ms": -1}, "encode_ahead_decode_pause_ms must be a number of ms in \\[0, 1000\\]"),
+        ({"encode_ahead_decode_pause_ms": "5"}, "encode_ahead_decode_pause_ms must be a number of ms"),
+        ({"encode_ahead_decode_pause_ms": float("nan")}, "encode_ahead_decode_pause_ms must be a number of ms"),
         ([1, 2], "must be a JSON object"),
     ],
 )

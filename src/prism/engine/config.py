@@ -51,6 +51,10 @@ class EngineConfig:
     # None: on with interleaving (the interleaving mode is both), off without it (then a prefill step is the
     # longest gap anyway, and the request would only pay the TTFT).
     encode_ahead_beside_decodes: bool | None = None
+    # ... and while that encoding runs, each decode step is launched this long after the one before has ended
+    # (sooner if the encoding ends): meanwhile the encoder has the device to itself, where beside a decode step it
+    # gets ~half of it. Each gap of the decoding requests grows by it. 0: launch at once.
+    encode_ahead_decode_pause_ms: float = 5.0
     enable_prefix_cache: bool = True
     preemption: Preemption = "recompute"
     dtype: str = "auto"  # model weights/activations: auto = bfloat16 on CUDA, float32 on CPU
@@ -185,6 +189,9 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
                 or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        pause = self.encode_ahead_decode_pause_ms
+        if isinstance(pause, bool) or not isinstance(pause, (int, float)) or not 0 <= pause <= 1000:
+            raise ConfigError(f"encode_ahead_decode_pause_ms must be a number of ms in [0, 1000], got {pause!r}")
         timeout = self.distributed_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"distributed_timeout_s must be a positive number, got {timeout!r}")

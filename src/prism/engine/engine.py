@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,6 +299,7 @@ class Engine:
         flight."""
         current, self._inflight = self._inflight, None
         assert current is not None
+        self._await_encoding_ahead(current)
         continuation = self._continuation_of(current)
         if not continuation.rows and self._schedules_ahead(current):
             return
@@ -319,6 +321,27 @@ class Engine:
         launched = samples_at_launch(slices, pending)  # every decode row, then the chunk if it ends its prompt
         self._accept_tokens(current, pending)
         self._commit_live(slices, launched, logits)
+
+    def _await_encoding_ahead(self, current: InflightStep) -> None:
+        """A waiting request whose media encode beside the decodes is admitted once that encoding has finished. Asked
+        when the next step is scheduled, a step ahead of the device, that costs a step (W4 on the H200: the prefill
+        began 9 ms after the encoding ended); so wait until the encoding ends, or the step in flight and then the
+        configured pause do (the encoder alone on the device meanwhile), whichever first."""
+        if any(r.media_sent_ahead for r in self.scheduler.waiting) and self.runner.encoding_in_background():
+            self.runner.encoding_finished_before(current.ready, self.config.encode_ahead_decode_pause_ms / 1e3)
+
+    def _encode_ahead_first(self, out: SchedulerOutput, current: InflightStep) -> Sequence:
+        """Beside the decodes, the step's encoding ahead is launched before its decode rows, which wait as they would
+        for an encoding already running (`_await_encoding_ahead`): the encoder starts alone on the device. The media
+        left for the step to encode (none then)."""
+        if not out.media_ahead or not self.runner.encodes_beside_decodes():
+            return out.media_ahead
+        failure = self.runner.encode_beside_decodes(out.media_ahead)
+        if failure is not None:
+            log.error("encoding media ahead failed", exc_info=failure)
+            self._fail(out.media_ahead_requests, failure)
+        self._await_encoding_ahead(current)
+        return ()
 
     def _commit_live(self, slices, launched: list[bool], logits: torch.Tensor | None) -> None:
         """Commit a step launched before `_accept_tokens` read the tokens it was fed: its slices whose requests
@@ -353,8 +376,9 @@ class Engine:
         try:
             if out.preempted or {s.request.request_id for s in lead} != set(pending):
                 raise RuntimeError("a step scheduled ahead must start with its decode rows and preempt no one")
+            media_ahead = self._encode_ahead_first(out, current)
             token_ids = current.device_tokens_of([pending[s.request.request_id] for s in lead])
-            logits = self.runner.execute(slices, self.kv, out.media_ahead, pending=[s.request.request_id for s in lead],
+            logits = self.runner.execute(slices, self.kv, media_ahead, pending=[s.request.request_id for s in lead],
                                          token_ids=token_ids)
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
             log.exception("step failed")

@@ -279,9 +279,29 @@ class ModelRunner:
     def is_encoder_cached(self, digest: bytes) -> bool:
         return CacheKey(digest, "vision") in self.encoder_cache
 
+    def encodes_beside_decodes(self) -> bool:
+        """Whether media encoded ahead run on the side stream, beside the decodes (`BackgroundEncoding`)."""
+        return self.background is not None
+
+    @torch.inference_mode()
+    def encode_beside_decodes(self, items: Sequence) -> Exception | None:
+        """Launch the encoding of `items` (a waiting request's media, the scheduler's `media_ahead`) now, on the side
+        stream where there is one, before the step that decodes beside it is launched; its error, if it failed
+        (the waiting request's alone, as in `_encode_ahead_in_step`)."""
+        work = [m for m in media_work(items, self.is_encoder_cached) if m.encode]
+        self._encode_ahead_failure = None
+        if work:
+            self._encode_ahead_in_step(work, beside_decodes=True)
+        return self.take_encode_ahead_failure()
+
     def encoding_in_background(self) -> bool:
         """Whether media encoded ahead beside the decodes may still be encoding (a query: never waits)."""
         return self.background is not None and self.background.pending()
+
+    def encoding_finished_before(self, event: torch.cuda.Event | None, pause_s: float = 0.0) -> bool:
+        """Wait on the host until the encoding beside the decodes completes, or `event` (on the main stream) does and
+        `pause_s` pass, whichever is first; whether the encoding has (`BackgroundEncoding.finished_before`)."""
+        return self.background is None or self.background.finished_before(event, pause_s)
 
     def _order_after_background(self) -> None:
         if self.background is not None:
@@ -328,12 +348,8 @@ class ModelRunner:
             self._order_after_background()
             features = self._encode(media, may_capture=not payload.beside_decodes)
         # Beside the decodes, the encoding ahead is queued after the forwards (their kernels reach the SMs first: W4's
-        # longest gap 21.8 -> 18 ms on the H200, session 15), its stream waiting only for the work before them.
-        before_forwards = None
-        if ahead and self.background is not None:
-            before_forwards = torch.cuda.Event()
-            before_forwards.record()
-        elif ahead:
+        # longest gap 21.8 -> 18 ms on the H200, session 15); its stream does not wait for them.
+        if ahead and self.background is None:
             self._encode_ahead_in_step(ahead, payload.beside_decodes)
         out = []
         for forward in payload.forwards:
@@ -345,21 +361,20 @@ class ModelRunner:
                 logits = self._forward(forward, features, token_ids)
             if len(payload.forwards) == 1 or any(p.sample for p in forward.pieces):
                 out.append(logits)
-        if before_forwards is not None:
-            self._encode_ahead_in_step(ahead, payload.beside_decodes, after=before_forwards)
+        if ahead and self.background is not None:
+            self._encode_ahead_in_step(ahead, payload.beside_decodes)
         if len(payload.forwards) == 1:
             return out[0]
         return torch.cat(out) if out else torch.empty(0)
 
-    def _encode_ahead_in_step(self, work: list[MediaWork], beside_decodes: bool,
-                              after: torch.cuda.Event | None = None) -> None:
+    def _encode_ahead_in_step(self, work: list[MediaWork], beside_decodes: bool) -> None:
         """Encode items for a later step's prefill (a step that has them reads no media: the scheduler sends them
         ahead only when no prefill runs), on the side stream beside the decodes when there is one. With one rank a
         failure is the waiting request's alone: it is kept for the engine (`take_encode_ahead_failure`) and this
         step's requests go on. With several it fails the step (the ranks' encoder caches must stay the same)."""
         try:
             if self.background is not None:
-                self.background.run(lambda: self._encode(work, may_capture=False, capture_overdue=False), after)
+                self.background.run(lambda: self._encode(work, may_capture=False, capture_overdue=False))
             else:
                 self._encode(work, may_capture=not beside_decodes)
         except Exception as error:
@@ -504,13 +519,17 @@ class ModelRunner:
         if not missing:
             return features
         # Deterministic mode encodes one item at a time: an item's features never depend on its companions.
-        encoded = encode_media_items(
-            self.model, [m.grid for m in missing], [m.pixels for m in missing], self.group,
-            one_at_a_time=self.deterministic,
-            encode=(functools.partial(self.vision_graphs.encode, may_capture=may_capture,
-                                      capture_overdue=capture_overdue)
-                    if self.vision_graphs is not None else None),
-        )
+        try:
+            encoded = encode_media_items(
+                self.model, [m.grid for m in missing], [m.pixels for m in missing], self.group,
+                one_at_a_time=self.deterministic,
+                encode=(functools.partial(self.vision_graphs.encode, may_capture=may_capture,
+                                          capture_overdue=capture_overdue)
+                        if self.vision_graphs is not None else None),
+            )
+        finally:  # even a failed encoding may have queued work on the vision pool
+            if self.background is not None and torch.cuda.current_stream(self.device) != self.background.stream:
+                self.background.after_main_vision()  # the side stream's next encoding waits for this one
         for m, value in zip(missing, encoded, strict=True):
             features[m.digest] = value
             nbytes = value[0].numel() * value[0].element_size() + value[1].numel() * value[1].element_size()

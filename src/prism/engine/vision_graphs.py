@@ -14,8 +14,9 @@ grid list replays for any pixels of that list: the same sizes of images, new pic
   stops decoding is worth one stall: eager, the encoder is host-bound, ~1.5x its replay).
 - The pixels are copied into the graph's input buffer, and the features cloned out of its output buffers at
   once: the encoder cache keeps them beyond the next replay.
-- The graphs share one memory pool (made for them by the runner): replays run one at a time on one stream and
-  nothing reads a graph's buffers after its replay but the clone, so one list's activations may reuse another's.
+- The graphs share one memory pool (made for them by the runner): replays run one at a time (on the main
+  stream, or on the side stream ordered after and before it: `background_encoding.py`) and nothing reads a
+  graph's buffers after its replay but the clone, so one list's activations may reuse another's.
 - A capture that fails is logged, and that grid list stays eager; one that ran out of memory is tried again
   after `capture_after` more encodings of the list.
 The runner does not use it in deterministic mode: captured kernels may be other algorithms than the eager
