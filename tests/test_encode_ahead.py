@@ -244,28 +244,53 @@ def test_a_failed_encoding_ahead_fails_its_request_and_not_the_decodes(monkeypat
 def test_the_host_waits_for_the_encoding_ahead_or_the_step_in_flight_before_the_next_launch(monkeypatch):
     """With async scheduling the next step is scheduled while the one before runs, so a request held back by its
     media encoding beside the decodes would be asked about a step early. The engine first waits for that encoding
-    or the step in flight and the configured pause, whichever ends first (`ModelRunner.encoding_finished_before`),
-    in each step launched while such a request waits, and in no other; the tokens do not change."""
+    or the step in flight (its `ready` event) and the configured pause, whichever ends first
+    (`ModelRunner.encoding_finished_before`), in each step launched while such a request waits, and in no other;
+    the tokens do not change. The CPU has no side stream and no events: the runner reports an encoding running
+    throughout, and each step in flight gets a stand-in event."""
+    from prism.engine.inflight import InflightStep
+
     eng = engine(async_admissions=True, encode_ahead_decode_pause_ms=3.5)
-    waits: list[object] = []
-    encoding = {"steps": 0}
+    launch = InflightStep.launch.__func__
+    readies: list[object] = []
+    waits: list[tuple] = []
+
+    class Ready:
+        def synchronize(self) -> None:
+            pass
+
+    def with_ready(cls, sampled, result):
+        step = launch(cls, sampled, result)
+        step.ready = Ready()
+        readies.append(step.ready)
+        return step
 
     def finished_before(event, pause_s) -> bool:
-        waits.append((eng.scheduler.waiting[0].request_id, pause_s))
+        waits.append(([r.request_id for r in eng.scheduler.waiting], event is readies[-1], pause_s))
         return False
 
-    def in_background() -> bool:  # the CPU has no side stream: the runner reports an encoding for three steps
-        if any(r.media_sent_ahead for r in eng.scheduler.waiting) and encoding["steps"] < 3:
-            encoding["steps"] += 1
-            return True
-        return False
-
+    monkeypatch.setattr(InflightStep, "launch", classmethod(with_ready))
     monkeypatch.setattr(eng.runner, "encoding_finished_before", finished_before)
-    monkeypatch.setattr(eng.runner, "encoding_in_background", in_background)
-    requests, _, tokens = held_back_while_pending(eng, pending_steps=3)
-    assert waits == [("cold", 3.5e-3)] * 3, waits
+    monkeypatch.setattr(eng.runner, "encoding_in_background", lambda: True)
+    _, encoded, tokens = held_back_while_pending(eng, pending_steps=3)
+    assert encoded == [len(IMAGES), 0, 0, 0], encoded
+    # The wait comes first in each step after its encoding's: the three that held it back and the one admitting it.
+    assert waits == [(["cold"], True, 3.5e-3)] * 4, waits
+    monkeypatch.undo()
     _, _, tokens_plain = held_back_while_pending(engine(async_admissions=True), pending_steps=3)
     assert tokens == tokens_plain
+
+
+def test_steps_scheduled_after_their_tokens_are_read_do_not_wait_for_the_encoding_ahead(monkeypatch):
+    """Without async scheduling (and in deterministic mode) a step is scheduled after the device has finished the one
+    before: nothing to wait for, and a pause would only idle the device."""
+    for settings in ({"async_scheduling": False}, {"deterministic": True}):
+        eng = engine(**settings)
+        waits = []
+        monkeypatch.setattr(eng.runner, "encoding_finished_before", lambda event, pause_s, into=waits: into.append(event))
+        monkeypatch.setattr(eng.runner, "encoding_in_background", lambda: True)
+        held_back_while_pending(eng, pending_steps=2)
+        assert waits == [], settings
 
 
 class FakeEvent:

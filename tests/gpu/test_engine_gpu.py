@@ -320,7 +320,7 @@ def test_captured_vision_graphs_beside_the_decode_graphs_change_no_token(ckpt_8b
 def encodings_on_both_streams(ckpt, *, side_waits: bool) -> tuple[bool, bool]:
     """A grid list captured as a vision graph; one set of its images encoded on the main stream (held back on the
     device) and, queued right after, another set on the side stream (the encoding ahead), each copying its pixels
-    into the same static inputs. `side_waits` False plants the bug (the side stream does not wait for the main stream's vision
+    into the same static inputs before its replay. `side_waits` False plants the bug (the side stream does not wait for the main stream's vision
     work). Whether each set's features equal the same set's encoded alone."""
     from prism.engine.step_payload import MediaWork
 
@@ -337,9 +337,9 @@ def encodings_on_both_streams(ckpt, *, side_waits: bool) -> tuple[bool, bool]:
     sets = [eng.inputs.prepare_chat(chat(*random_images(sizes, seed=seed), "?")).media for seed in (82, 83)]
     work = [[MediaWork(m.digest, tuple(int(v) for v in m.grid_thw), True, m.pixels) for m in media] for media in sets]
     torch.cuda.synchronize()
-    # The main stream's encoding is held back on the device, so without the wait the side stream's copy into the
-    # graph's static inputs lands before the main stream's replay reads them (two launches of one graph are
-    # ordered by CUDA itself, the copies beside them are not).
+    # The main stream's encoding is held back on the device. Without the wait, the side stream's copy into the
+    # graph's static inputs runs first, the main stream's copy over it, and CUDA orders the two launches of the one
+    # graph (not the copies beside them): the side stream's replay then reads the main stream's pixels.
     torch.cuda._sleep(100_000_000)
     main = runner._encode(work[0])
     side = background.run(functools.partial(runner._encode, work[1], may_capture=False, capture_overdue=False))
@@ -362,10 +362,10 @@ def test_the_side_stream_encodes_after_the_main_streams_vision_work(ckpt_8b):
     """The encoding ahead waits for the main stream's last vision work only, not for the step running there
     (session 20): the vision graphs' replays on the two streams must still come one after the other, or one
     writes the other's static inputs (or, for two grid lists, their shared activations). Planted: without that
-    wait, the main stream's set is encoded from the side stream's pixels."""
+    wait, the side stream's set is encoded from the main stream's pixels."""
     assert encodings_on_both_streams(ckpt_8b, side_waits=True) == (True, True)
     assert encodings_on_both_streams(ckpt_8b, side_waits=False) != (True, True), \
-        "the planted bug must show: the side stream's pixels overwrote the main stream's"
+        "the planted bug must show: one stream's pixels overwrote the other's"
 
 
 def test_async_scheduling_changes_no_token(ckpt_8b):

@@ -15,7 +15,7 @@ the SMs first; W4's longest gap 21.8 -> 17.7-18.2 ms). Its stream waits only for
 work, not for the step running there (session 20: waiting for everything queued before the step's forwards
 held the encoding back until the step before had finished, ~3 ms of the cold request's TTFT in W4).
 
-Ordering, all on the device (the host never waits):
+Ordering, all on the device (the host waits only in `finished_before`, below):
 - the side stream starts after the main stream's last vision work (`after_main_vision`: an encoding or a capture
   there, which may use the vision graphs' shared memory pool and static inputs);
 - whatever touches the vision encoder or reads media features on the main stream waits for the side stream's

@@ -53,7 +53,10 @@ class EngineConfig:
     encode_ahead_beside_decodes: bool | None = None
     # ... and while that encoding runs, each decode step is launched this long after the one before has ended
     # (sooner if the encoding ends): meanwhile the encoder has the device to itself, where beside a decode step it
-    # gets ~half of it. Each gap of the decoding requests grows by it. 0: launch at once.
+    # gets ~half of it. Each gap of the decoding requests grows by it. 0: launch at once. With async scheduling
+    # (the steps scheduled while another runs) and not in deterministic mode. W4 on the H200 (session 20), 8
+    # images encoded beside 8 decodes: 0 ms 84.7 / 86.5 ms of cold TTFT, 5 ms 80.2 / 82.4 / 81.5, 8 ms 78.7 / 81.5
+    # with a longest gap of 20.1 ms.
     encode_ahead_decode_pause_ms: float = 5.0
     enable_prefix_cache: bool = True
     preemption: Preemption = "recompute"

@@ -297,9 +297,9 @@ class Engine:
         decode rows, and the next prefill chunk of the one request still in its prompt), then commit the
         in-flight step's tokens (waiting for them, not for the launch); the launched step becomes the one in
         flight."""
+        assert self._inflight is not None
+        self._await_encoding_ahead(self._inflight)  # (still in flight if the wait raises: nothing is lost)
         current, self._inflight = self._inflight, None
-        assert current is not None
-        self._await_encoding_ahead(current)
         continuation = self._continuation_of(current)
         if not continuation.rows and self._schedules_ahead(current):
             return
@@ -326,7 +326,10 @@ class Engine:
         """A waiting request whose media encode beside the decodes is admitted once that encoding has finished. Asked
         when the next step is scheduled, a step ahead of the device, that costs a step (W4 on the H200: the prefill
         began 9 ms after the encoding ended); so wait until the encoding ends, or the step in flight and then the
-        configured pause do (the encoder alone on the device meanwhile), whichever first."""
+        configured pause do (the encoder alone on the device meanwhile), whichever first. Async scheduling only:
+        scheduled after the tokens are read, a step is not ahead of the device."""
+        if not self.config.async_scheduling or self.config.deterministic or self._followers is not None:
+            return
         if any(r.media_sent_ahead for r in self.scheduler.waiting) and self.runner.encoding_in_background():
             self.runner.encoding_finished_before(current.ready, self.config.encode_ahead_decode_pause_ms / 1e3)
 
