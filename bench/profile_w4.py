@@ -60,23 +60,26 @@ def timed(cls, name: str, key: str) -> None:
     setattr(cls, name, wrapper)
 
 
-def engine_overrides() -> dict:
-    """`--engine name=value ...` (up to the next option): engine settings for an A/B of the timeline."""
-    if "--engine" not in sys.argv:
-        return {}
-    out = {}
-    for arg in sys.argv[sys.argv.index("--engine") + 1:]:
+def option_values(flag: str) -> list[str]:
+    """The command line's arguments after `flag`, up to the next option (none if `flag` is absent)."""
+    if flag not in sys.argv:
+        return []
+    values = []
+    for arg in sys.argv[sys.argv.index(flag) + 1:]:
         if arg.startswith("--"):
             break
-        name, value = arg.split("=", 1)
-        out[name] = parse_value(value)
-    return out
+        values.append(arg)
+    return values
+
+
+# `--engine name=value ...`: engine settings for an A/B of the timeline.
+ENGINE_OVERRIDES = {name: parse_value(value) for name, value in (a.split("=", 1) for a in option_values("--engine"))}
 
 
 def run_w4(interleave: int | None) -> dict:
     if SMOKE:
-        return w4_injection(ensure_tiny_checkpoint(), 64, 2, 2**26, interleave and 32, **engine_overrides())
-    return w4_injection(CKPT, 448, 8, 12 * 2**30, interleave, **engine_overrides())
+        return w4_injection(ensure_tiny_checkpoint(), 64, 2, 2**26, interleave and 32, **ENGINE_OVERRIDES)
+    return w4_injection(CKPT, 448, 8, 12 * 2**30, interleave, **ENGINE_OVERRIDES)
 
 
 def side_stream_priority(priority: int) -> None:
@@ -226,7 +229,8 @@ def timeline(budgets: list[int | None]) -> None:
         if profiler["prof"] is not None:
             print("  kernels from the cold request's arrival to its first token (all streams; the profiler slows the "
                   "host, so this run's times above are not the harness's):")
-            print(profiler["prof"].key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=30, max_name_column_width=90))
+            sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            print(profiler["prof"].key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=90))
             profiler["prof"], profiler["done"] = None, False
         sys.stdout.flush()
 
@@ -235,12 +239,7 @@ def main() -> None:
     if "--side-priority" in sys.argv:
         side_stream_priority(int(sys.argv[sys.argv.index("--side-priority") + 1]))
     if "--timeline" in sys.argv:
-        budgets = []
-        for arg in sys.argv[sys.argv.index("--timeline") + 1:]:
-            if arg.startswith("--"):
-                break
-            budgets.append(None if arg == "none" else int(arg))
-        timeline(budgets)
+        timeline([None if arg == "none" else int(arg) for arg in option_values("--timeline")])
         return
     step = engine_mod.Engine.step
 
