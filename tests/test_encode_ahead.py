@@ -203,14 +203,17 @@ def test_the_wait_for_media_encoded_beside_the_decodes_can_fail(monkeypatch):
         check_waits_for_media_encoded_beside_the_decodes()
 
 
-def decodes_beside_a_failing_encoding(monkeypatch) -> tuple[dict, dict, object]:
+def decodes_beside_a_failing_encoding(monkeypatch, encoding_first: bool = False) -> tuple[dict, dict, object]:
     """Two text requests decode; a cold image request arrives and the vision encoder fails on its images (planted)
-    in the step that encodes them ahead. Returns (the decoders' tokens, the same decoders' tokens with no cold
-    request, the cold request)."""
+    in the step that encodes them ahead (`encoding_first`: launched before a step scheduled ahead, as beside the
+    decodes; the CPU schedules ahead through the graphs' rows run eagerly). Returns (the decoders' tokens, the same
+    decoders' tokens with no cold request, the cold request)."""
     from prism.engine import runner as runner_module
 
+    settings = {"async_admissions": True, "graph_rows_without_cuda": True} if encoding_first else {}
+
     def plain_decodes():
-        eng = engine()
+        eng = engine(**settings)
         texts = [eng.add_request(f"text{i}", f"Count to ten, number {i}.",
                                  SamplingParams.greedy(max_tokens=12, ignore_eos=True)) for i in range(2)]
         return run_until_done(eng, texts)
@@ -221,9 +224,15 @@ def decodes_beside_a_failing_encoding(monkeypatch) -> tuple[dict, dict, object]:
         raise RuntimeError("planted vision failure")
 
     monkeypatch.setattr(runner_module, "encode_media_items", failing)
-    eng = engine()
+    eng = engine(**settings)
+    launched_first = []
+    if encoding_first:
+        encode = eng.runner.encode_beside_decodes
+        monkeypatch.setattr(eng.runner, "encodes_beside_decodes", lambda: True)
+        monkeypatch.setattr(eng.runner, "encode_beside_decodes", lambda items: launched_first.append(encode(items)))
     requests, _ = inject_cold_into_decodes(eng)
     got = run_until_done(eng, requests[:2])
+    assert len(launched_first) == encoding_first, launched_first
     assert not eng.kv.seqs and not eng.has_unfinished_requests()
     monkeypatch.undo()  # the engine keeps serving
     after = eng.add_request("after", cold_request(), GREEDY)
@@ -237,6 +246,13 @@ def test_a_failed_encoding_ahead_fails_its_request_and_not_the_decodes(monkeypat
     an error and the requests decoding in the same step go on, their tokens unchanged; nothing leaks, and the
     engine keeps serving (until session 14 the whole step failed, every decode in it with an error)."""
     got, want, cold = decodes_beside_a_failing_encoding(monkeypatch)
+    assert got == want, "the decoders must finish as if the cold request had never come"
+    assert cold.is_finished and cold.finish_reason.value == "error" and "planted vision failure" in cold.error
+
+
+def test_a_failed_encoding_launched_before_the_decode_rows_fails_its_request_only(monkeypatch):
+    """The same where the encoding ahead is launched before a step scheduled ahead (`Engine._encode_ahead_first`)."""
+    got, want, cold = decodes_beside_a_failing_encoding(monkeypatch, encoding_first=True)
     assert got == want, "the decoders must finish as if the cold request had never come"
     assert cold.is_finished and cold.finish_reason.value == "error" and "planted vision failure" in cold.error
 

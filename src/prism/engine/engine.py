@@ -339,10 +339,8 @@ class Engine:
         left for the step to encode (none then)."""
         if not out.media_ahead or not self.runner.encodes_beside_decodes():
             return out.media_ahead
-        failure = self.runner.encode_beside_decodes(out.media_ahead)
-        if failure is not None:
-            log.error("encoding media ahead failed", exc_info=failure)
-            self._fail(out.media_ahead_requests, failure)
+        self.runner.encode_beside_decodes(out.media_ahead)
+        self._fail_a_failed_encoding_ahead(out)  # taken now: the step's run clears it
         self._await_encoding_ahead(current)
         return ()
 

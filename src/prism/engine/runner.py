@@ -284,15 +284,14 @@ class ModelRunner:
         return self.background is not None
 
     @torch.inference_mode()
-    def encode_beside_decodes(self, items: Sequence) -> Exception | None:
+    def encode_beside_decodes(self, items: Sequence) -> None:
         """Launch the encoding of `items` (a waiting request's media, the scheduler's `media_ahead`) now, on the side
-        stream where there is one, before the step that decodes beside it is launched; its error, if it failed
-        (the waiting request's alone, as in `_encode_ahead_in_step`)."""
+        stream where there is one, before the step that decodes beside it is launched; a failure is kept for
+        `take_encode_ahead_failure`, as in `_encode_ahead_in_step`."""
         work = [m for m in media_work(items, self.is_encoder_cached) if m.encode]
         self._encode_ahead_failure = None
         if work:
             self._encode_ahead_in_step(work, beside_decodes=True)
-        return self.take_encode_ahead_failure()
 
     def encoding_in_background(self) -> bool:
         """Whether media encoded ahead beside the decodes may still be encoding (a query: never waits)."""
