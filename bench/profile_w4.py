@@ -8,14 +8,23 @@ it launched), tokens computed, running requests and encoder calls; then the cold
 and the device's clocks (CUDA events: its preparation, its encoding ahead on the side stream, each step's end on
 the main stream, its admission and first token). `--kernels` adds the profiler's kernel table over that span;
 `--engine name=value ...` sets engine settings and `--side-priority N` the side stream's CUDA priority (A/Bs).
+Each timeline step also shows the one-time costs it paid: Triton kernels compiled or loaded from the disk cache
+(a variant the process had not launched yet) with their host time, the caching allocators' new device segments
+and pinned host blocks, and the garbage collector's passes with theirs. `--gc-freeze`: `gc.freeze()` after each
+engine's start (A/B). `--host-ops`: the profiler's table of host (CPU) time per op over the span, as `--kernels`;
+`--cprofile`: cProfile's table of the engine's `step` calls over that span (Python functions, by own time).
 Not part of `nox -s bench`."""
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import gc
+import pstats
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,6 +44,8 @@ from prism.testing.knobs import parse_value  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv  # the harness on the CPU, tiny checkpoint
 KERNELS = "--kernels" in sys.argv  # with --timeline: the kernels between the cold request's arrival and first token
+HOST_OPS = "--host-ops" in sys.argv  # ... or the host's time per op over that span
+CPROFILE = "--cprofile" in sys.argv  # ... and/or the Python functions of the engine's steps over that span
 
 
 def sync() -> None:
@@ -132,6 +143,51 @@ class DeviceClock:
         return sorted(out)
 
 
+def count_first_launches(record: Callable[[str, float], None]) -> None:
+    """Report each Triton variant the process launches for the first time (JITFunction._do_compile: a compile, or a
+    load from Triton's disk cache) with its host time."""
+    if not torch.cuda.is_available():
+        return
+    from triton.runtime.jit import JITFunction
+
+    compile_ = JITFunction._do_compile
+
+    def counted(fn, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return compile_(fn, *args, **kwargs)
+        finally:
+            record(fn.fn.__name__, (time.perf_counter() - t) * 1e3)
+
+    JITFunction._do_compile = counted
+
+
+def count_collections(record: Callable[[int, float], None]) -> None:
+    """Report each garbage-collector pass (its generation and host time)."""
+    started = {}
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            record(info["generation"], (time.perf_counter() - started.pop("t")) * 1e3)
+
+    gc.callbacks.append(callback)
+
+
+def new_segments() -> int:
+    """The caching allocator's device segments so far (each a cudaMalloc)."""
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
+
+
+def pinned_allocations() -> tuple[int, float]:
+    """The pinned host allocator's new blocks so far (each a cudaHostAlloc) and their host time in ms."""
+    if not torch.cuda.is_available():
+        return 0, 0.0
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("num_host_alloc", 0), stats.get("host_alloc_time.total", 0) / 1e3
+
+
 def timeline(budgets: list[int | None]) -> None:
     """Each step around the cold request, in order (see the module docstring), then the cold request's path on the
     host's and the device's clocks: arrival, prepared, its encoding ahead (launched, begun and ended on the side
@@ -142,15 +198,37 @@ def timeline(budgets: list[int | None]) -> None:
     profiler = {"prof": None, "done": False}  # --kernels: the device's kernels from the cold request's admission
     step = engine_mod.Engine.step
 
+    def first_launch(name: str, ms: float) -> None:
+        if steps:
+            steps[-1]["first_launches"].append(f"{name} {ms:.1f} ms")
+
+    count_first_launches(first_launch)
+
+    def collection(generation: int, ms: float) -> None:
+        if steps:
+            steps[-1]["collections"].append(f"gen{generation} {ms:.1f} ms")
+
+    count_collections(collection)
+    python_profile = cProfile.Profile()
+
     def step_wrapper(self):
-        rec = {"t": time.perf_counter(), "encodes": 0}
+        rec = {"t": time.perf_counter(), "encodes": 0, "first_launches": [], "collections": [], "segments": new_segments(),
+               "pinned": pinned_allocations()}
         steps.append(rec)
         cold = self.requests.get("cold")
-        if cold is not None and cold.times.first_token is None:
+        in_span = cold is not None and cold.times.first_token is None
+        if in_span:
             clock.device(f"step {len(steps)} device start")
             clock.host_mark(f"step {len(steps)} host entry")
+        if in_span and CPROFILE:
+            python_profile.enable()
         out = step(self)
+        if in_span and CPROFILE:
+            python_profile.disable()
         rec["ms"] = (time.perf_counter() - rec["t"]) * 1e3
+        rec["segments"] = new_segments() - rec["segments"]
+        count, ms = pinned_allocations()
+        rec["pinned"] = (count - rec["pinned"][0], ms - rec["pinned"][1])
         rec["running"] = len(self.scheduler.running)
         rec["tokens"] = self.runner.stats.tokens_computed
         rec["cold"] = any(e.request_id == "cold" and e.new_token_ids for e in out)
@@ -195,10 +273,10 @@ def timeline(budgets: list[int | None]) -> None:
             clock.start()
         if request_id == "cold":
             clock.host_mark("cold added (prepared)")
-            if KERNELS and profiler["prof"] is None:
+            if (KERNELS or HOST_OPS) and profiler["prof"] is None:
                 activity = torch.profiler.ProfilerActivity
                 profiler["prof"] = torch.profiler.profile(
-                    activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
+                    activities=[activity.CUDA if torch.cuda.is_available() and not HOST_OPS else activity.CPU])
                 profiler["prof"].start()
         return add_request(self, request_id, *a, **k)
 
@@ -218,7 +296,12 @@ def timeline(budgets: list[int | None]) -> None:
         t0 = steps[max(0, last - 16)]["t"]
         for s in steps[max(0, last - 16): last + 2]:
             print(f"  +{(s['t'] - t0) * 1e3:7.1f} ms  step {s['ms']:6.1f} ms  tokens "
-                  f"{s['new']:5d}  running {s['running']}  encoder calls {s['encodes']}{'  <- cold first token' if s is steps[last] else ''}")
+                  f"{s['new']:5d}  running {s['running']}  encoder calls {s['encodes']}"
+                  f"{'  <- cold first token' if s is steps[last] else ''}"
+                  f"{'  new segments ' + str(s['segments']) if s['segments'] else ''}"
+                  f"{'  new pinned blocks {} ({:.1f} ms)'.format(*s['pinned']) if s['pinned'][0] else ''}"
+                  f"{'  first launches: ' + ', '.join(s['first_launches']) if s['first_launches'] else ''}"
+                  f"{'  gc: ' + ', '.join(s['collections']) if s['collections'] else ''}")
         marks = clock.resolved()
         # The harness times the first token when `step` returns it, as the mark does: arrival = that - TTFT.
         first = next(t for t, label in marks if label.startswith("cold first token"))
@@ -227,15 +310,35 @@ def timeline(budgets: list[int | None]) -> None:
         for t, label in marks:
             print(f"    {(t - arrival) * 1e3:+8.1f}  {label}")
         if profiler["prof"] is not None:
-            print("  kernels from the cold request's arrival to its first token (all streams; the profiler slows the "
+            what = "host time per op" if HOST_OPS else "kernels"
+            print(f"  {what} from the cold request's arrival to its first token (all streams; the profiler slows the "
                   "host, so this run's times above are not the harness's):")
-            sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            sort_by = "cuda_time_total" if torch.cuda.is_available() and not HOST_OPS else "self_cpu_time_total"
             print(profiler["prof"].key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=90))
             profiler["prof"], profiler["done"] = None, False
+        if CPROFILE:
+            print("  the engine's steps from the cold request's admission to its first token, Python functions by own time "
+                  "(cProfile slows the host: this run's times above are not the harness's):")
+            pstats.Stats(python_profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+            python_profile = cProfile.Profile()
         sys.stdout.flush()
 
 
+def freeze_after_start() -> None:
+    """`--gc-freeze`: each engine's objects, once it has started, moved out of the collector's generations."""
+    init = engine_mod.Engine.__init__
+
+    def frozen(self, *a, **k):
+        init(self, *a, **k)
+        gc.collect()
+        gc.freeze()
+
+    engine_mod.Engine.__init__ = frozen
+
+
 def main() -> None:
+    if "--gc-freeze" in sys.argv:
+        freeze_after_start()
     if "--side-priority" in sys.argv:
         side_stream_priority(int(sys.argv[sys.argv.index("--side-priority") + 1]))
     if "--timeline" in sys.argv:
