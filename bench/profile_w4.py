@@ -317,7 +317,7 @@ def timeline(budgets: list[int | None]) -> None:
             print(profiler["prof"].key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=90))
             profiler["prof"], profiler["done"] = None, False
         if CPROFILE:
-            print("  the engine's steps from the cold request's admission to its first token, Python functions by own time "
+            print("  the engine's steps from the cold request's addition to its first token, Python functions by own time "
                   "(cProfile slows the host: this run's times above are not the harness's):")
             pstats.Stats(python_profile, stream=sys.stdout).sort_stats("tottime").print_stats(30)
             python_profile = cProfile.Profile()
