@@ -148,3 +148,69 @@ def test_each_rank_gets_only_the_pixels_it_encodes():
     assert all(v.media[3].pixels is None and not v.media[3].encode for v in views)
     assert {r for r, v in enumerate(views) for m in v.media if m.pixels is not None} == {0, 1}
     assert payload.for_rank(0, 1) is payload
+
+
+ASYNC = dict(graph_rows_without_cuda=True, tensor_parallel_async_scheduling=True)
+
+
+def _async_run(tp: int, plant=None) -> tuple[list, dict]:
+    """Steps launched on tokens no host has read (async scheduling, continuations and steps scheduled ahead: two
+    seats for four prompts keep requests waiting), the graphs' rows run eagerly on the CPU. `plant(runner)`: a bug
+    planted in rank 0's runner before the requests."""
+    torch.set_num_threads(1)
+    prompts = ["Tell me a story about paged attention.", chat(IMAGES[0], IMAGES[1], "Compare these pictures."),
+               "Request two: please count slowly from one to twenty.", "And a third one, about caches."]
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, num_gpu_pages=96, max_num_seqs=2, **ASYNC,
+              **COMMON)
+    try:
+        if plant is not None:
+            plant(llm.engine.runner)
+        out = llm.generate(prompts, SamplingParams.greedy(max_tokens=10, ignore_eos=True, logprobs=2))
+        stats = llm.engine.stats
+        return out, {"async": stats.async_steps, "ahead": stats.scheduled_ahead_steps}
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def async_runs():
+    return {tp: _async_run(tp) for tp in (1, 2)}
+
+
+def test_tp2_async_scheduling_equals_tp1(async_runs):
+    """`tensor_parallel_async_scheduling`: the followers take each such step's tokens from rank 0 (a broadcast in
+    `ModelRunner.run`), and TP2's greedy tokens and logprobs equal TP1's, which schedules the same way."""
+    (tp1, counts1), (tp2, counts2) = async_runs[1], async_runs[2]
+    assert counts2["async"] > 0 and counts2["ahead"] > 0, counts2  # both kinds of step ran under TP
+    assert counts2 == counts1
+    _assert_same(tp1, tp2)
+
+
+def test_tp2_async_scheduling_is_off_by_default():
+    """Without the setting a TP engine launches no step on unread tokens (its followers would have none)."""
+    config = dict(COMMON, graph_rows_without_cuda=True)
+    torch.set_num_threads(1)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, **config)
+    try:
+        llm.generate(["Hello there", "Hi again"], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+        assert llm.engine.stats.async_steps == 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tp2_followers_fed_placeholder_tokens_are_caught(async_runs):
+    """Planted: the payload does not say which rows take rank 0's device tokens, so rank 0 feeds its own and the
+    followers the payload's placeholder ids. TP2's tokens then part from TP1's (the vocab-parallel embedding of a
+    token in rank 1's half goes missing)."""
+    import dataclasses
+
+    def plant(runner):
+        prepare = runner.prepare
+
+        def without_device_rows(*a, **k):
+            return dataclasses.replace(prepare(*a, **k), device_token_rows=0)
+
+        runner.prepare = without_device_rows
+
+    planted, _ = _async_run(2, plant)
+    assert [c.token_ids for c in planted] != [c.token_ids for c in async_runs[1][0]]

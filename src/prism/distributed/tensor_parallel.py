@@ -89,6 +89,13 @@ class TPGroup:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def broadcast_from_first(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` on every rank, in place (the others pass a tensor of its shape and dtype); returns `t`."""
+        if self.world_size > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                           group=self.group)
+        return t
+
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape and dtype on all ranks), in rank order."""
         if self.world_size == 1:

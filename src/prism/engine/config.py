@@ -83,6 +83,11 @@ class EngineConfig:
     # (100 of 181 steps in `bench/host_w5.py`). H200, W5 (session 15): BF16 54.6 -> 66.1 req/s, FP8 74.9 -> 73.2
     # (host-bound either way) with its TTFT p50 81 -> 54 ms.
     async_admissions: bool = True
+    # ... under tensor parallelism too (both of the above): a step launched on tokens rank 0 sampled and no host has
+    # read goes to the followers as a payload, and every rank takes those tokens from rank 0 by a broadcast before
+    # its forward (`ModelRunner.run`), so the followers build and launch a step while the one before runs. Off
+    # until measured on two GPUs (checked on the CPU over gloo: TP2's tokens equal TP1's).
+    tensor_parallel_async_scheduling: bool = False
     # One-row products of the decoder's QKV, O and down projections (a decode step of one sequence) as a Triton
     # GEMV (`ops/gemv.py`), which reads those weights closer to the memory bandwidth than cuBLAS does there.
     batch1_gemv: bool = True

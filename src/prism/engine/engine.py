@@ -355,7 +355,7 @@ class Engine:
         """Requests wait to be admitted: schedule the next step now, its decode rows fed `current`'s tokens on the
         device, launch it, then commit `current` (waiting for its tokens, not for the launch) and the launched
         step; whether it did (`continuation.rows_scheduled_ahead` says when it may)."""
-        if (not self.config.async_scheduling or not self.config.async_admissions or self._followers is not None
+        if (not self.config.async_scheduling or not self.config.async_admissions or not self._schedules_async()
                 or self.config.deterministic):
             return False
         found = rows_scheduled_ahead(current, self.scheduler, self.kv, self.max_model_len)
@@ -393,8 +393,14 @@ class Engine:
         self._commit_live(slices, launched, logits)
         return True
 
+    def _schedules_async(self) -> bool:
+        """Whether steps may be launched on tokens no host has read: async scheduling, and under TP only with
+        `tensor_parallel_async_scheduling` (the followers then take those tokens from rank 0)."""
+        return self.config.async_scheduling and (
+            self._followers is None or self.config.tensor_parallel_async_scheduling)
+
     def _continuation_of(self, current: InflightStep) -> Continuation:
-        if not self.config.async_scheduling or self._followers is not None:
+        if not self._schedules_async():
             return Continuation([])
         return plan_continuation(current, self.scheduler, self.kv, self.runner, self.max_model_len)
 

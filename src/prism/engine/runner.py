@@ -194,9 +194,9 @@ class ModelRunner:
                 pending: Collection[str] = (), token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices.
         `media_ahead`: media items to encode into the encoder cache this step for a prefill of the next one.
-        `pending` (async scheduling, one rank): the requests whose slice is one decode row fed `token_ids[i]`
-        (on the device, sampled by the step still running) instead of a token the host has read; those rows
-        come first, in order, and sample."""
+        `pending` (async scheduling): the requests whose slice is one decode row fed `token_ids[i]` (on rank 0's
+        device, sampled by the step still running) instead of a token the host has read; those rows come first, in
+        order, and sample. Under TP the followers take those tokens from rank 0 (`run`)."""
         return self._execute(slices, kv, media_ahead, pending, token_ids)
 
     def _execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence,
@@ -204,8 +204,8 @@ class ModelRunner:
         """`execute`, also for `execute_decode_rows`' steps with a chunk (not through the attribute: what wraps
         `execute` sees the scheduler's steps only)."""
         if pending:
-            if self.publish is not None or self.deterministic:
-                raise RuntimeError("rows fed device tokens need a single rank and the default mode")
+            if self.deterministic:
+                raise RuntimeError("rows fed device tokens need the default mode")
             lead = slices[: len(pending)]
             if (token_ids is None or token_ids.numel() != len(pending) or any(s.end - s.start != 1 for s in lead)
                     or {s.request.request_id for s in lead} != set(pending)):
@@ -251,7 +251,7 @@ class ModelRunner:
             forwards.append(ForwardInput(pieces, media, graph=self._graph_for(pieces, media)))
         items.extend(media_ahead)  # media_work keeps one entry per digest, the forwards' first
         beside_decodes = any(s.start >= s.request.num_prompt_tokens for s in slices)
-        return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached), beside_decodes)
+        return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached), beside_decodes, len(pending))
 
     def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:
         """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
@@ -330,9 +330,23 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, payload: StepPayload, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Transfers, vision, decoder: the same on every rank. fp32 logits of the sampled rows. `token_ids`: the
-        input ids of the first rows, on the device (async scheduling; one forward)."""
+        input ids of the first `payload.device_token_rows` rows, on the device (async scheduling; one forward):
+        rank 0's, which every rank takes by a broadcast under TP (a follower passes none)."""
+        if payload.device_token_rows and self.group.world_size > 1:
+            token_ids = self._device_tokens_from_first(payload.device_token_rows, token_ids)
         with pdl.programmatic_launch(self.programmatic_launch):
             return self._run(payload, token_ids)
+
+    def _device_tokens_from_first(self, count: int, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's device token ids of a step's first `count` rows, on every rank (one collective, in step order on
+        every rank as the steps are)."""
+        if self.group.rank == 0:
+            if token_ids is None or token_ids.numel() != count:
+                raise ValueError(f"rank 0 must pass the {count} device token ids of the step's first rows")
+            shared = token_ids.to(device=self.group.device, dtype=torch.int64).contiguous()
+        else:
+            shared = torch.empty(count, dtype=torch.int64, device=self.group.device)
+        return self.group.broadcast_from_first(shared).to(self.device)
 
     def _run(self, payload: StepPayload, token_ids: torch.Tensor | None) -> torch.Tensor:
         self._encode_ahead_failure = None
@@ -425,13 +439,12 @@ class ModelRunner:
 
     def replays_decode_rows(self, num_rows: int, max_context: int) -> bool:
         """Whether `execute_decode_rows` takes a decode step of `num_rows` sequences up to `max_context`."""
-        return self.graphs is not None and self.publish is None and self.graphs.fits(num_rows, max_context)
+        return self.graphs is not None and self.graphs.fits(num_rows, max_context)
 
     def replays_chunk_beside_rows(self, num_rows: int, chunk_tokens: int, max_context: int) -> bool:
         """Whether `execute_decode_rows` takes `num_rows` decode rows and a chunk of `chunk_tokens` (the packed
         graphs)."""
-        return (self.packed is not None and self.publish is None
-                and self.packed.fits(num_rows + chunk_tokens, num_rows + 1, max_context))
+        return self.packed is not None and self.packed.fits(num_rows + chunk_tokens, num_rows + 1, max_context)
 
     @torch.inference_mode()
     def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager, token_ids: torch.Tensor,
@@ -439,11 +452,11 @@ class ModelRunner:
         """Async scheduling: a decode step whose input tokens the host has not seen. Slice i computes position
         `start` of its sequence with input `token_ids[i]` (on the device: sampled by the step still running),
         replayed as graph rows; with `chunk` (a prefill chunk, its tokens known), the rows and the chunk after
-        them replay the packed graphs. One rank only (the followers would need the tokens too). fp32 logits,
-        one row per slice, then the chunk's if it samples. The KV manager holds a pending token at each row's
-        position and no transfer."""
-        if self.publish is not None or (self.graphs if chunk is None else self.packed) is None:
-            raise RuntimeError("a step with device tokens needs the CUDA graphs and a single rank")
+        them replay the packed graphs. Under TP the step goes to the followers as a payload, and every rank takes
+        the tokens from rank 0 (`run`). fp32 logits, one row per slice, then the chunk's if it samples. The KV
+        manager holds a pending token at each row's position and no transfer."""
+        if (self.graphs if chunk is None else self.packed) is None:
+            raise RuntimeError("a step with device tokens needs the CUDA graphs")
         if not kv.plan.is_empty():
             raise RuntimeError("a step with device tokens cannot run a transfer plan")
         if any(s.end - s.start != 1 for s in slices):
@@ -453,7 +466,9 @@ class ModelRunner:
             if not self.replays_chunk_beside_rows(len(slices), chunk.end - chunk.start, context):
                 raise ValueError("decode rows and a chunk with device tokens must fit the captured packed graphs")
             return self._execute([*slices, chunk], kv, (), [s.request.request_id for s in slices], token_ids)
-        # The hot path (every decode step): its rows built here, without a payload.
+        if self.publish is not None:  # the followers need the step as a payload
+            return self._execute(slices, kv, (), [s.request.request_id for s in slices], token_ids)
+        # The hot path (every decode step of one rank): its rows built here, without a payload.
         pieces = [
             PieceInput([0], token_positions(s.request, s.start, s.end), s.start, s.end, 0,
                        [page for _, page in kv.seqs[s.request.request_id].pages], True)

@@ -83,6 +83,9 @@ class StepPayload:
     media: list[MediaWork]
     # Some row of the step decodes a running request: no vision-graph capture in it (`VisionGraphs.encode`).
     beside_decodes: bool = False
+    # Async scheduling under TP: the first this many rows are fed tokens rank 0 sampled on its device, which no
+    # host has read; every rank takes them from rank 0 by a broadcast before the forward (`ModelRunner.run`).
+    device_token_rows: int = 0
 
     def for_rank(self, rank: int, world_size: int) -> StepPayload:
         """This payload as rank `rank` needs it: the pixels of the items other ranks encode left out."""
