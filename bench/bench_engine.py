@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--ckpt", default="/tmp/prism-bench/qwen3vl-8b-random")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="Prism's ranks (TP2: the text decoder "
                         "sharded over two GPUs); HF runs on one GPU either way")
+    parser.add_argument("--tensor-parallel-async", action="store_true", help="with --tensor-parallel 2: the engine's "
+                        "tensor_parallel_async_scheduling (async scheduling under TP, off by default)")
     args = parser.parse_args()
     tp = args.tensor_parallel
     reps = 3 if args.quick else 10
@@ -94,7 +96,8 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "bench" / "make_checkpoint.py"), "--ckpt", str(ckpt)], check=True)
     gpu = torch.cuda.get_device_name()
     results: dict = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                     "checkpoint": "random-weight Qwen3-VL-8B shapes, bf16", "tensor_parallel": tp, "workloads": {}}
+                     "checkpoint": "random-weight Qwen3-VL-8B shapes, bf16", "tensor_parallel": tp,
+                     "tensor_parallel_async_scheduling": args.tensor_parallel_async, "workloads": {}}
     w = results["workloads"]
 
     # -- W6 capacity (arithmetic, scales counted) --------------------------------------------------
@@ -105,7 +108,8 @@ def main() -> None:
     # -- Prism ---------------------------------------------------------------------------------------
     def prism(kv_dtype: str) -> LLM:
         return LLM(ckpt, kv_dtype=kv_dtype, kv_memory_bytes=16 * 2**30, page_size=256, max_num_seqs=64,
-                   max_num_batched_tokens=8192, tensor_parallel_size=tp)
+                   max_num_batched_tokens=8192, tensor_parallel_size=tp,
+                   tensor_parallel_async_scheduling=args.tensor_parallel_async)
 
     llm = prism("fp8")
     inputs = llm.engine.inputs
@@ -217,6 +221,8 @@ def markdown(r: dict) -> str:
     w = r["workloads"]
     tp = r.get("tensor_parallel", 1)
     tp_label = f", TP{tp}" if tp > 1 else ""
+    if tp > 1 and r.get("tensor_parallel_async_scheduling"):
+        tp_label += " (async scheduling)"
     lines = [
         f"GPU: {r['gpu']}, torch {r['torch']}, {r['checkpoint']}, {r['date']}",
         "",

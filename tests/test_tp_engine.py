@@ -213,4 +213,30 @@ def test_tp2_followers_fed_placeholder_tokens_are_caught(async_runs):
         runner.prepare = without_device_rows
 
     planted, _ = _async_run(2, plant)
-    assert [c.token_ids for c in planted] != [c.token_ids for c in async_runs[1][0]]
+    with pytest.raises(AssertionError):
+        _assert_same(async_runs[1][0], planted)
+
+
+def test_a_step_on_device_tokens_lost_after_its_payload_went_out_stops_every_rank():
+    """Rank 0 fails a step launched on unread tokens after the followers received it (they are inside its
+    collectives): every rank stops with `TensorParallelFailure` at once, as a scheduled step's failure does, instead
+    of rank 0 failing the step's requests and going on to collectives the followers never reach."""
+    torch.set_num_threads(1)
+    # (a follower left inside a collective leaves when that collective times out)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, **ASYNC,
+              **dict(COMMON, distributed_timeout_s=10))
+    runner = llm.engine.runner
+    graph_step = runner._graph_step
+
+    def fails_on_device_tokens(forward, token_ids=None):
+        if token_ids is not None:
+            raise RuntimeError("planted: lost after the payload went out")
+        return graph_step(forward, token_ids)
+
+    runner._graph_step = fails_on_device_tokens
+    try:
+        with pytest.raises(TensorParallelFailure, match="planted: lost after the payload went out"):
+            llm.generate(["Hello there", "Hi again"], SamplingParams.greedy(max_tokens=6, ignore_eos=True))
+        assert llm.engine._followers.closed
+    finally:
+        llm.engine.shutdown()

@@ -31,7 +31,7 @@ def chat(*parts) -> list[dict]:
 @pytest.mark.parametrize("tp_async", [False, True], ids=["sync", "tensor_parallel_async_scheduling"])
 def test_tp2_nccl_greedy_equals_tp1(tp_async):
     """With `tensor_parallel_async_scheduling` TP2 also launches steps on tokens rank 0 sampled on its device (the
-    followers take them by an NCCL broadcast); its async steps are counted."""
+    followers take them by an NCCL broadcast): its continuations and, with one seat, its steps scheduled ahead."""
     params = SamplingParams.greedy(max_tokens=12, ignore_eos=True)
     prompts = ["Tell me a story about paged attention.", chat(IMAGES[0], IMAGES[1], IMAGES[2], "Compare them.")]
     cached = [chat(IMAGES[0], IMAGES[1], IMAGES[2], "Which is the brightest?")]
@@ -39,13 +39,14 @@ def test_tp2_nccl_greedy_equals_tp1(tp_async):
     for tp in (1, 2):
         llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, dtype="float32", kv_dtype="fp8", page_size=16,
                   num_gpu_pages=64, cuda_graphs=True, distributed_timeout_s=120,
-                  tensor_parallel_async_scheduling=tp_async)
+                  tensor_parallel_async_scheduling=tp_async,
+                  max_num_seqs=1 if tp_async else 16)  # one seat: the scheduler runs ahead of waiting requests too
         try:
             first = llm.generate(prompts, params)
             second = llm.generate(cached, params)
             graphs = llm.engine.runner.graphs
             out[tp] = ([c.token_ids for c in first + second], second[0].cached_tokens, graphs and graphs.replays,
-                       llm.engine.stats.async_steps)
+                       llm.engine.stats.async_steps, llm.engine.stats.scheduled_ahead_steps)
         finally:
             # With the ranks' decode graphs holding NCCL all-reduces, this hung forever on two H200s until each
             # rank destroyed its graphs before leaving its group (`tp_workers.leave_group`).
@@ -60,3 +61,4 @@ def test_tp2_nccl_greedy_equals_tp1(tp_async):
     assert out[2][1] == out[1][1] > 0
     assert out[2][2], "TP2 decode steps must replay CUDA graphs"
     assert (out[2][3] > 0) == tp_async and out[1][3] > 0
+    assert out[2][4] > 0 if tp_async else out[2][4] == 0

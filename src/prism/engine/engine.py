@@ -127,6 +127,8 @@ class Engine:
         """Stop the tensor-parallel follower ranks (a no-op with one rank). The engine is unusable after. False
         if this rank's leaving its group did not finish in time (logged)."""
         if self._followers is not None:
+            if self._inflight is not None and self._inflight.ready is not None:
+                self._inflight.ready.synchronize()  # async under TP: its collectives end before the group does
             return self._followers.close()
         if self.runner.background is not None:  # its encodings may still use buffers that are about to be freed
             self.runner.background.wait()
@@ -211,10 +213,7 @@ class Engine:
             try:
                 logits = self.runner.execute(out.slices, self.kv, out.media_ahead)
             except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
-                if self._followers is not None:  # ... unless the ranks may now disagree: then stop every rank
-                    failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)
-                    self._followers.close()
-                    raise failure from error
+                self._stop_every_rank_under_tp(error)  # ... unless the ranks may now disagree
                 log.exception("step failed")
                 # The request whose media were encoded ahead fails with the step: its media may be the cause,
                 # and its own prefill must not fail another step's requests the same way.
@@ -222,6 +221,15 @@ class Engine:
             else:
                 self._fail_a_failed_encoding_ahead(out)
                 self._commit(out.slices, logits)
+
+    def _stop_every_rank_under_tp(self, error: Exception) -> None:
+        """A step lost under TP may leave the ranks apart (a follower inside the collectives of a step rank 0 has
+        given up): stop every rank and raise `TensorParallelFailure`. With one rank, return: the caller fails the
+        step's requests and the engine goes on."""
+        if self._followers is not None:
+            failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)
+            self._followers.close()
+            raise failure from error
 
     def _stamp_first_scheduled(self, slices) -> None:
         now = time.perf_counter()
@@ -311,6 +319,7 @@ class Engine:
                 [s for _, s in rows], self.kv, current.device_tokens_of([row for row, _ in rows]), chunk=chunk
             ) if rows else None
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
+            self._stop_every_rank_under_tp(error)
             log.exception("step failed")
             self._accept_tokens(current, pending)
             self._fail([s.request for s in slices], error)
@@ -382,6 +391,7 @@ class Engine:
             logits = self.runner.execute(slices, self.kv, media_ahead, pending=[s.request.request_id for s in lead],
                                          token_ids=token_ids)
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
+            self._stop_every_rank_under_tp(error)
             log.exception("step failed")
             self._accept_tokens(current, set(pending))
             self._fail([s.request for s in slices] + out.media_ahead_requests, error)
