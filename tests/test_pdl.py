@@ -228,8 +228,11 @@ def test_the_context_is_restored_when_the_body_raises():
 def test_a_runner_forwards_inside_its_configured_launch_mode(monkeypatch):
     """`ModelRunner.run` (every forward, eager or replayed) sees the runner's own setting, whatever the caller's."""
     from prism.engine.runner import ModelRunner
+    from prism.engine.step_payload import StepPayload
+    from prism.kv.transfers import TransferPlan
 
     seen = []
+    payload = StepPayload(TransferPlan(), [], [])  # (no rows fed device tokens: nothing to share between ranks)
 
     class Probe:
         programmatic_launch = True
@@ -240,10 +243,10 @@ def test_a_runner_forwards_inside_its_configured_launch_mode(monkeypatch):
 
     probe = Probe()
     with pdl.programmatic_launch(False):
-        ModelRunner.run(probe, payload=None)
+        ModelRunner.run(probe, payload=payload)
     probe.programmatic_launch = False
     with pdl.programmatic_launch(True):
-        ModelRunner.run(probe, payload=None)
+        ModelRunner.run(probe, payload=payload)
     assert seen == [True, False]
 
 
