@@ -153,21 +153,25 @@ def test_each_rank_gets_only_the_pixels_it_encodes():
 ASYNC = dict(graph_rows_without_cuda=True, tensor_parallel_async_scheduling=True)
 
 
-def _async_run(tp: int, plant=None) -> tuple[list, dict]:
+def _async_run(tp: int, plant=None, **overrides) -> tuple[list, dict]:
     """Steps launched on tokens no host has read (async scheduling, continuations and steps scheduled ahead: two
     seats for four prompts keep requests waiting), the graphs' rows run eagerly on the CPU. `plant(runner)`: a bug
-    planted in rank 0's runner before the requests."""
+    planted in rank 0's runner before the requests; `overrides`: engine settings."""
     torch.set_num_threads(1)
     prompts = ["Tell me a story about paged attention.", chat(IMAGES[0], IMAGES[1], "Compare these pictures."),
                "Request two: please count slowly from one to twenty.", "And a third one, about caches."]
-    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, num_gpu_pages=96, max_num_seqs=2, **ASYNC,
-              **COMMON)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, num_gpu_pages=96, max_num_seqs=2,
+              **{**ASYNC, **COMMON, **overrides})
     try:
         if plant is not None:
             plant(llm.engine.runner)
-        out = llm.generate(prompts, SamplingParams.greedy(max_tokens=10, ignore_eos=True, logprobs=2))
-        stats = llm.engine.stats
-        return out, {"async": stats.async_steps, "ahead": stats.scheduled_ahead_steps}
+        # Lengths that end apart: a seat frees while another request decodes, so the scheduler runs ahead of an
+        # admission beside rows fed device tokens.
+        out = llm.generate(prompts, [SamplingParams.greedy(max_tokens=n, ignore_eos=True, logprobs=2)
+                                     for n in (4, 14, 10, 8)])
+        stats, ran = llm.engine.stats, llm.engine.runner.stats
+        return out, {"async": stats.async_steps, "ahead": stats.scheduled_ahead_steps,
+                     "eager": ran.steps - ran.graph_steps - ran.packed_graph_steps}
     finally:
         llm.engine.shutdown()
 
@@ -182,6 +186,28 @@ def test_tp2_async_scheduling_equals_tp1(async_runs):
     `ModelRunner.run`), and TP2's greedy tokens and logprobs equal TP1's, which schedules the same way."""
     (tp1, counts1), (tp2, counts2) = async_runs[1], async_runs[2]
     assert counts2["async"] > 0 and counts2["ahead"] > 0, counts2  # both kinds of step ran under TP
+    assert counts2 == counts1
+    _assert_same(tp1, tp2)
+
+
+def test_tp2_async_scheduling_equals_tp1_in_eager_steps():
+    """Without the packed graphs and with row graphs of at most 8 rows, the steps scheduled ahead (an admission's
+    prefill beside a row fed device tokens) run eagerly: the followers' rows get rank 0's tokens there too."""
+    eager_on_device_tokens = []
+
+    def count(runner):  # rank 0's eager forwards fed device tokens (not a bug: a probe)
+        forward = runner._forward
+
+        def counted(fwd, features, token_ids=None):
+            eager_on_device_tokens.append(token_ids is not None)
+            return forward(fwd, features, token_ids)
+
+        runner._forward = counted
+
+    eager = dict(cuda_graph_max_packed_tokens=0, cuda_graph_max_batch=8)
+    tp1, counts1 = _async_run(1, **eager)
+    tp2, counts2 = _async_run(2, count, **eager)
+    assert counts2["ahead"] > 0 and any(eager_on_device_tokens), (counts2, eager_on_device_tokens)
     assert counts2 == counts1
     _assert_same(tp1, tp2)
 
