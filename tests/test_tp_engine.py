@@ -155,13 +155,23 @@ ASYNC = dict(graph_rows_without_cuda=True, tensor_parallel_async_scheduling=True
 
 def _async_run(tp: int, plant=None, **overrides) -> tuple[list, dict]:
     """Steps launched on tokens no host has read (async scheduling, continuations and steps scheduled ahead: two
-    seats for four prompts keep requests waiting), the graphs' rows run eagerly on the CPU. `plant(runner)`: a bug
-    planted in rank 0's runner before the requests; `overrides`: engine settings."""
+    seats for four prompts keep requests waiting; the last prompt hits the second's pages), the graphs' rows run
+    eagerly on the CPU. `plant(runner)`: a bug planted in rank 0's runner before the requests; `overrides`: engine
+    settings."""
     torch.set_num_threads(1)
     prompts = ["Tell me a story about paged attention.", chat(IMAGES[0], IMAGES[1], "Compare these pictures."),
-               "Request two: please count slowly from one to twenty.", "And a third one, about caches."]
+               "Request two: please count slowly from one to twenty.",
+               chat(IMAGES[0], IMAGES[1], "Which one is brighter?")]  # a prefix hit: its tail page copied
     llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=tp, num_gpu_pages=96, max_num_seqs=2,
               **{**ASYNC, **COMMON, **overrides})
+    plans_beside_device_rows = []
+    run = llm.engine.runner.run
+
+    def probed(payload, token_ids=None):  # a probe, not a bug: a transfer plan in a step with device-token rows
+        plans_beside_device_rows.append(bool(payload.device_token_rows) and not payload.plan.is_empty())
+        return run(payload, token_ids)
+
+    llm.engine.runner.run = probed
     try:
         if plant is not None:
             plant(llm.engine.runner)
@@ -171,7 +181,8 @@ def _async_run(tp: int, plant=None, **overrides) -> tuple[list, dict]:
                                      for n in (4, 14, 10, 8)])
         stats, ran = llm.engine.stats, llm.engine.runner.stats
         return out, {"async": stats.async_steps, "ahead": stats.scheduled_ahead_steps,
-                     "eager": ran.steps - ran.graph_steps - ran.packed_graph_steps}
+                     "eager": ran.steps - ran.graph_steps - ran.packed_graph_steps,
+                     "plans_beside_device_rows": sum(plans_beside_device_rows)}
     finally:
         llm.engine.shutdown()
 
@@ -185,7 +196,8 @@ def test_tp2_async_scheduling_equals_tp1(async_runs):
     """`tensor_parallel_async_scheduling`: the followers take each such step's tokens from rank 0 (a broadcast in
     `ModelRunner.run`), and TP2's greedy tokens and logprobs equal TP1's, which schedules the same way."""
     (tp1, counts1), (tp2, counts2) = async_runs[1], async_runs[2]
-    assert counts2["async"] > 0 and counts2["ahead"] > 0, counts2  # both kinds of step ran under TP
+    # both kinds of step ran under TP, one of them copying the hit's tail page beside a row fed device tokens
+    assert counts2["async"] > 0 and counts2["ahead"] > 0 and counts2["plans_beside_device_rows"] > 0, counts2
     assert counts2 == counts1
     _assert_same(tp1, tp2)
 
