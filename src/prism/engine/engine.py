@@ -364,8 +364,7 @@ class Engine:
         """Requests wait to be admitted: schedule the next step now, its decode rows fed `current`'s tokens on the
         device, launch it, then commit `current` (waiting for its tokens, not for the launch) and the launched
         step; whether it did (`continuation.rows_scheduled_ahead` says when it may)."""
-        if (not self.config.async_scheduling or not self.config.async_admissions or not self._schedules_async()
-                or self.config.deterministic):
+        if not self._schedules_async() or not self.config.async_admissions or self.config.deterministic:
             return False
         found = rows_scheduled_ahead(current, self.scheduler, self.kv, self.max_model_len)
         if found is None:
