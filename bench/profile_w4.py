@@ -40,6 +40,7 @@ from prism.engine import engine as engine_mod  # noqa: E402
 from prism.engine import inputs as inputs_mod  # noqa: E402
 from prism.engine import runner as runner_mod  # noqa: E402
 from prism.testing.checkpoints import ensure_tiny_checkpoint  # noqa: E402
+from prism.testing.gpu import record_first_launches  # noqa: E402
 from prism.testing.knobs import parse_value  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv  # the harness on the CPU, tiny checkpoint
@@ -143,25 +144,6 @@ class DeviceClock:
         return sorted(out)
 
 
-def count_first_launches(record: Callable[[str, float], None]) -> None:
-    """Report each Triton variant the process launches for the first time (JITFunction._do_compile: a compile, or a
-    load from Triton's disk cache) with its host time."""
-    if not torch.cuda.is_available():
-        return
-    from triton.runtime.jit import JITFunction
-
-    compile_ = JITFunction._do_compile
-
-    def counted(fn, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return compile_(fn, *args, **kwargs)
-        finally:
-            record(fn.fn.__name__, (time.perf_counter() - t) * 1e3)
-
-    JITFunction._do_compile = counted
-
-
 def count_collections(record: Callable[[int, float], None]) -> None:
     """Report each garbage-collector pass (its generation and host time)."""
     started = {}
@@ -202,7 +184,8 @@ def timeline(budgets: list[int | None]) -> None:
         if steps:
             steps[-1]["first_launches"].append(f"{name} {ms:.1f} ms")
 
-    count_first_launches(first_launch)
+    if torch.cuda.is_available():
+        record_first_launches(first_launch)  # for the process's life
 
     def collection(generation: int, ms: float) -> None:
         if steps:

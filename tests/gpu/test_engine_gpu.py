@@ -666,19 +666,12 @@ def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
     this process), the engine's construction compiles the vision encoder's eager kernels and the page-row copy, and
     after it a first image request (its vision encoder eager) and Triton copies of 2 and 3 tails compile nothing (a
     variant first launched mid-serving costs its compile: 0.66 s in W5's first steps in session 15)."""
-    from triton.runtime.jit import JITFunction
-
     from prism.ops.page_copy import copy_page_rows
+    from prism.testing.gpu import record_first_launches
 
     assert forget_compiled_prism_kernels() > 10
     compiled: list[str] = []
-    compile_ = JITFunction._do_compile
-
-    def counted(fn, *args, **kwargs):
-        compiled.append(fn.fn.__name__)
-        return compile_(fn, *args, **kwargs)
-
-    JITFunction._do_compile = counted
+    stop_recording = record_first_launches(lambda name, ms: compiled.append(name))
     try:
         llm = engine(ckpt_8b, "fp8")
         at_start, compiled[:] = list(compiled), []
@@ -689,7 +682,7 @@ def test_the_first_requests_compile_no_kernel_the_start_could(ckpt_8b):
         out = llm.generate([chat(*random_images([(448, 448), (320, 480)], seed=61), "What is in them?")],
                            SamplingParams.greedy(max_tokens=4, ignore_eos=True))
     finally:
-        JITFunction._do_compile = compile_
+        stop_recording()
     assert {"_add_layer_norm_kernel", "_vision_rope_kernel", "_copy_page_rows_kernel"} <= set(at_start), at_start
     assert len(out[0].token_ids) == 4
     assert not compiled, f"compiled after the engine's start: {compiled}"

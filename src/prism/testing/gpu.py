@@ -1,8 +1,12 @@
-"""GPU test helpers: give back the memory of engines that are no longer referenced."""
+"""GPU test helpers: give back the memory of engines that are no longer referenced; see which Triton kernel
+variants a process launches for the first time (the GPU tests' no-compile-after-start check, `bench/profile_w4.py`'s
+timeline)."""
 
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -13,3 +17,26 @@ def release_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def record_first_launches(record: Callable[[str, float], None]) -> Callable[[], None]:
+    """Until the returned function is called: `record(kernel name, host ms)` for each Triton kernel variant launched
+    for the first time in this process (`JITFunction._do_compile`: a compile, or a load from Triton's disk cache; a
+    variant already launched does not reach it). Not under the interpreter, whose kernels never compile."""
+    from triton.runtime.jit import JITFunction
+
+    compile_ = JITFunction._do_compile
+
+    def counted(fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return compile_(fn, *args, **kwargs)
+        finally:
+            record(fn.fn.__name__, (time.perf_counter() - start) * 1e3)
+
+    JITFunction._do_compile = counted
+
+    def restore() -> None:
+        JITFunction._do_compile = compile_
+
+    return restore
