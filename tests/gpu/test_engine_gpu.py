@@ -510,14 +510,18 @@ def test_cascade_attention_changes_no_token(ckpt_8b):
 
 def test_programmatic_launch_changes_no_token_and_no_logprob(ckpt_8b):
     """The decode kernels launched early (`ops/pdl.py`) compute what they computed launched one after another: the
-    same greedy tokens and the same logprobs, bit for bit, for a batch-1 decode (the fused gate/up GEMV) and a
-    batch of three, with an image and a prefix hit (an eager prefill, packed graphs, row graphs)."""
+    same greedy tokens and the same logprobs, bit for bit, for a batch-1 decode (the fused gate/up GEMV), a batch of
+    three, with an image and a prefix hit (an eager prefill, packed graphs, row graphs), and eight questions on
+    those images (cascade attention, whose shared pass is launched normally between the early-launched kernels)."""
     prompts = [chat(IMAGES[0], IMAGES[1], "Describe them."), chat("Count to ten."), chat(IMAGES[2], "And this?")]
+    questions = [chat(IMAGES[0], IMAGES[1], f"Question {i}: what differs?") for i in range(8)]
     out = {}
     for on in (False, True):
         llm = engine(ckpt_8b, "fp8", programmatic_launch=on)
         out[on] = (llm.generate(prompts[:1], GREEDY) + llm.generate(prompts, GREEDY)
-                   + llm.generate([chat(IMAGES[0], IMAGES[1], "A new question?")], GREEDY))
+                   + llm.generate([chat(IMAGES[0], IMAGES[1], "A new question?")], GREEDY)
+                   + llm.generate(questions, GREEDY))
+        assert llm.engine.runner.graphs.shared_prefix_steps >= STEPS - 2
         del llm
         release_gpu_memory()
     for ours, ref in zip(out[True], out[False], strict=True):
