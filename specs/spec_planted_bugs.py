@@ -778,3 +778,25 @@ def test_a_folded_norm_missing_a_rounding_step_is_caught(monkeypatch: pytest.Mon
         pytest.skip("plants a Triton helper: needs the interpreter")
     monkeypatch.setattr(gemv, "_input_tile", _input_tile_one_rounding)
     _spec_fails(spec_folded_norms.spec_folded_norm_rounds_as_the_unfused_norm, "rounds otherwise")
+
+
+def test_branches_forked_without_the_prompt_checks_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 22): `Engine.add_decision` checked only the material; a question's branch past
+    max_model_len was forked anyway and waited for ever for pages (or, with a larger pool, was answered past the
+    model's length). Planted: the branch prompts go unchecked again."""
+    from prism.engine.engine import Engine
+    from specs import spec_decision_liveness
+
+    check = Engine._check_prompt
+
+    def materials_only(self, prompt, what="the prompt"):
+        if what == "the prompt":  # add_request's own check; a branch's names its request
+            check(self, prompt, what)
+
+    monkeypatch.setattr(Engine, "_check_prompt", materials_only)
+    spec_decision_liveness.engine_under_test.cache_clear()  # a fresh engine: a planted run leaves one stuck
+    try:
+        _spec_fails(spec_decision_liveness.spec_every_decide_is_answered_or_refused_before_it_runs,
+                    "not answered after|past max_model_len")
+    finally:
+        spec_decision_liveness.engine_under_test.cache_clear()

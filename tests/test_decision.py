@@ -104,6 +104,15 @@ def test_readout_is_a_softmax_over_candidates_only():
     assert answer.answer == "2" and answer.expected_value == pytest.approx(1.75)
 
 
+@pytest.mark.parametrize("temperature", [1e-3, 1e-40, 1e-45, 5e-324])
+def test_readout_at_a_tiny_temperature_is_the_argmax_not_nan(temperature):
+    """A positive temperature however small (the API accepts any > 0): the best candidate gets everything, ties
+    share it, nothing is NaN (dividing first sent the logits to inf, and softmax made inf - inf)."""
+    logits = torch.tensor([0.0, 2.0, 1.0, 50.0], dtype=torch.bfloat16)
+    assert readout(logits, [1, 2], temperature) == [1.0, 0.0]
+    assert readout(torch.tensor([3.0, 3.0, -1.0]), [0, 1, 2], temperature) == [0.5, 0.5, 0.0]
+
+
 def test_gated_thinking_thinks_only_below_the_gate_and_ignores_siblings():
     from prism.decision.thinking import ThinkingConfig
 
@@ -131,6 +140,54 @@ def test_more_than_26_options_go_through_grouped_rounds():
     assert set(answer.probabilities) == set(question.labels)
     assert abs(sum(answer.probabilities.values()) - 1) < 1e-5
     nonzero = [label for label, p in answer.probabilities.items() if p > 0]
-    assert len(nonzero) == 2, "two groups (26 + 4): the final round is between their two winners"
+    assert len(nonzero) == 2, "two groups (15 + 15): the final round is between their two winners"
     assert answer.answer in nonzero and answer.confidence == max(answer.probabilities.values())
     assert llm.engine.runner.stats.vision_items_encoded == 2
+
+
+LONG = Question("yes_no", "Is it " + "very " * 40 + "dark?")  # ~110 tokens past the material's 163
+
+
+def test_a_branch_past_max_model_len_is_refused_before_anything_runs():
+    """Every branch prompt is checked as a request's prompt is (here one is 304 tokens against a max_model_len of
+    256): the decide is refused with nothing left behind, where the branch used to be forked unchecked and then
+    wait for ever for pages no pool of that length could give it, holding the engine."""
+    from prism.engine.engine import RequestError
+
+    llm = new_llm(max_model_len=256)
+    with pytest.raises(RequestError, match="304 tokens; max_model_len is 256"):
+        llm.decide(MATERIAL, [QUESTIONS[1], LONG])
+    assert not llm.engine.requests and not llm.engine.kv.seqs and not llm.engine.has_unfinished_requests()
+    (answer,) = llm.decide(MATERIAL, [QUESTIONS[1]])  # the engine serves on
+    assert abs(sum(answer.probabilities.values()) - 1) < 1e-5
+
+
+def test_reasoning_is_cut_short_so_that_its_reread_fits():
+    """Gated thinking near max_model_len: the reasoning gets the tokens its re-read leaves (here at most 256 - 1 -
+    the question's prompt with the preamble - the answer cue), instead of its 128 and a re-read longer than the
+    engine takes; a question with no room at all keeps its first readout."""
+    from prism.decision.thinking import ANSWER_CUE, THINKING_PREAMBLE, ThinkingConfig
+
+    llm = new_llm(max_model_len=256)
+    encode = llm.engine.inputs.encode
+    prompt = llm.engine.inputs.prepare_chat([*MATERIAL, {"role": "user", "content": QUESTIONS[1].render()}])
+    room = 256 - 1 - len(prompt.token_ids) - len(encode(THINKING_PREAMBLE)) - len(encode(ANSWER_CUE))
+    (answer,) = llm.decide(MATERIAL, [QUESTIONS[1]], ThinkingConfig(gate=1.0, max_tokens=128))
+    assert answer.thought and 1 <= answer.thinking_tokens <= room < 128
+    tight = new_llm(max_model_len=len(prompt.token_ids) + 2)  # the prompt fits, its reasoning cannot
+    (first,) = tight.decide(MATERIAL, [QUESTIONS[1]], ThinkingConfig(gate=1.0))
+    assert not first.thought and abs(sum(first.probabilities.values()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("count", [27, 52])
+def test_grouped_options_are_read_by_position(count):
+    """More than 26 options in even groups (27: 13 + 14, where a last group of one option used to be refused as
+    no question) and the final round's probabilities mapped back by position: with every option the same text
+    the distribution still sums to 1 (mapping by text sent every group winner to the first option)."""
+    from prism.decision.plan import grouped
+
+    question = Question("choice", "Which option fits best?", ("the same",) * count)
+    assert [len(g.options) for g in grouped(question)] == ([13, 14] if count == 27 else [26, 26])
+    (answer,) = new_llm().decide(MATERIAL, [question])
+    assert abs(sum(answer.probabilities.values()) - 1) < 1e-5
+    assert len([p for p in answer.probabilities.values() if p > 0]) == 2  # the two group winners

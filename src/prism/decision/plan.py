@@ -45,16 +45,24 @@ Plan = Generator[Readouts | Generations, dict[str, Outcome], list[Answer]]
 
 
 def grouped(question: Question) -> list[Question]:
-    """The round-1 questions of a choice with more than 26 options: consecutive groups of at most 26."""
+    """The round-1 questions of a choice with more than 26 options: consecutive groups of at most 26, as even as
+    they can be (27 options are 13 + 14, never 26 + a group of one, which is no question)."""
     options = question.options
+    count = -(-len(options) // MAX_OPTIONS)
+    bounds = [len(options) * g // count for g in range(count + 1)]
     return [
-        Question("choice", question.text, options[i : i + MAX_OPTIONS], temperature=question.temperature)
-        for i in range(0, len(options), MAX_OPTIONS)
+        Question("choice", question.text, options[lo:hi], temperature=question.temperature)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
     ]
 
 
+class DecisionFailed(RuntimeError):
+    """A question's readout ended without probabilities (the engine failed or aborted it)."""
+
+
 def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
-                  thinking: ThinkingConfig | None = None) -> Plan:
+                  thinking: ThinkingConfig | None = None, max_model_len: int | None = None) -> Plan:
+    """`max_model_len`: the engine's; reasoning is cut short so that its re-read fits."""
     media_memo: dict = {}  # the material's images are hashed and looked up once, not once per question
 
     def branch(request_id: str, question: Question) -> Branch:
@@ -64,7 +72,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
 
     def read(outcome: Outcome, index: int, question: Question) -> Answer:
         if outcome.readout is None:
-            raise RuntimeError(f"question {index} failed: {outcome.error or 'aborted'}")
+            raise DecisionFailed(f"question {index} failed: {outcome.error or 'aborted'}")
         answer = make_answer(index, question, outcome.readout)
         answer.prompt_tokens, answer.cached_tokens = outcome.prompt_tokens, outcome.cached_tokens
         return answer
@@ -80,50 +88,57 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     by_question = {i: b for (_, i, _), b in zip(asked, round1, strict=True)}  # ungrouped questions' branches
     outcomes = yield Readouts(decision_id, round1)
     answers: dict[int, Answer] = {}
-    finals: list[tuple[int, Question]] = []  # grouped questions: (index, the final round among group winners)
+    # grouped questions: (index, the group winners' positions, the final round among them)
+    finals: list[tuple[int, list[int], Question]] = []
     for i, q in enumerate(questions):
         parts = [(rid, sub) for rid, qi, sub in asked if qi == i]
         if len(parts) == 1:
             answers[i] = read(outcomes[parts[0][0]], i, q)
             continue
-        winners = []
+        winners, first = [], 0  # each group's winner, as its position among the question's options
         for rid, sub in parts:
             group = read(outcomes[rid], i, sub)
-            winners.append(sub.options[sub.labels.index(group.answer)])
-        finals.append((i, Question("choice", q.text, tuple(winners), temperature=q.temperature)))
+            winners.append(first + sub.labels.index(group.answer))
+            first += len(sub.options)
+        finals.append((i, winners, Question("choice", q.text, tuple(q.options[w] for w in winners),
+                                            temperature=q.temperature)))
     if finals:  # Round 2: the group winners of each grouped question, forked from the same material
-        round2 = [branch(f"{decision_id}/q{i}final", final) for i, final in finals]
+        round2 = [branch(f"{decision_id}/q{i}final", final) for i, _, final in finals]
         outcomes = yield Readouts(f"{decision_id}/final", round2)
-        for (i, final), b in zip(finals, round2, strict=True):
+        for (i, winners, final), b in zip(finals, round2, strict=True):
             final_answer = read(outcomes[b.request_id], i, final)
-            # The distribution over all options: the final round's probability for each group winner;
-            # options that lost inside their group get 0. The answer is the final round's winner.
+            # The distribution over all options: the final round's probability for each group winner (by its
+            # position: option texts may repeat); options that lost inside their group get 0. The answer is
+            # the final round's winner.
             labels = questions[i].labels
             probs = {label: 0.0 for label in labels}
-            for label, option in zip(final.labels, final.options, strict=True):
-                probs[labels[questions[i].options.index(option)]] = final_answer.probabilities[label]
+            for label, position in zip(final.labels, winners, strict=True):
+                probs[labels[position]] = final_answer.probabilities[label]
             best = max(probs, key=lambda label: probs[label])
             answers[i] = Answer(i, "choice", probs, best, probs[best], None, final_answer.prompt_tokens,
                                 final_answer.cached_tokens)
 
-    grouped_questions = {i for i, _ in finals}
+    grouped_questions = {i for i, _, _ in finals}
     doubtful = [] if thinking is None else [
         i for i in sorted(answers) if answers[i].confidence < thinking.gate and i not in grouped_questions
     ]
-    if doubtful:  # Gated thinking: reason, then read again
-        requests = []
-        for i in doubtful:
-            prompt, params = thinking_request(by_question[i].prompt, questions[i], thinking, inputs.encode)
-            requests.append((f"{decision_id}/q{i}/think", prompt, params))
+    # Gated thinking: reason, then read again (a question whose prompt leaves no room keeps its first readout)
+    thinkers, requests = [], []
+    for i in doubtful:
+        request = thinking_request(by_question[i].prompt, questions[i], thinking, inputs.encode, max_model_len)
+        if request is not None:
+            thinkers.append(i)
+            requests.append((f"{decision_id}/q{i}/think", *request))
+    if thinkers:
         generated = yield Generations(requests)
-        thoughts = {i: generated[f"{decision_id}/q{i}/think"].token_ids or [] for i in doubtful}
+        thoughts = {i: generated[f"{decision_id}/q{i}/think"].token_ids or [] for i in thinkers}
         rereads = [
             Branch(f"{decision_id}/q{i}/reread", answer_after_thinking(by_question[i].prompt, thoughts[i], inputs.encode),
                    by_question[i].candidates, by_question[i].temperature)
-            for i in doubtful
+            for i in thinkers
         ]
         outcomes = yield Readouts(None, rereads)
-        for i, b in zip(doubtful, rereads, strict=True):
+        for i, b in zip(thinkers, rereads, strict=True):
             answer = read(outcomes[b.request_id], i, questions[i])
             answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
             answer.thought, answer.thinking_tokens = True, len(thoughts[i])

@@ -105,9 +105,11 @@ class Answer:
 
 
 def readout(logits: torch.Tensor, candidates: Sequence[int], temperature: float = 1.0) -> list[float]:
-    """Softmax over the candidates' fp32 logits only (the rest of the vocabulary plays no part)."""
-    picked = logits.float()[torch.as_tensor(list(candidates), dtype=torch.long, device=logits.device)]
-    return torch.softmax(picked / temperature, dim=-1).tolist()
+    """Softmax over the candidates' logits only (the rest of the vocabulary plays no part), in fp64. The best
+    logit is subtracted before the division, so a temperature however small sends the others to -inf and the
+    best to 0 (never inf - inf: NaN); fp64 keeps the division meaningful below fp32's smallest number."""
+    picked = logits.double()[torch.as_tensor(list(candidates), dtype=torch.long, device=logits.device)]
+    return torch.softmax((picked - picked.max()) / temperature, dim=-1).tolist()
 
 
 def make_answer(index: int, question: Question, probabilities: Sequence[float]) -> Answer:

@@ -38,11 +38,20 @@ def question_seed(config: ThinkingConfig, question: Question) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def thinking_request(prompt: PreparedPrompt, question: Question, config: ThinkingConfig, encode) -> tuple[PreparedPrompt, SamplingParams]:
-    """The reasoning generation: the question's prompt, the assistant starting to think."""
-    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature,
+def thinking_request(prompt: PreparedPrompt, question: Question, config: ThinkingConfig, encode,
+                     max_model_len: int | None = None) -> tuple[PreparedPrompt, SamplingParams] | None:
+    """The reasoning generation: the question's prompt, the assistant starting to think. Its length is capped so
+    that the re-read (`answer_after_thinking`) stays under `max_model_len`; None when not even one token fits
+    (the question keeps its first readout)."""
+    start = prompt.extended(encode(THINKING_PREAMBLE))
+    max_tokens = config.max_tokens
+    if max_model_len is not None:
+        max_tokens = min(max_tokens, max_model_len - 1 - len(start.token_ids) - len(encode(ANSWER_CUE)))
+        if max_tokens < 1:
+            return None
+    params = SamplingParams(max_tokens=max_tokens, temperature=config.temperature,
                             seed=question_seed(config, question), stop=(ANSWER_CUE.strip(),))
-    return prompt.extended(encode(THINKING_PREAMBLE)), params
+    return start, params
 
 
 def answer_after_thinking(prompt: PreparedPrompt, thought: list[int], encode) -> PreparedPrompt:

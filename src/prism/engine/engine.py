@@ -147,26 +147,7 @@ class Engine:
         elif isinstance(prompt, list):
             encode = self.config.encode_media_while_preparing and self._followers is None
             prompt = self.inputs.prepare_chat(prompt, on_image=self._encode_while_preparing if encode else None)
-        n = len(prompt.token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        ids = np.asarray(prompt.token_ids)
-        vocab = self.runner.model.config.text.vocab_size
-        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len}")
-        widest = max((length for m in prompt.media for _, length in m.spans), default=0)
-        if widest > self.config.max_num_batched_tokens:
-            raise RequestError(
-                f"a visual span of {widest} tokens cannot be split across steps and exceeds "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
-            )
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
-            raise RequestError(
-                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens} "
-                "with chunked prefill off"
-            )
+        self._check_prompt(prompt)
         request = Request(request_id, prompt, params, self._arrivals)
         self._arrivals += 1
         self.requests[request_id] = request
@@ -178,6 +159,30 @@ class Engine:
             self._generators[request_id] = generator
         self.scheduler.add(request)
         return request
+
+    def _check_prompt(self, prompt: PreparedPrompt, what: str = "the prompt") -> None:
+        """RequestError unless the engine can always finish `prompt`: what `add_request` checks, and
+        `add_decision` for every branch (a branch the pool could never hold would wait for ever)."""
+        n = len(prompt.token_ids)
+        if n == 0:
+            raise RequestError(f"{what} is empty")
+        ids = np.asarray(prompt.token_ids)
+        vocab = self.runner.model.config.text.vocab_size
+        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise RequestError(f"{what}'s token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise RequestError(f"{what} has {n} tokens; max_model_len is {self.max_model_len}")
+        widest = max((length for m in prompt.media for _, length in m.spans), default=0)
+        if widest > self.config.max_num_batched_tokens:
+            raise RequestError(
+                f"a visual span of {widest} tokens cannot be split across steps and exceeds "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+            )
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise RequestError(
+                f"{what} has {n} tokens, more than max_num_batched_tokens={self.config.max_num_batched_tokens} "
+                "with chunked prefill off"
+            )
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its terminal event comes out of the next `step`. Unknown or finished: no-op."""
@@ -457,6 +462,11 @@ class Engine:
         whose terminal events carry the readout."""
         if not branches:
             raise RequestError("a decision needs at least one question")
+        ids = [b.request_id for b in branches]
+        for b in branches:  # all checked before any is added: a refused decision leaves nothing running
+            if b.request_id in self.requests or ids.count(b.request_id) > 1:
+                raise RequestError(f"request id {b.request_id!r} is already in use")
+            self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
         prompts = [b.prompt.token_ids for b in branches]
         # The shared material: the common prefix, leaving every branch at least its last token to compute.
         shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
@@ -466,9 +476,6 @@ class Engine:
             for b in branches:
                 self.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature)
             return [b.request_id for b in branches]
-        for b in branches:
-            if b.request_id in self.requests:
-                raise RequestError(f"request id {b.request_id!r} is already in use")
         material = self.add_request(f"{decision_id}/material", branches[0].prompt.prefix(shared),
                                     SamplingParams(max_tokens=1))
         material.branches = list(branches)

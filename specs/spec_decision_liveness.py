@@ -1,0 +1,79 @@
+"""Spec: every decide ends (invariant 9, one terminal event per accepted request, for decisions).
+
+Against the real engine on the tiny checkpoint, with a `max_model_len` (256) equal to its pool: decides of one to
+four questions whose prompts fall on both sides of the limit. Each decide either
+- is refused before anything runs (RequestError), and then some question's prompt really reaches max_model_len, or
+- is answered within a bound of engine steps, every question's probabilities summing to 1, and no question's
+  prompt reaches max_model_len (a branch computed past the model's length is a wrong answer, not a slow one);
+and afterwards the engine holds no request and no sequence. A branch forked from the material without the checks a
+request's prompt gets (the historical bug) waited for ever for pages the pool does not have, holding the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism.decision.plan import Outcome, Readouts, advance, plan_decision
+from prism.decision.questions import Question
+from prism.engine.engine import RequestError
+from prism.engine.llm import LLM
+from prism.engine.request import RequestOutput
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+MAX_MODEL_LEN = 256
+MAX_STEPS = 60  # a decide here takes a handful of steps; a waiting branch never ends
+MATERIAL = [{"role": "user", "content": "Read this note carefully: the lamp is on and the door is shut."}]
+
+
+@functools.cache
+def engine_under_test() -> LLM:
+    """One engine for every example (built once: a few seconds), its pool exactly max_model_len tokens."""
+    return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=MAX_MODEL_LEN // 4,
+               max_model_len=MAX_MODEL_LEN, check_invariants=True)
+
+
+def decide_within(llm: LLM, questions: list[Question], max_steps: int) -> list:
+    """`LLM.decide`, with the engine's steps bounded (AssertionError when a question is still unanswered)."""
+    engine = llm.engine
+    plan = plan_decision("spec", MATERIAL, questions, engine.inputs)  # no thinking: readouts only
+    state, work = advance(plan, None)
+    while state == "work":
+        assert isinstance(work, Readouts)
+        ids = (engine.add_decision(work.decision_id, work.branches) if work.decision_id is not None
+               else [engine.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature).request_id
+                     for b in work.branches])
+        finals: dict[str, RequestOutput] = {}
+        for _ in range(max_steps):
+            finals.update((e.request_id, e) for e in engine.step() if e.finished and e.request_id in ids)
+            if len(finals) == len(ids):
+                break
+        unanswered = sorted(set(ids) - set(finals))
+        assert not unanswered, f"questions {unanswered} not answered after {max_steps} steps (a decide must end)"
+        state, work = advance(plan, {i: Outcome(readout=finals[i].readout, error=finals[i].error) for i in ids})
+    return work
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 120), min_size=1, max_size=4))
+def spec_every_decide_is_answered_or_refused_before_it_runs(padding: list[int]) -> None:
+    llm = engine_under_test()
+    questions = [Question("yes_no", f"Question {i}: is the lamp " + "very " * k + "bright?")
+                 for i, k in enumerate(padding)]
+    lengths = [len(llm.engine.inputs.prepare_chat([*MATERIAL, {"role": "user", "content": q.render()}]).token_ids)
+               for q in questions]
+    try:
+        answers = decide_within(llm, questions, MAX_STEPS)
+    except RequestError as error:
+        assert max(lengths) >= MAX_MODEL_LEN, f"refused ({error}) though every prompt fits: {lengths}"
+    else:
+        assert max(lengths) < MAX_MODEL_LEN, f"answered with a prompt of {max(lengths)} tokens past max_model_len"
+        assert all(abs(sum(a.probabilities.values()) - 1) < 1e-5 for a in answers)
+    finally:
+        for request_id in list(llm.engine.requests):  # what a failed example left: gone for the next one
+            llm.engine.abort(request_id)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    assert not llm.engine.requests and not llm.engine.kv.seqs, "a decide left requests or sequences behind"
