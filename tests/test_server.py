@@ -306,6 +306,53 @@ def test_decide_endpoint(live):
     assert bad.status_code == 400 and "at least two options" in bad.json()["error"]["message"]
 
 
+def _decide_body(questions: list[dict]) -> dict:
+    return {"model": MODEL, "material": _image_message(_data_url(_png(22)), "Look at this picture."),
+            "questions": questions}
+
+
+YES_NO = {"type": "yes_no", "text": "Is it dark?"}
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"[" * 1000 + b"]" * 1000, "recursion"),  # parsed as the chat body is: a ValidationError, not a 500
+        # a question past max_model_len beside a short one: its branch used to be forked unchecked and to hold the
+        # engine for ever
+        (json.dumps(_decide_body([YES_NO, {"type": "yes_no", "text": "x " * 40000}])).encode(), "max_model_len"),
+    ],
+    ids=["deeply-nested-json", "question-past-max-model-len"],
+)
+def test_a_bad_decide_gets_a_clear_error(live, content, needle):
+    response = httpx.post(live.url + "/v1/decide", content=content, headers={"content-type": "application/json"},
+                          timeout=60)
+    assert 400 <= response.status_code < 500, response.text
+    assert needle in response.json()["error"]["message"].lower(), response.text
+
+
+def test_a_decide_at_a_tiny_temperature_reads_the_argmax(live):
+    """Any positive temperature is accepted, and a tiny one gives the argmax (it gave NaN, then a plain-text 500)."""
+    response = httpx.post(live.url + "/v1/decide", json=_decide_body([{**YES_NO, "temperature": 1e-45}]), timeout=60)
+    assert response.status_code == 200, response.text
+    assert sorted(response.json()["answers"][0]["probabilities"].values()) == [0.0, 1.0]
+
+
+def test_a_decide_larger_than_the_in_flight_limit_is_a_400_not_a_retry():
+    """A decide forks one engine request per question: more than the server ever runs at once can never be
+    admitted, so it is refused as such (400) instead of with 429 "retry later", even on an idle server."""
+    server = LiveServer(ServerSettings(max_waiting_requests=1))
+    try:
+        body = _decide_body([YES_NO, {"type": "yes_no", "text": "Is it bright?"}])
+        response = httpx.post(server.url + "/v1/decide", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert "at most 1 in flight" in response.json()["error"]["message"]
+        one = httpx.post(server.url + "/v1/decide", json=_decide_body([YES_NO]), timeout=60)
+        assert one.status_code == 200, one.text
+    finally:
+        server.stop()
+
+
 def test_the_server_shuts_down_the_engine_it_built(monkeypatch):
     """An engine the app built from its settings is shut down when the server stops (a TP engine's followers then
     leave their group with their graphs destroyed first, instead of at interpreter exit); after the engine

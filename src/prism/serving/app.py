@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..decision.plan import Generations, Outcome, Readouts, advance, plan_decision
+from ..decision.plan import DecisionFailed, Generations, Outcome, Readouts, advance, plan_decision
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.request import RequestOutput
@@ -165,13 +165,16 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             )
             decision_id = f"decide-{uuid.uuid4().hex}"
             thinking = decide_request.thinking.to_config() if decide_request.thinking is not None else None
-            plan = plan_decision(decision_id, material, questions, state.engine.inputs, thinking)
+            plan = plan_decision(decision_id, material, questions, state.engine.inputs, thinking,
+                                 state.engine.max_model_len)
             # Each plan step prepares prompts (template, image preprocessing): run it off the event loop.
             step, value = await state.async_engine.run_in_media_pool(advance, plan, None)
             while step == "work":
                 outcomes = await _run_work(state, value)
                 step, value = await state.async_engine.run_in_media_pool(advance, plan, outcomes)
             answers = value
+        except DecisionFailed as error:  # the engine failed a question: say which and why
+            return _error_response(state, RequestFailedError(str(error)))
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
             return _error_response(state, error)
         response = decide_response(decision_id, int(time.time()), decide_request.model, answers)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.engine import Engine
+from ..engine.engine import Engine, RequestError
 from ..engine.request import Branch, FinishReason, RequestOutput
 from ..engine.sampling import SamplingParams
 
@@ -154,6 +154,9 @@ class AsyncEngine:
     async def _submit(self, request_ids: tuple[str, ...], submit: Callable[[Engine], object]) -> _Stream:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
+        if len(request_ids) > self.max_in_flight:  # never fits, even on an idle server: not a "retry later"
+            raise RequestError(f"this needs {len(request_ids)} engine requests at once; the server runs at most "
+                               f"{self.max_in_flight} in flight")
         with self._slots_lock:
             if self._slots_taken + len(request_ids) > self.max_in_flight:
                 raise Overloaded(f"{self._slots_taken} requests in flight (limit {self.max_in_flight}); retry later")

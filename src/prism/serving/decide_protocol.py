@@ -3,7 +3,6 @@ probabilities. Request and response schema, strict like the chat schema."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -73,13 +72,14 @@ class DecideResponse(BaseModel):
 
 
 def parse_decide_request(body: bytes | str | Mapping[str, Any]) -> tuple[DecideRequest, list[Question]]:
-    """Validate a body; raises ProtocolError (400) naming the field."""
+    """Validate a body (raw JSON, parsed and checked in one pass as the chat body is, so that no body, however
+    deeply nested, raises anything but a ValidationError, or a parsed dict); raises ProtocolError (400) naming the
+    field."""
     try:
-        raw = json.loads(body) if isinstance(body, (bytes, str)) else dict(body)
-    except json.JSONDecodeError as error:
-        raise ProtocolError(f"Invalid JSON: {error}") from error
-    try:
-        request = DecideRequest.model_validate(raw)
+        if isinstance(body, (bytes, str)):
+            request = DecideRequest.model_validate_json(body)
+        else:
+            request = DecideRequest.model_validate(dict(body))
     except ValidationError as error:
         message, param = describe_validation_errors(error.errors())
         raise ProtocolError(message, param=param) from error
