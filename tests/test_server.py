@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import socket
 import threading
 import time
@@ -351,6 +352,46 @@ def test_a_decide_larger_than_the_in_flight_limit_is_a_400_not_a_retry():
         assert one.status_code == 200, one.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/decide", "/v1/chat/completions"])
+def test_a_non_streaming_client_that_leaves_stops_its_work(live, path):
+    """A client that disconnects before its answer (here its own 1 s timeout) gets its engine requests aborted
+    within a poll, not computed to the end: a decide over a material of ~24,000 tokens (its prefill takes many
+    chunk steps), and a completion of 4,000 tokens. The next request is served."""
+    if path == "/v1/decide":
+        body = {"model": MODEL, "material": [{"role": "user", "content": "word " * 8000}],
+                "questions": [YES_NO, {"type": "yes_no", "text": "Is it long?"}]}
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 4000,
+                "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(live.url + path, json=body, timeout=1.0)
+    deadline = time.time() + 5
+    while live.engine.requests and time.time() < deadline:  # the poll (0.25 s), then an abort per request
+        time.sleep(0.05)
+    assert not live.engine.requests, f"still running after the client left: {list(live.engine.requests)}"
+    ok = httpx.post(live.url + "/v1/decide", json=_decide_body([YES_NO]), timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_stream_of_several_choices_left_midway_ends_cleanly(live, caplog):
+    """n = 2, the client leaves after a few chunks: both choices are aborted and nothing is logged as an error (the
+    merge closed each choice's event stream while its pump task, cancelled but not yet finished, was still inside
+    it: "aclose(): asynchronous generator is already running", an "Exception in ASGI application")."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 2000, "n": 2,
+            "ignore_eos": True, "stream": True}
+    with caplog.at_level(logging.ERROR), httpx.stream("POST", live.url + "/v1/chat/completions", json=body,
+                                                      timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 10:
+                break
+    deadline = time.time() + 5
+    while live.engine.requests and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert not live.engine.requests
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_the_server_shuts_down_the_engine_it_built(monkeypatch):

@@ -148,7 +148,10 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 _sse(state, chat, completion_id, streams), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _collect(state, chat, completion_id, streams)
+        try:
+            return await _until_disconnected(request, _collect(state, chat, completion_id, streams))
+        except ClientGone:
+            return Response(status_code=499)
 
     @app.post("/v1/decide", response_model=None)
     async def decide(request: Request) -> Response:
@@ -167,12 +170,9 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             thinking = decide_request.thinking.to_config() if decide_request.thinking is not None else None
             plan = plan_decision(decision_id, material, questions, state.engine.inputs, thinking,
                                  state.engine.max_model_len)
-            # Each plan step prepares prompts (template, image preprocessing): run it off the event loop.
-            step, value = await state.async_engine.run_in_media_pool(advance, plan, None)
-            while step == "work":
-                outcomes = await _run_work(state, value)
-                step, value = await state.async_engine.run_in_media_pool(advance, plan, outcomes)
-            answers = value
+            answers = await _until_disconnected(request, _run_plan(state, plan))
+        except ClientGone:
+            return Response(status_code=499)
         except DecisionFailed as error:  # the engine failed a question: say which and why
             return _error_response(state, RequestFailedError(str(error)))
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
@@ -181,6 +181,41 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
     return app
+
+
+async def _run_plan(state: ServerState, plan) -> list:
+    """A decision plan to its answers. Each plan step prepares prompts (template, image preprocessing): it runs off
+    the event loop."""
+    step, value = await state.async_engine.run_in_media_pool(advance, plan, None)
+    while step == "work":
+        outcomes = await _run_work(state, value)
+        step, value = await state.async_engine.run_in_media_pool(advance, plan, outcomes)
+    return value
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer: the work was cancelled."""
+
+
+DISCONNECT_POLL_S = 0.25
+
+
+async def _until_disconnected(request: Request, work):
+    """Await `work` (a coroutine), cancelling it if the client disconnects first (polled every DISCONNECT_POLL_S):
+    the engine requests it was waiting on are aborted by their own cancellation paths, so a client that gave up
+    does not keep its questions or choices computing to the end."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its cleanup (aborts) done before we return
 
 
 async def _run_work(state: ServerState, work: Readouts | Generations) -> dict[str, Outcome]:
@@ -310,6 +345,9 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for task in tasks:
             task.cancel()
+        # Each pump is still inside its stream until its cancellation lands: closing a stream before would raise
+        # "aclose(): asynchronous generator is already running". The pumps' cancellation aborts their requests.
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 
@@ -338,8 +376,12 @@ async def _sse(state: ServerState, chat: ChatCompletionRequest, completion_id: s
 
 async def _collect(state: ServerState, chat: ChatCompletionRequest, completion_id: str, streams: list) -> Response:
     events: list[list[RequestOutput]] = [[] for _ in streams]
-    async for index, event in _merge(streams):
-        events[index].append(event)
+    merged = _merge(streams)
+    try:
+        async for index, event in merged:
+            events[index].append(event)
+    finally:
+        await merged.aclose()  # cancelled (the client left): its requests are aborted
     try:
         response = build_response(
             completion_id, int(time.time()), chat.model, events, state.token_bytes if chat.logprobs else None
