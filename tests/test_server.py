@@ -394,6 +394,32 @@ def test_a_stream_of_several_choices_left_midway_ends_cleanly(live, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_a_stream_of_more_choices_than_the_engine_runs_starts_at_once(tmp_path):
+    """n = 6 on an engine of 2 seats: every choice is submitted at once and the stream's headers and first chunk go
+    out at once (each choice used to be submitted at the previous one's first token, so the response began only
+    when choices had finished and freed their seats, and a client leaving meanwhile went unseen). A client leaving
+    then has all six aborted."""
+    config = tmp_path / "two_seats.json"
+    config.write_text(json.dumps({"max_num_seqs": 2}))
+    server = LiveServer(ServerSettings(engine_config_path=config))
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 3000, "n": 6,
+                "ignore_eos": True, "stream": True}
+        start = time.time()
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())
+            first_chunk_s = time.time() - start
+            assert len(server.engine.requests) == 6, "every choice submitted at once"
+        assert first_chunk_s < 5, f"the first chunk came {first_chunk_s:.1f} s after the request"
+        deadline = time.time() + 5
+        while server.engine.requests and time.time() < deadline:
+            time.sleep(0.05)
+        assert not server.engine.requests, f"still running after the client left: {list(server.engine.requests)}"
+    finally:
+        server.stop()
+
+
 def test_the_server_shuts_down_the_engine_it_built(monkeypatch):
     """An engine the app built from its settings is shut down when the server stops (a TP engine's followers then
     leave their group with their graphs destroyed first, instead of at interpreter exit); after the engine

@@ -27,7 +27,7 @@ from ..engine.engine import Engine
 from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
-from .async_engine import AsyncEngine, Overloaded, ShuttingDown
+from .async_engine import AsyncEngine, GenerationEvents, Overloaded, ShuttingDown
 from .decide_protocol import DecideRequest, decide_response, parse_decide_request
 from .media_urls import MediaResolver
 from .metrics import ServingMetrics
@@ -306,28 +306,21 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.with_(n=1, seed=seed)
 
 
-async def _start(state: ServerState, request_id: str, prompt, params: SamplingParams, tracker) -> AsyncIterator:
-    """Submit one engine request; returns its event iterator once the engine accepted it."""
-    events = state.async_engine.generate(request_id, prompt, params, observe=tracker)
-    first = await events.__anext__()  # raises if refused; the first event is kept for the consumer
-
-    async def chained() -> AsyncIterator[RequestOutput]:
-        try:
-            yield first
-            if not first.finished:
-                async for event in events:
-                    yield event
-        finally:
-            await events.aclose()
-
-    return chained()
+async def _start(state: ServerState, request_id: str, prompt, params: SamplingParams, tracker) -> GenerationEvents:
+    """Submit one engine request; returns its events once the engine accepted it. Not at its first token: the
+    choices of one completion are submitted together, and a stream's headers go out at once (the client's
+    disconnect is then seen by `_sse`), even when the choices are more than the engine runs at a time."""
+    return await state.async_engine.start_generation(request_id, prompt, params, observe=tracker)
 
 
 async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Events of all choices as they come, tagged with their index."""
     if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
+        try:
+            async for event in streams[0]:
+                yield 0, event
+        finally:
+            await streams[0].aclose()  # left early (the client went away): its request is aborted
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -346,7 +339,7 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
         for task in tasks:
             task.cancel()
         # Each pump is still inside its stream until its cancellation lands: closing a stream before would raise
-        # "aclose(): asynchronous generator is already running". The pumps' cancellation aborts their requests.
+        # "aclose(): asynchronous generator is already running". Closing a stream aborts its request unless it ended.
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()

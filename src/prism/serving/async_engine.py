@@ -40,6 +40,43 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class GenerationEvents:
+    """An accepted request's events, up to and including its terminal one. `aclose()` aborts the request unless its
+    terminal event was read: also when it was never iterated (a class, not a generator, so that closing one that
+    never started still aborts)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream,
+                 observe: Callable[[RequestOutput, float], None] | None) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._observe = observe
+        self._done = False
+
+    def __aiter__(self) -> GenerationEvents:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        event: RequestOutput = await self._stream.queue.get()
+        if self._observe is not None:
+            self._observe(event, time.perf_counter())
+        self._done = event.finished
+        return event
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        # Dropped unread and unclosed (a streaming response cancelled before its body started): abort, as an async
+        # generator's finalizer would. `abort` only queues a command: safe wherever the collector runs this.
+        if not self._done:
+            self._engine.abort(self.request_id)
+
+
 @dataclass(frozen=True)
 class _Add:
     request_ids: tuple[str, ...]  # whose events go to `stream`
@@ -95,27 +132,29 @@ class AsyncEngine:
         params: SamplingParams,
         observe: Callable[[RequestOutput, float], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a prepared prompt; yield its events up to and including the terminal one.
-        `observe(event, now)` sees each event first (latency metrics).
-
-        Raises (before yielding) RequestError / SamplingParamsError for a request the engine refuses,
-        Overloaded when too many are in flight, ShuttingDown while stopping. If the consumer stops
-        early (client disconnect), the request is aborted.
-        """
-        stream = await self._submit((request_id,), lambda engine: engine.add_request(request_id, prompt, params))
-        finished = False
+        """Submit a prepared prompt; yield its events up to and including the terminal one (`start_generation`,
+        consumed). Raises (before yielding) what `start_generation` raises. If the consumer stops early (client
+        disconnect), the request is aborted."""
+        events = await self.start_generation(request_id, prompt, params, observe)
         try:
-            while True:
-                event: RequestOutput = await stream.queue.get()
-                if observe is not None:
-                    observe(event, time.perf_counter())
-                finished = event.finished
+            async for event in events:
                 yield event
-                if finished:
-                    return
         finally:
-            if not finished:
-                self.abort(request_id)
+            await events.aclose()
+
+    async def start_generation(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        observe: Callable[[RequestOutput, float], None] | None = None,
+    ) -> GenerationEvents:
+        """Submit a prepared prompt; returns as soon as the engine accepted it (not at its first token), with its
+        events to come. `observe(event, now)` sees each event first (latency metrics). Raises RequestError /
+        SamplingParamsError for a request the engine refuses, Overloaded when too many are in flight,
+        ShuttingDown while stopping."""
+        stream = await self._submit((request_id,), lambda engine: engine.add_request(request_id, prompt, params))
+        return GenerationEvents(self, request_id, stream, observe)
 
     async def decide(self, decision_id: str, branches: list[Branch]) -> dict[str, RequestOutput]:
         """Submit a decision; returns each branch's terminal event (which carries its readout)."""
