@@ -5,44 +5,28 @@ in that window was never seen: its requests ran on. Fixed when every choice is s
 response starts as soon as the engine accepted them (`AsyncEngine.start_generation`)."""
 
 import json
-import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import _common  # noqa: F401
+import _common
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 
-from prism.serving.app import create_app  # noqa: E402
 from prism.serving.settings import ServerSettings  # noqa: E402
 
 config = Path(tempfile.mkdtemp()) / "two_seats.json"
 config.write_text(json.dumps({"max_num_seqs": 2}))
-sock = socket.socket()
-sock.bind(("127.0.0.1", 0))
-port = sock.getsockname()[1]
-sock.close()
-app = create_app(ServerSettings(engine_config_path=config))  # the embedded tiny checkpoint, 2 seats
-server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-threading.Thread(target=server.run, daemon=True).start()
-while not server.started:
-    time.sleep(0.05)
+app, server, url = _common.serve_in_thread(ServerSettings(engine_config_path=config))  # tiny checkpoint, 2 seats
 body = {"model": app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
         "max_tokens": 3000, "n": 6, "ignore_eos": True, "stream": True}
 start = time.time()
 try:
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=10) as response:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as response:
         next(response.iter_lines())
         waited, submitted = time.time() - start, len(app.state.prism.engine.requests)
 except httpx.TimeoutException:
     waited, submitted = time.time() - start, len(app.state.prism.engine.requests)
-engine = app.state.prism.engine
-deadline = time.time() + 5
-while engine.requests and time.time() < deadline:
-    time.sleep(0.05)
-left = list(engine.requests)
+left = _common.requests_left_after(app.state.prism.engine, 5)
 server.should_exit = True
 _common.verdict(waited < 5 and submitted == 6 and not left,
                 f"six choices on two seats: first chunk after {waited:.1f} s, all submitted, all aborted when the "
