@@ -214,9 +214,13 @@ def _bomb() -> bytes:
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 40000}]}, 400, "max_model_len"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * (3 * 2**20)}]}, 413, "limit"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**40}, 400, "asks for"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 32768}, 400,
+         "max_completion_tokens asks for 32768 more"),
     ],
     ids=["malformed-json", "wrong-type", "wrong-type-int", "bad-value", "unknown-model", "bad-base64", "not-an-image",
-         "decompression-bomb", "forbidden-path", "remote-disabled", "too-many-images", "prompt-too-long", "body-too-large"],
+         "decompression-bomb", "forbidden-path", "remote-disabled", "too-many-images", "prompt-too-long", "body-too-large",
+         "max-tokens-past-the-context", "max-completion-tokens-past-the-context"],
 )
 def test_bad_input_gets_a_clear_error_and_harms_nothing(live, body, status, needle):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -228,6 +232,14 @@ def test_bad_input_gets_a_clear_error_and_harms_nothing(live, body, status, need
     ok = httpx.post(live.url + "/v1/chat/completions", timeout=60,
                     json={"model": MODEL, "messages": [{"role": "user", "content": "still fine?"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/chat/completions", 405),
+                                                  ("POST", "/v1/chat/completion", 404)])
+def test_routing_errors_have_openai_bodies(live, method, path, status):
+    response = httpx.request(method, live.url + path, json={}, timeout=30)
+    assert response.status_code == status
+    assert path in response.json()["error"]["message"], response.text
 
 
 def test_overload_gets_429_and_nothing_is_lost():

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decision.plan import DecisionFailed, Generations, Outcome, Readouts, advance, plan_decision
 from ..engine.config import EngineConfig
@@ -33,6 +34,7 @@ from .media_urls import MediaResolver
 from .metrics import ServingMetrics
 from .protocol import (
     ChatCompletionRequest,
+    ProtocolError,
     describe_validation_errors,
     parse_chat_request,
 )
@@ -104,6 +106,12 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         message, param = describe_validation_errors(exc.errors())
         return JSONResponse(error_body(400, message, param), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing's own refusals (an unknown path: 404, a wrong method: 405) in OpenAI's error body too."""
+        return JSONResponse(error_body(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"),
+                            status_code=exc.status_code, headers=exc.headers)
+
     @app.get("/health")
     async def health() -> Response:
         return PlainTextResponse("ok")
@@ -129,6 +137,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             params = chat.to_sampling_params(default_max_tokens=state.engine.max_model_len)
             messages = await state.async_engine.run_in_media_pool(state.resolver.resolve_messages, chat.messages)
             prompt = await state.async_engine.run_in_media_pool(state.engine.inputs.prepare_chat, messages)
+            _check_context(chat, len(prompt.token_ids), state.engine.max_model_len)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return _error_response(state, error)
         completion_id = new_completion_id()
@@ -288,6 +297,16 @@ async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
     if chat.model != state.settings.served_model_name:
         raise _NotFound(f"the model {chat.model!r} does not exist; this server serves {state.settings.served_model_name!r}")
     return chat
+
+
+def _check_context(chat: ChatCompletionRequest, prompt_tokens: int, max_model_len: int) -> None:
+    """An explicit max_tokens (or max_completion_tokens) that the context cannot hold is a 400, as vLLM and OpenAI
+    answer it, rather than an answer cut short; without one, a completion may run to the end of the context."""
+    asked = chat.max_completion_tokens or chat.max_tokens
+    if asked is not None and prompt_tokens + asked > max_model_len:
+        name = "max_completion_tokens" if chat.max_completion_tokens else "max_tokens"
+        raise ProtocolError(f"this model's context is {max_model_len} tokens; the prompt has {prompt_tokens} and "
+                            f"{name} asks for {asked} more", param=name)
 
 
 class _TooLarge(ValueError):
