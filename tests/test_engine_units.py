@@ -132,7 +132,7 @@ def test_add_request_errors(engine):
     from prism.testing.hf_reference import random_images
 
     (big,) = random_images([(320, 320)])
-    with pytest.raises(RequestError, match="visual span of 100 tokens"):
+    with pytest.raises(RequestError, match="of 100 visual tokens is too large for this server.*megapixels"):
         engine.add_request("wide", [{"role": "user", "content": [{"type": "image", "image": big}]}])
     import dataclasses
 

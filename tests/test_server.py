@@ -344,6 +344,26 @@ def test_a_bad_decide_gets_a_clear_error(live, content, needle):
     assert needle in response.json()["error"]["message"].lower(), response.text
 
 
+@pytest.mark.parametrize(
+    "questions, material_url, param, needle",
+    [
+        ([YES_NO, {"type": "score", "text": "Rate it", "levels": [1, 10000]}], None, "questions[1]", "questions[1]: "),
+        ([YES_NO], "data:image/png;base64,!!!notbase64", "material[0].content[0].image_url.url", "base64"),
+    ],
+    ids=["multi-token-answer", "bad-material-image"],
+)
+def test_a_decide_error_names_where_it_is(live, questions, material_url, param, needle):
+    """A refusal points into the decide's own body: the question whose answers are not single tokens, the
+    material's part that is not an image (it named a chat's messages[...])."""
+    body = _decide_body(questions)
+    if material_url is not None:
+        body["material"] = _image_message(material_url, "Look.")
+    response = httpx.post(live.url + "/v1/decide", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
 def test_a_decide_at_a_tiny_temperature_reads_the_argmax(live):
     """Any positive temperature is accepted, and a tiny one gives the argmax (it gave NaN, then a plain-text 500)."""
     response = httpx.post(live.url + "/v1/decide", json=_decide_body([{**YES_NO, "temperature": 1e-45}]), timeout=60)

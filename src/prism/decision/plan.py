@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..engine.request import Branch
 from ..engine.sampling import SamplingParams
-from .questions import MAX_OPTIONS, Answer, Question, candidate_token_ids, make_answer
+from .questions import MAX_OPTIONS, Answer, Question, QuestionError, candidate_token_ids, make_answer
 from .thinking import ThinkingConfig, answer_after_thinking, thinking_request
 
 
@@ -84,7 +84,14 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
         if len(subs) > MAX_OPTIONS:
             raise ValueError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups of {MAX_OPTIONS}")
         asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
-    round1 = [branch(request_id, sub) for request_id, _, sub in asked]
+    round1 = []
+    for request_id, i, sub in asked:
+        try:
+            round1.append(branch(request_id, sub))
+        except QuestionError as error:  # e.g. an answer of several tokens: say which question
+            located = QuestionError(f"questions[{i}]: {error}")
+            located.param = f"questions[{i}]"
+            raise located from error
     by_question = {i: b for (_, i, _), b in zip(asked, round1, strict=True)}  # ungrouped questions' branches
     outcomes = yield Readouts(decision_id, round1)
     answers: dict[int, Answer] = {}

@@ -174,9 +174,12 @@ class Engine:
             raise RequestError(f"{what} has {n} tokens; max_model_len is {self.max_model_len}")
         widest = max((length for m in prompt.media for _, length in m.spans), default=0)
         if widest > self.config.max_num_batched_tokens:
+            vision = self.runner.model.config.vision
+            pixels = self.config.max_num_batched_tokens * (vision.patch_size * vision.spatial_merge_size) ** 2
             raise RequestError(
-                f"a visual span of {widest} tokens cannot be split across steps and exceeds "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+                f"an image (or video frame pair) of {widest} visual tokens is too large for this server: one is "
+                f"computed in one step, of at most max_num_batched_tokens={self.config.max_num_batched_tokens} "
+                f"tokens; send it at most about {pixels / 1e6:.1f} megapixels"
             )
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise RequestError(

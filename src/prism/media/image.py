@@ -148,8 +148,8 @@ def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DE
         img = Image.open(io.BytesIO(bytes(data)))
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(f"image header announces too many pixels: {exc}") from exc
-    except UnidentifiedImageError as exc:
-        raise MediaDecodeError(f"bytes are not a decodable image: {exc}") from exc
+    except UnidentifiedImageError as exc:  # PIL's message names its BytesIO object: nothing for the client
+        raise MediaDecodeError("bytes are not a decodable image (no image format recognised)") from exc
     except Exception as exc:  # untrusted bytes: any parser failure is a decode error, not a crash
         raise MediaDecodeError(f"bytes are not a decodable image: {type(exc).__name__}: {exc}") from exc
     width, height = img.size  # read from the header; nothing decoded yet

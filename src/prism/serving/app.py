@@ -173,7 +173,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 raise _NotFound(f"the model {decide_request.model!r} does not exist; this server serves "
                                 f"{state.settings.served_model_name!r}")
             material = await state.async_engine.run_in_media_pool(
-                state.resolver.resolve_messages, decide_request.material
+                state.resolver.resolve_messages, decide_request.material, "material"
             )
             decision_id = f"decide-{uuid.uuid4().hex}"
             thinking = decide_request.thinking.to_config() if decide_request.thinking is not None else None

@@ -154,12 +154,13 @@ class MediaResolver:
         self._decoded = DecodedDataURLs(settings.data_url_cache_bytes)
 
     # ---------------------------------------------------------------------------------- messages
-    def resolve_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    def resolve_messages(self, messages: Sequence[ChatMessage], field: str = "messages") -> list[dict[str, Any]]:
         """Protocol messages -> `prepare_chat` messages: text kept, images as encoded bytes
         (`{"type": "image", "image": bytes}`, with the part's `uuid` if any; `"image": None` when named by uuid
         alone), videos as decoded frames
-        (`{"type": "video", "video": [PIL.Image, ...], "fps": fps}`); "developer" becomes "system"."""
-        self._check_counts(messages)
+        (`{"type": "video", "video": [PIL.Image, ...], "fps": fps}`); "developer" becomes "system". `field`: the
+        request's name for these messages in error locations (a decide's are its "material")."""
+        self._check_counts(messages, field)
         s = self.settings
         budget = _Budget(s.max_request_bytes, s.max_video_pixels)
         fetcher = _Fetcher(s, self._transport)
@@ -170,7 +171,7 @@ class MediaResolver:
                 content = message.content
                 if isinstance(content, list):
                     content = [
-                        self._resolve_part(part, f"messages[{i}].content[{j}]", budget, fetcher)
+                        self._resolve_part(part, f"{field}[{i}].content[{j}]", budget, fetcher)
                         for j, part in enumerate(content)
                     ]
                 out.append({"role": role, "content": content})
@@ -187,13 +188,13 @@ class MediaResolver:
         finally:
             fetcher.close()
 
-    def _check_counts(self, messages: Sequence[ChatMessage]) -> None:
+    def _check_counts(self, messages: Sequence[ChatMessage], field: str = "messages") -> None:
         items = 0
         for i, message in enumerate(messages):
             if not isinstance(message.content, list):
                 continue
             for j, part in enumerate(message.content):
-                where = f"messages[{i}].content[{j}]"
+                where = f"{field}[{i}].content[{j}]"
                 if isinstance(part, VideoURLPart):
                     raise UnsupportedMedia(
                         "video_url is not supported (no video decoder on this server); send decoded frames as "
