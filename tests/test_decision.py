@@ -177,6 +177,11 @@ def test_reasoning_is_cut_short_so_that_its_reread_fits():
     tight = new_llm(max_model_len=len(prompt.token_ids) + 2)  # the prompt fits, its reasoning cannot
     (first,) = tight.decide(MATERIAL, [QUESTIONS[1]], ThinkingConfig(gate=1.0))
     assert not first.thought and abs(sum(first.probabilities.values()) - 1) < 1e-5
+    # chunked prefill off: a prompt must also fit one step, so the re-read must too (a review found it could not)
+    unchunked = new_llm(max_model_len=1024, max_num_batched_tokens=256, enable_chunked_prefill=False)
+    (answer,) = unchunked.decide(MATERIAL, [QUESTIONS[1]], ThinkingConfig(gate=1.0, max_tokens=128))
+    assert answer.thought and answer.thinking_tokens <= 256 - len(prompt.token_ids) - len(encode(THINKING_PREAMBLE)) - len(
+        encode(ANSWER_CUE))
 
 
 @pytest.mark.parametrize("count", [27, 52])

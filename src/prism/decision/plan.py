@@ -61,8 +61,9 @@ class DecisionFailed(RuntimeError):
 
 
 def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
-                  thinking: ThinkingConfig | None = None, max_model_len: int | None = None) -> Plan:
-    """`max_model_len`: the engine's; reasoning is cut short so that its re-read fits."""
+                  thinking: ThinkingConfig | None = None, max_prompt_tokens: int | None = None) -> Plan:
+    """`max_prompt_tokens`: the engine's (`Engine.max_prompt_tokens`); reasoning is cut short so that its re-read
+    fits."""
     media_memo: dict = {}  # the material's images are hashed and looked up once, not once per question
 
     def branch(request_id: str, question: Question) -> Branch:
@@ -132,7 +133,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     # Gated thinking: reason, then read again (a question whose prompt leaves no room keeps its first readout)
     thinkers, requests = [], []
     for i in doubtful:
-        request = thinking_request(by_question[i].prompt, questions[i], thinking, inputs.encode, max_model_len)
+        request = thinking_request(by_question[i].prompt, questions[i], thinking, inputs.encode, max_prompt_tokens)
         if request is not None:
             thinkers.append(i)
             requests.append((f"{decision_id}/q{i}/think", *request))

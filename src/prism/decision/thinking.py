@@ -39,14 +39,14 @@ def question_seed(config: ThinkingConfig, question: Question) -> int:
 
 
 def thinking_request(prompt: PreparedPrompt, question: Question, config: ThinkingConfig, encode,
-                     max_model_len: int | None = None) -> tuple[PreparedPrompt, SamplingParams] | None:
+                     max_prompt_tokens: int | None = None) -> tuple[PreparedPrompt, SamplingParams] | None:
     """The reasoning generation: the question's prompt, the assistant starting to think. Its length is capped so
-    that the re-read (`answer_after_thinking`) stays under `max_model_len`; None when not even one token fits
-    (the question keeps its first readout)."""
+    that the re-read (`answer_after_thinking`) is a prompt the engine takes (`Engine.max_prompt_tokens`); None when
+    not even one token fits (the question keeps its first readout)."""
     start = prompt.extended(encode(THINKING_PREAMBLE))
     max_tokens = config.max_tokens
-    if max_model_len is not None:
-        max_tokens = min(max_tokens, max_model_len - 1 - len(start.token_ids) - len(encode(ANSWER_CUE)))
+    if max_prompt_tokens is not None:
+        max_tokens = min(max_tokens, max_prompt_tokens - len(start.token_ids) - len(encode(ANSWER_CUE)))
         if max_tokens < 1:
             return None
     params = SamplingParams(max_tokens=max_tokens, temperature=config.temperature,

@@ -160,6 +160,14 @@ class Engine:
         self.scheduler.add(request)
         return request
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt `add_request` accepts: below max_model_len, and within one step's budget when
+        chunked prefill is off (what a caller building a prompt of its own, e.g. a decide's re-read, must fit)."""
+        if self.config.enable_chunked_prefill:
+            return self.max_model_len - 1
+        return min(self.max_model_len - 1, self.config.max_num_batched_tokens)
+
     def _check_prompt(self, prompt: PreparedPrompt, what: str = "the prompt") -> None:
         """RequestError unless the engine can always finish `prompt`: what `add_request` checks, and
         `add_decision` for every branch (a branch the pool could never hold would wait for ever)."""

@@ -67,7 +67,7 @@ class LLM:
         prefilled once, each question forks from it, and each answer is read as probabilities. With
         `thinking`, a question below the confidence gate reasons (seeded by its own text) and is read again."""
         plan = plan_decision(f"decide-{next(self._ids)}", material, list(questions), self.engine.inputs, thinking,
-                             self.engine.max_model_len)
+                             self.engine.max_prompt_tokens)
         state, value = advance(plan, None)
         while state == "work":
             state, value = advance(plan, self._run_work(value))

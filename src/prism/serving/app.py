@@ -140,6 +140,10 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             _check_context(chat, len(prompt.token_ids), state.engine.max_model_len)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return _error_response(state, error)
+        if chat.num_choices > state.async_engine.max_in_flight:  # never fits: not a 429 "retry later"
+            return _error_response(state, ProtocolError(
+                f"n={chat.num_choices} asks for more choices than the server runs at once "
+                f"({state.async_engine.max_in_flight})", param="n"))
         completion_id = new_completion_id()
         choices = [_choice_params(params, i) for i in range(chat.num_choices)]
         streams = []
@@ -178,7 +182,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             decision_id = f"decide-{uuid.uuid4().hex}"
             thinking = decide_request.thinking.to_config() if decide_request.thinking is not None else None
             plan = plan_decision(decision_id, material, questions, state.engine.inputs, thinking,
-                                 state.engine.max_model_len)
+                                 state.engine.max_prompt_tokens)
             answers = await _until_disconnected(request, _run_plan(state, plan))
         except ClientGone:
             return Response(status_code=499)
@@ -233,8 +237,8 @@ async def _run_work(state: ServerState, work: Readouts | Generations) -> dict[st
     if isinstance(work, Readouts) and work.decision_id is not None:
         finals = await engine.decide(work.decision_id, work.branches)
     elif isinstance(work, Readouts):
-        events = await asyncio.gather(
-            *(engine.readout(b.request_id, b.prompt, b.candidates, b.temperature) for b in work.branches)
+        events = await _all_or_none(
+            [engine.readout(b.request_id, b.prompt, b.candidates, b.temperature) for b in work.branches]
         )
         finals = {b.request_id: e for b, e in zip(work.branches, events, strict=True)}
     else:
@@ -244,12 +248,25 @@ async def _run_work(state: ServerState, work: Readouts | Generations) -> dict[st
                 tokens += event.new_token_ids
             return event, tokens
 
-        results = await asyncio.gather(*(generate(*r) for r in work.requests))
+        results = await _all_or_none([generate(*r) for r in work.requests])
         return {
             rid: Outcome(None, tokens, e.prompt_tokens, e.cached_tokens, e.error)
             for (rid, _, _), (e, tokens) in zip(work.requests, results, strict=True)
         }
     return {rid: Outcome(e.readout, None, e.prompt_tokens, e.cached_tokens, e.error) for rid, e in finals.items()}
+
+
+async def _all_or_none(coros: list) -> list:
+    """asyncio.gather, but one failing cancels the others (their requests are aborted), rather than leaving them
+    running for a client that already got its error."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -357,11 +374,11 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for task in tasks:
             task.cancel()
-        # Each pump is still inside its stream until its cancellation lands: closing a stream before would raise
-        # "aclose(): asynchronous generator is already running". Closing a stream aborts its request unless it ended.
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Abort first: under Starlette's (anyio's) cancellation every await here is cancelled again, so nothing
+        # after the first await would run. GenerationEvents.aclose does not suspend.
         for stream in streams:
             await stream.aclose()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _sse(state: ServerState, chat: ChatCompletionRequest, completion_id: str, streams: list):

@@ -159,7 +159,8 @@ class AsyncEngine:
     async def decide(self, decision_id: str, branches: list[Branch]) -> dict[str, RequestOutput]:
         """Submit a decision; returns each branch's terminal event (which carries its readout)."""
         ids = tuple(b.request_id for b in branches)
-        stream = await self._submit(ids, lambda engine: engine.add_decision(decision_id, branches))
+        stream = await self._submit(ids, lambda engine: engine.add_decision(decision_id, branches),
+                                    abort_also=(f"{decision_id}/material",))
         finals: dict[str, RequestOutput] = {}
         try:
             while len(finals) < len(ids):
@@ -190,7 +191,8 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def _submit(self, request_ids: tuple[str, ...], submit: Callable[[Engine], object]) -> _Stream:
+    async def _submit(self, request_ids: tuple[str, ...], submit: Callable[[Engine], object],
+                      abort_also: tuple[str, ...] = ()) -> _Stream:
         if self._stopping:
             raise ShuttingDown("the server is shutting down")
         if len(request_ids) > self.max_in_flight:  # never fits, even on an idle server: not a "retry later"
@@ -205,7 +207,14 @@ class AsyncEngine:
         accepted = loop.create_future()
         self._commands.put(_Add(request_ids, submit, accepted, stream))
         self._wakeup.set()
-        await accepted  # raises what the engine raised
+        try:
+            await accepted  # raises what the engine raised
+        except asyncio.CancelledError:
+            # Cancelled while the owner thread had not yet taken the add: it will still be added (and hold its
+            # slots until its end). The aborts queue behind the add, so they land once it is in (no-op if refused).
+            for request_id in (*request_ids, *abort_also):
+                self.abort(request_id)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
