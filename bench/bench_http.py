@@ -9,10 +9,8 @@ import asyncio
 import base64
 import datetime
 import io
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,10 +22,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from results_io import write_results  # noqa: E402
 
-from prism.serving.app import create_app  # noqa: E402
 from prism.serving.settings import ServerSettings  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
+from prism.testing.serving import serve_in_thread  # noqa: E402
 
 CKPT = Path("/tmp/prism-bench/qwen3vl-8b-random")
 CONFIG = ROOT / "configs" / "tp1_fp8.json"
@@ -55,19 +53,10 @@ def image_message(urls: list[str], text: str, uuids: list[str] | None = None, se
 
 
 def serve(ckpt: Path, config: Path | None) -> tuple[object, str]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
     settings = ServerSettings(model_dir=ckpt, engine_config_path=config, served_model_name="qwen3-vl-8b-random",
                               max_request_bytes=256 * 2**20, max_media_bytes=32 * 2**20)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.1)
-    return server, f"http://127.0.0.1:{port}"
+    served = serve_in_thread(settings)
+    return served.server, served.url
 
 
 def main() -> None:

@@ -30,36 +30,3 @@ def liveness_verdict(requests, arrivals, what: str, **run_kwargs) -> None:
         ok, detail = False, str(error)
     verdict(ok, f"{what} ({detail})", detail)
 
-
-def serve_in_thread(settings, **uvicorn_config):
-    """The real app (`create_app(settings)`) under uvicorn on a free local port, in a daemon thread: (app, server,
-    base url). Stop it with `server.should_exit = True`."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
-    from prism.serving.app import create_app
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **{"log_level": "warning",
-                                                                                 **uvicorn_config}))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return app, server, f"http://127.0.0.1:{port}"
-
-
-def requests_left_after(engine, seconds: float) -> list[str]:
-    """The engine's requests still there after waiting up to `seconds` for them to go."""
-    import time
-
-    deadline = time.time() + seconds
-    while engine.requests and time.time() < deadline:
-        time.sleep(0.05)
-    return list(engine.requests)

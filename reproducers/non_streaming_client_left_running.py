@@ -7,15 +7,16 @@ import _common
 import httpx  # noqa: E402
 
 from prism.serving.settings import ServerSettings  # noqa: E402
+from prism.testing.serving import requests_left_after, serve_in_thread  # noqa: E402
 
-app, server, url = _common.serve_in_thread(ServerSettings())  # the embedded tiny checkpoint
-body = {"model": app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
+served = serve_in_thread(ServerSettings())  # the embedded tiny checkpoint
+body = {"model": served.app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
         "max_tokens": 4000, "ignore_eos": True}
 try:
-    httpx.post(url + "/v1/chat/completions", json=body, timeout=1.0)
+    httpx.post(served.url + "/v1/chat/completions", json=body, timeout=1.0)
 except httpx.TimeoutException:
     pass  # the client gives up
-left = _common.requests_left_after(app.state.prism.engine, 5)
-server.should_exit = True
+left = requests_left_after(served.engine, 5)
+served.server.should_exit = True
 _common.verdict(not left, "the client left and its request was aborted",
                 f"5 s after its client left, {left} still ran")

@@ -10,6 +10,7 @@ import _common
 import httpx  # noqa: E402
 
 from prism.serving.settings import ServerSettings  # noqa: E402
+from prism.testing.serving import requests_left_after, serve_in_thread  # noqa: E402
 
 errors: list[str] = []
 
@@ -21,15 +22,15 @@ class Collect(logging.Handler):
 
 
 logging.getLogger().addHandler(Collect())
-app, server, url = _common.serve_in_thread(ServerSettings(), log_config=None)  # tiny checkpoint; logs reach the root
-body = {"model": app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
+served = serve_in_thread(ServerSettings(), log_config=None)  # tiny checkpoint; logs reach the root
+body = {"model": served.app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "Talk."}],
         "max_tokens": 2000, "n": 2, "ignore_eos": True, "stream": True}
-with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as response:
     for i, _ in enumerate(response.iter_lines()):
         if i == 10:
             break  # the client leaves
-left = _common.requests_left_after(app.state.prism.engine, 5)
+left = requests_left_after(served.engine, 5)
 time.sleep(0.3)  # what the closing logs
-server.should_exit = True
+served.server.should_exit = True
 _common.verdict(not errors and not left, "two choices left midway: aborted, nothing logged as an error",
                 f"errors logged: {errors[:2]}; still running: {left}")

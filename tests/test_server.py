@@ -8,18 +8,15 @@ import base64
 import io
 import json
 import logging
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from PIL import Image
 
-from prism.serving.app import create_app
 from prism.serving.settings import ServerSettings
+from prism.testing.serving import ServedApp, requests_left_after, serve_in_thread
 
 MODEL = "prism-tiny"
 
@@ -39,29 +36,8 @@ def _image_message(url: str, text: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
 
 
-class LiveServer:
-    def __init__(self, settings: ServerSettings) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
-        self.app = create_app(settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 120
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @property
-    def engine(self):
-        return self.app.state.prism.engine
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+def LiveServer(settings: ServerSettings) -> ServedApp:
+    return serve_in_thread(settings)
 
 
 @pytest.fixture(scope="module")
@@ -402,10 +378,8 @@ def test_a_non_streaming_client_that_leaves_stops_its_work(live, path):
                 "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(live.url + path, json=body, timeout=1.0)
-    deadline = time.time() + 5
-    while live.engine.requests and time.time() < deadline:  # the poll (0.25 s), then an abort per request
-        time.sleep(0.05)
-    assert not live.engine.requests, f"still running after the client left: {list(live.engine.requests)}"
+    left = requests_left_after(live.engine, 5)  # the poll (0.25 s), then an abort per request
+    assert not left, f"still running after the client left: {left}"
     ok = httpx.post(live.url + "/v1/decide", json=_decide_body([YES_NO]), timeout=60)
     assert ok.status_code == 200, ok.text
 
@@ -433,11 +407,9 @@ def test_a_stream_of_several_choices_left_midway_ends_cleanly(live, caplog, monk
         for i, _ in enumerate(response.iter_lines()):
             if i == 10:
                 break
-    deadline = time.time() + 5
-    while live.engine.requests and time.time() < deadline:
-        time.sleep(0.05)
+    left = requests_left_after(live.engine, 5)
     time.sleep(0.2)
-    assert not live.engine.requests
+    assert not left
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert sorted(done for _, done in closed) == [False, False], f"closed (request, already done): {closed}"
 
@@ -460,10 +432,8 @@ def test_a_stream_of_more_choices_than_the_engine_runs_starts_at_once(tmp_path):
             first_chunk_s = time.time() - start
             assert len(server.engine.requests) == 6, f"{len(server.engine.requests)} of 6 choices submitted at once"
         assert first_chunk_s < 10, f"the first chunk came {first_chunk_s:.1f} s after the request"
-        deadline = time.time() + 5
-        while server.engine.requests and time.time() < deadline:
-            time.sleep(0.05)
-        assert not server.engine.requests, f"still running after the client left: {list(server.engine.requests)}"
+        left = requests_left_after(server.engine, 5)
+        assert not left, f"still running after the client left: {left}"
     finally:
         server.stop()
 
