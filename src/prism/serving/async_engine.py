@@ -180,16 +180,14 @@ class AsyncEngine:
         stream = await self._submit(
             (request_id,), lambda engine: engine.add_readout_request(request_id, prompt, candidates, temperature)
         )
-        finished = False
+        events = GenerationEvents(self, request_id, stream, None)
         try:
-            while True:
-                event: RequestOutput = await stream.queue.get()
+            async for event in events:
                 if event.finished:
-                    finished = True
                     return event
         finally:
-            if not finished:
-                self.abort(request_id)
+            await events.aclose()  # cancelled before its terminal event: aborted
+        raise AssertionError("a request's events end with its terminal one")
 
     async def _submit(self, request_ids: tuple[str, ...], submit: Callable[[Engine], object],
                       abort_also: tuple[str, ...] = ()) -> _Stream:
