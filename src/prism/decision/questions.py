@@ -108,7 +108,7 @@ def readout(logits: torch.Tensor, candidates: Sequence[int], temperature: float 
     """Softmax over the candidates' logits only (the rest of the vocabulary plays no part), in fp64. The best
     logit is subtracted before the division, so a temperature however small sends the others to -inf and the
     best to 0 (never inf - inf: NaN); fp64 keeps the division meaningful below fp32's smallest number."""
-    picked = logits.double()[torch.as_tensor(list(candidates), dtype=torch.long, device=logits.device)]
+    picked = logits[torch.as_tensor(list(candidates), dtype=torch.long, device=logits.device)].double()
     return torch.softmax((picked - picked.max()) / temperature, dim=-1).tolist()
 
 

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,9 +474,9 @@ class Engine:
         whose terminal events carry the readout."""
         if not branches:
             raise RequestError("a decision needs at least one question")
-        ids = [b.request_id for b in branches]
+        uses = Counter(b.request_id for b in branches)
         for b in branches:  # all checked before any is added: a refused decision leaves nothing running
-            if b.request_id in self.requests or ids.count(b.request_id) > 1:
+            if b.request_id in self.requests or uses[b.request_id] > 1:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
             self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
         prompts = [b.prompt.token_ids for b in branches]
