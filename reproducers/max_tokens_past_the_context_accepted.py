@@ -7,17 +7,18 @@ import _common
 import httpx  # noqa: E402
 
 from prism.serving.settings import ServerSettings  # noqa: E402
+from prism.testing.serving import serve_in_thread  # noqa: E402
 
-app, server, url = _common.serve_in_thread(ServerSettings())  # the embedded tiny checkpoint
-body = {"model": app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "hi"}],
+served = serve_in_thread(ServerSettings())  # the embedded tiny checkpoint
+body = {"model": served.app.state.prism.settings.served_model_name, "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2**40}
 try:
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=20)
+    response = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=20)
     status, said = response.status_code, response.text[:160]
 except httpx.TimeoutException:
     status, said = None, "no answer in 20 s (generating toward max_model_len)"
-routed = httpx.get(url + "/v1/chat/completions", timeout=20)
-server.should_exit = True
+routed = httpx.get(served.url + "/v1/chat/completions", timeout=20)
+served.server.should_exit = True
 ok = status == 400 and routed.status_code == 405 and "error" in routed.json()
 _common.verdict(ok, f"max_tokens 2**40: {status} {said}; GET: {routed.status_code} {routed.text[:80]}",
                 f"max_tokens 2**40: {status} {said}; GET: {routed.status_code} {routed.text[:80]}")
