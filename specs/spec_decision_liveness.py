@@ -6,14 +6,16 @@ four questions whose prompts fall on both sides of the limit. Each decide either
 - is answered within a bound of engine steps, every question's probabilities summing to 1, and no question's
   prompt reaches max_model_len (a branch computed past the model's length is a wrong answer, not a slow one);
 and afterwards the engine holds no request and no sequence. A branch forked from the material without the checks a
-request's prompt gets (the historical bug) waited for ever for pages the pool does not have, holding the engine.
+request's prompt gets (the historical bug) waited for ever for pages the pool does not have, holding the engine. So
+did a branch of max_model_len - 1 tokens that fits: copying on write the material's partly filled tail page, which
+only cache entries still shared, needed one page past the pool (found by this spec's random examples, session 23).
 """
 
 from __future__ import annotations
 
 import functools
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prism.decision.plan import Outcome, Readouts, advance, plan_decision
@@ -58,6 +60,10 @@ def decide_within(llm: LLM, questions: list[Question], max_steps: int) -> list:
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(0, 120), min_size=1, max_size=4))
+# A branch of max_model_len - 1 tokens (padding 64): besides the whole pool it needs the material's partly filled
+# tail page, which the material's cache entry (and a sibling, until it has copied it) also holds.
+@example([0, 64])
+@example([64, 64])
 def spec_every_decide_is_answered_or_refused_before_it_runs(padding: list[int]) -> None:
     llm = engine_under_test()
     questions = [Question("yes_no", f"Question {i}: is the lamp " + "very " * k + "bright?")

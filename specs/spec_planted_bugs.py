@@ -800,3 +800,18 @@ def test_branches_forked_without_the_prompt_checks_are_caught(monkeypatch: pytes
                     "not answered after|past max_model_len")
     finally:
         spec_decision_liveness.engine_under_test.cache_clear()
+
+
+def test_branch_copying_a_tail_only_the_cache_shares_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the decision liveness spec (session 23): a branch as long as the pool copied the material's partly
+    filled tail page, which only cache entries still held, and so needed one page more than the pool: it waited for
+    ever. Planted: no cache entry ever gives a tail up to a sequence."""
+    from prism.kv.manager import KVCacheManager
+    from specs import spec_decision_liveness
+
+    monkeypatch.setattr(KVCacheManager, "_held_otherwise_only_as_cached_tail", lambda self, page: False)
+    spec_decision_liveness.engine_under_test.cache_clear()
+    try:
+        _spec_fails(spec_decision_liveness.spec_every_decide_is_answered_or_refused_before_it_runs, "not answered after")
+    finally:
+        spec_decision_liveness.engine_under_test.cache_clear()

@@ -171,6 +171,31 @@ def test_eviction_drops_idle_private_tails_first_then_lowest_benefit() -> None:
     world.check_all()
 
 
+def test_a_fork_takes_over_a_tail_only_cache_entries_share_when_a_copy_does_not_fit() -> None:
+    """A full pool: the forked child writes the parent's partly filled tail page in place (its cache entry gives the
+    tail up, keeping its full page) instead of copying it, which would need a page the pool does not have. While a
+    live sibling still holds the tail it is copied, or refused when the copy does not fit."""
+    world = KVWorld(num_gpu_pages=4, page_size=4)
+    world.admit(1, SeqContent([1, 2, 3, 4, 5, 6]), 6)  # one full page + a 2-row tail
+    world.step()
+    m = world.manager
+    m.fork(1, 2)
+    m.fork(1, 3)
+    world.release(1)  # the material: its pages become a cache entry (full page + tail)
+    (entry,) = m.entries.entries.values()
+    tail = entry.tail_page
+    assert tail is not None
+    m.append_tokens(2, [7] * 10)  # 16 tokens: the whole pool
+    with pytest.raises(OutOfPages):
+        m.reserve(2, 10)  # sibling 3 still holds the tail: a copy is needed, and it does not fit
+    world.release(3, keep_in_cache=False)
+    world.schedule(2, 10)
+    assert m.seqs[2].pages[1] == ("gpu", tail) and m.stats.tail_takeovers == 1
+    assert entry.tail_page is None and entry.pages == [m.seqs[2].pages[0][1]], "the entry keeps its full page"
+    world.step()  # the KV bytes: every computed position holds its own content's KV
+    world.check_all()
+
+
 def test_plan_refuses_reads_after_writes() -> None:
     plan = TransferPlan()
     plan.add(Move("copy_on_write", ("gpu", 1), ("gpu", 2)))

@@ -68,6 +68,7 @@ class CacheStats:
     hit_tokens: int = 0
     full_page_hits: int = 0
     tail_copies: int = 0
+    tail_takeovers: int = 0  # shared tail pages written in place once their cache entries let them go
 
 
 class KVCacheManager:
@@ -212,7 +213,8 @@ class KVCacheManager:
 
     def reserve(self, seq_id: SeqId, num_tokens: int) -> None:
         """Make positions [num_computed, num_computed + num_tokens) writable: allocate pages and
-        copy-on-write any page another holder still references. All or nothing."""
+        copy-on-write any page another holder still references (a partly filled tail that only cache entries share
+        besides, when the copy does not fit, is taken over instead: the entries give it up). All or nothing."""
         seq = self._seq(seq_id)
         if not seq.is_resident:
             raise SequenceError(f"sequence {seq_id} is swapped out")
@@ -225,7 +227,16 @@ class KVCacheManager:
         shared = [j for j in range(first, min(len(seq.pages), self._pages_for(end))) if self._is_shared(seq.pages[j][1])]
         new = max(0, self._pages_for(end) - len(seq.pages))
         if not self.can_allocate(new + len(shared)):
-            raise OutOfPages(f"sequence {seq_id} needs {new + len(shared)} more pages")
+            # A fork's partly filled tail page that, besides this sequence, only cache entries still hold: taking it
+            # over costs those entries a tail; copying it costs a page the pool may not have. A decide branch as
+            # long as the pool forked from its material would otherwise wait for ever (no one younger to preempt).
+            taken = [j for j in shared if self._held_otherwise_only_as_cached_tail(seq.pages[j][1])]
+            if not taken or not self.can_allocate(new + len(shared) - len(taken)):
+                raise OutOfPages(f"sequence {seq_id} needs {new + len(shared)} more pages")
+            for j in taken:
+                self.entries.give_up_tail(seq.pages[j][1])
+                self.stats.tail_takeovers += 1
+            shared = [j for j in shared if j not in taken]
         for j in shared:
             src = seq.pages[j][1]
             if ("gpu", src) in self.plan.written():
@@ -444,6 +455,12 @@ class KVCacheManager:
 
     def _is_shared(self, page: int) -> bool:
         return self.gpu.refcount[page] - self._pins["gpu"][page] > 1
+
+    def _held_otherwise_only_as_cached_tail(self, page: int) -> bool:
+        """One page-table reference (the caller's), the rest cache entries' tail references (and plan pins, which
+        only read rows already computed)."""
+        others = self.gpu.refcount[page] - self._pins["gpu"][page] - self.entries.entry_refs.get(page, 0)
+        return others == 1 and self.entries.holds_only_as_tail(page)
 
     def _num_free_among(self, pages: set[int] | frozenset[int]) -> int:
         return sum(1 for p in pages if self.gpu.is_free(p))

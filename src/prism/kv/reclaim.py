@@ -86,14 +86,26 @@ class CacheEntries:
         tails = [e for e in self.entries.values() if e.tail_page is not None and self.is_reclaimable(e.tail_page)]
         if not tails:
             return False
-        entry = min(tails, key=lambda e: (e.last_used, e.entry_id))
+        self._drop_tail(min(tails, key=lambda e: (e.last_used, e.entry_id)))
+        return True
+
+    def holds_only_as_tail(self, page: int) -> bool:
+        """Every entry referencing `page` holds it as its partly filled tail (never as a keyed full page)."""
+        return all(self.entries[e].tail_page == page for e in self._holders.get(page, ()))
+
+    def give_up_tail(self, page: int) -> None:
+        """The entries holding `page` as their tail let it go (their full pages stay cached): a sequence that then
+        holds it alone writes past its cached rows in place instead of copying it (`KVCacheManager.reserve`)."""
+        for entry_id in list(self._holders.get(page, ())):
+            self._drop_tail(self.entries[entry_id])
+
+    def _drop_tail(self, entry: CacheEntry) -> None:
         page = entry.tail_page
         assert page is not None
         entry.tail_page = None
         self._unref(entry, page)
         if not entry.pages:
             self._remove(entry)
-        return True
 
     def _evict_one_entry(self) -> bool:
         candidates = []
