@@ -58,6 +58,20 @@ def separate(llm: LLM, mat: list[dict]) -> None:
     llm._run_until_finished(ids)
 
 
+def many_decides(llm: LLM, seed: int) -> None:
+    """32 decides over 4 new materials (seeds `seed`..`seed + 3`), all submitted before the first step."""
+    inputs = llm.engine.inputs
+    mats = [material(seed + k) for k in range(4)]
+    ids = []
+    for d in range(32):
+        branches = []
+        for i, q in enumerate(QUESTIONS):
+            prompt = inputs.prepare_chat([*mats[d % 4], {"role": "user", "content": q.render()}])
+            branches.append(Branch(f"m{d}-{time.perf_counter_ns()}-{i}", prompt, candidate_token_ids(q, inputs.encode)))
+        ids += llm.engine.add_decision(f"many{d}-{time.perf_counter_ns()}", branches)
+    llm._run_until_finished(ids)
+
+
 def main() -> None:
     if not (CKPT / "config.json").exists():
         build_checkpoint("8b", CKPT, device="cuda", progress=True)
@@ -70,23 +84,16 @@ def main() -> None:
     hot = [timed(lambda: llm.decide(hot_mat, QUESTIONS)) for _ in range(5)]
     sep_cold = [timed(lambda s=s: separate(llm, material(200 + s))) for s in range(5)]
 
-    def many() -> None:  # 32 decides over 4 materials, all submitted before the first step
-        inputs = llm.engine.inputs
-        mats = [material(300 + k) for k in range(4)]
-        ids = []
-        for d in range(32):
-            branches = []
-            for i, q in enumerate(QUESTIONS):
-                prompt = inputs.prepare_chat([*mats[d % 4], {"role": "user", "content": q.render()}])
-                branches.append(Branch(f"m{d}-{time.perf_counter_ns()}-{i}", prompt, candidate_token_ids(q, inputs.encode)))
-            ids += llm.engine.add_decision(f"many{d}-{time.perf_counter_ns()}", branches)
-        llm._run_until_finished(ids)
-
-    t_many = timed(many)
+    # The first burst of a process pays first uses (new row counts for cuBLAS, new graph shapes); later ones, each
+    # over 4 materials not seen before, are the steady state the median reports.
+    first_many = timed(lambda: many_decides(llm, 300))
+    t_many = [timed(lambda k=k: many_decides(llm, 400 + 100 * k)) for k in range(3)]
     out["prism_decide_cold_ms"] = statistics.median(cold) * 1e3
     out["prism_decide_hot_ms"] = statistics.median(hot) * 1e3
     out["prism_3_separate_cold_ms"] = statistics.median(sep_cold) * 1e3
-    out["prism_32_decides_per_s"] = 32 / t_many
+    out["prism_32_decides_per_s"] = 32 / statistics.median(t_many)
+    out["prism_32_decides_per_s_samples"] = [32 / t for t in t_many]
+    out["prism_32_decides_per_s_first_burst"] = 32 / first_many
     llm = None
     torch.cuda.empty_cache()
 
@@ -123,7 +130,8 @@ def main() -> None:
         f"| Prism decide, new material | {out['prism_decide_cold_ms']:.1f} ms | |",
         f"| Prism decide, same material again (full hit) | {out['prism_decide_hot_ms']:.1f} ms | |",
         f"| Prism, the 3 questions as separate requests, new material | {out['prism_3_separate_cold_ms']:.1f} ms | |",
-        f"| Prism decide, 32 submitted at once (4 materials) | | {out['prism_32_decides_per_s']:.2f} decides/s |",
+        f"| Prism decide, 32 submitted at once (4 new materials; median of 3 bursts) | | {out['prism_32_decides_per_s']:.2f} decides/s |",
+        f"| the same, the process's first burst | | {out['prism_32_decides_per_s_first_burst']:.2f} decides/s |",
         f"| Prism decide, deterministic mode, new material | {out['prism_deterministic_decide_cold_ms']:.1f} ms | |",
         f"| HF transformers, 3 full forwards, new material | {out['hf_3_forwards_cold_ms']:.1f} ms | |",
     ]) + "\n"
