@@ -815,3 +815,14 @@ def test_branch_copying_a_tail_only_the_cache_shares_is_caught(monkeypatch: pyte
         _spec_fails(spec_decision_liveness.spec_every_decide_is_answered_or_refused_before_it_runs, "not answered after")
     finally:
         spec_decision_liveness.engine_under_test.cache_clear()
+
+
+def test_a_material_computed_beside_its_running_prefill_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found on the H200 (session 23): 32 decides over 4 materials, submitted together, were admitted in the same
+    steps and computed each material 8 times (W7: 1.05 s of the burst's 1.4 s of kernels were GEMMs). Planted: no
+    waiting request ever waits for a running prefill of its prompt."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_shared_prefill
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_prefilled_elsewhere", lambda self, request, hit_tokens: False)
+    _spec_fails(spec_shared_prefill.spec_a_material_asked_about_together_is_computed_once, "computed again")

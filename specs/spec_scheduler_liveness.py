@@ -88,10 +88,14 @@ def prompts_sharing_images(draw) -> list[FakePrompt]:
 
 def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int,
         interleave: int | None = None, encode_ahead: bool = False, forgetful_encoder: bool = False,
-        page_aligned_hits: bool = False, encode_steps: list[int] | None = None) -> dict:
+        page_aligned_hits: bool = False, encode_steps: list[int] | None = None, defer: int | None = None,
+        max_num_seqs: int = 4) -> dict:
+    """Run the requests to their ends; returns the steps, the preemptions and the prompt tokens computed in all.
+    `defer`: `defer_shared_prefill_tokens` (waiting for a running prefill of the same prompt pages)."""
     config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
-                          preemption=preemption, max_num_seqs=4, max_num_batched_tokens=budget,
-                          interleave_prefill_tokens=interleave, encode_media_ahead=encode_ahead)
+                          preemption=preemption, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          interleave_prefill_tokens=interleave, encode_media_ahead=encode_ahead,
+                          defer_shared_prefill_tokens=defer)
     kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages, page_aligned_hits=page_aligned_hits)
     scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
     encoded: set[bytes] = set()  # the stand-in encoder cache
@@ -106,6 +110,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     terminal: dict[str, int] = {}
     pending = list(zip(arrivals, requests, strict=True))
     step = 0
+    prompt_tokens_computed = 0
     limit = 400 + 60 * len(requests)
 
     def finish(request: Request, reason: FinishReason) -> None:
@@ -144,7 +149,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
         if out.media_ahead:  # the head of the queue was held back while its media are encoded
             assert all(s.start >= s.request.num_prompt_tokens for s in out.slices), \
                 "a step both encoded media ahead and computed a prefill"
-            head = scheduler.waiting[0]
+            head = out.media_ahead_for
             assert {m.digest for m in out.media_ahead} <= {m.digest for m in head.prompt.media}
             for digest in {m.digest for m in out.media_ahead}:  # a prompt may show one image twice
                 key = (head.request_id, digest)
@@ -156,6 +161,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
         for s in out.slices:
             content = scheduler.content_of(s.request)
             assert content.span_containing(s.end) is None, "a chunk cut a visual span"
+            prompt_tokens_computed += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
             kv.publish_computed(s.request.request_id, s.start, s.end)
         kv.finish_plan(plan)
         for s in out.slices:
@@ -177,7 +183,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     kv.clear_cache()
     kv.check_invariants()
     assert kv.gpu.num_free == kv.gpu.num_pages and kv.cpu.num_free == kv.cpu.num_pages, "pages leaked"
-    return {"steps": step, "preemptions": scheduler.num_preemptions}
+    return {"steps": step, "preemptions": scheduler.num_preemptions, "prompt_tokens_computed": prompt_tokens_computed}
 
 
 @settings(max_examples=150, deadline=None)
@@ -191,13 +197,15 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     encode_ahead=st.booleans(),
     forgetful_encoder=st.booleans(),
     encode_steps=st.one_of(st.none(), st.lists(st.integers(0, 4), max_size=6)),
+    defer=st.sampled_from([None, 1, 4]),
 )
 def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, pool_pages, budget,
-                                                   interleave, encode_ahead, forgetful_encoder, encode_steps) -> None:
+                                                   interleave, encode_ahead, forgetful_encoder, encode_steps,
+                                                   defer) -> None:
     arrivals = data.draw(st.lists(st.integers(0, 12), min_size=len(requests), max_size=len(requests)))
     cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
     run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, encode_ahead, forgetful_encoder,
-        encode_steps=encode_steps if encode_ahead else None)
+        encode_steps=encode_steps if encode_ahead else None, defer=defer)
 
 
 @settings(max_examples=60, deadline=None)
@@ -208,9 +216,10 @@ def spec_every_request_terminates_on_a_tight_pool(requests, data, preemption, po
     pool_pages=st.integers(8, 16),
     budget=st.integers(10, 16),  # the step's budget left for a chunk is often below an image's rest
     interleave=st.one_of(st.none(), st.integers(1, 2), st.integers(1, 6)),  # an image's rest after a page is < 4
+    defer=st.sampled_from([None, 1, 4]),
 )
 def spec_every_request_terminates_with_deterministic_hits(shared, data, preemption, pool_pages, budget,
-                                                         interleave) -> None:
+                                                         interleave, defer) -> None:
     """Deterministic mode's whole-page hits, which may end inside an image: a chunk starting there takes the
     image's rest whole (never cut, even under an interleave limit), and every request still terminates. The
     first request decodes long and the others arrive later: they hit its pages while it decodes."""
@@ -218,7 +227,7 @@ def spec_every_request_terminates_with_deterministic_hits(shared, data, preempti
                 for i, prompt in enumerate(shared)]
     arrivals = [0] + data.draw(st.lists(st.integers(2, 12), min_size=len(requests) - 1, max_size=len(requests) - 1))
     cancels = data.draw(st.dictionaries(st.integers(0, 30), st.integers(0, 7), max_size=3))
-    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, page_aligned_hits=True)
+    run(requests, arrivals, cancels, preemption, pool_pages, budget, interleave, page_aligned_hits=True, defer=defer)
 
 
 # The counterexample this spec found: a 15-token prompt leaves its pages cached; a 29-token prompt on an

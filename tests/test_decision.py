@@ -9,6 +9,7 @@ import torch
 
 from prism.decision.questions import Question, QuestionError, candidate_token_ids, make_answer, readout
 from prism.engine.llm import LLM
+from prism.engine.request import Branch
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
 
@@ -196,3 +197,28 @@ def test_grouped_options_are_read_by_position(count):
     (answer,) = new_llm().decide(MATERIAL, [question])
     assert abs(sum(answer.probabilities.values()) - 1) < 1e-5
     assert len([p for p in answer.probabilities.values() if p > 0]) == 2  # the two group winners
+
+
+def _decides_at_once(llm: LLM, count: int) -> dict[str, list[float]]:
+    """`count` decides of the first two questions over MATERIAL, all added before the first step: readouts by id."""
+    inputs = llm.engine.inputs
+    ids = []
+    for d in range(count):
+        branches = [Branch(f"d{d}/q{i}", inputs.prepare_chat([*MATERIAL, {"role": "user", "content": q.render()}]),
+                           candidate_token_ids(q, inputs.encode)) for i, q in enumerate(QUESTIONS[:2])]
+        ids += llm.engine.add_decision(f"d{d}", branches)
+    return {i: c.readout for i, c in llm._run_until_finished(ids).items()}
+
+
+def test_decides_submitted_together_compute_their_material_once():
+    """The first decide's material is prefilled; the others wait for it and hit its pages (the same readouts as
+    computing the material once per decide, which is what happened before)."""
+    material_tokens = len(new_llm().engine.inputs.prepare_chat(MATERIAL).token_ids)
+    once, each = new_llm(defer_shared_prefill_tokens=8), new_llm(defer_shared_prefill_tokens=None)
+    waited, computed_each = _decides_at_once(once, 4), _decides_at_once(each, 4)
+    saved = each.engine.runner.stats.tokens_computed - once.engine.runner.stats.tokens_computed
+    assert saved >= 3 * (material_tokens - 8), f"only {saved} tokens saved of three more materials of {material_tokens}"
+    assert once.engine.runner.stats.vision_items_encoded == 2, "the images are encoded once, for the first material"
+    for request_id, probabilities in computed_each.items():
+        assert waited[request_id] == pytest.approx(probabilities, abs=1e-5), request_id
+    assert not once.engine.kv.seqs and not once.engine.requests

@@ -127,6 +127,13 @@ class EngineConfig:
     # eighth of a page (32 tokens at 256-token pages: W1's cold prompts shared 4 tokens of chat template; 2 at 16).
     # A shorter tail is still copied where the whole pages before it end inside an image (`KVCacheManager.lookup`).
     min_tail_copy_tokens: int | None = None
+    # A waiting request whose prompt shares at least this many tokens, beyond what the cache already holds of it
+    # (whole pages), with a prompt being prefilled waits for that prefill instead of computing the same KV beside
+    # it, then hits the pages it published (`Scheduler._prefilled_elsewhere`). Requests about the same images
+    # arriving together (W7's decides over a few materials, W5's clients) compute each image set once. Costs the
+    # waiting request the steps of that prefill; short shared prefixes (a system prompt) are recomputed instead,
+    # which costs less. None: never wait.
+    defer_shared_prefill_tokens: int | None = 512
     # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
     # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
     deterministic: bool = False
@@ -164,7 +171,7 @@ class EngineConfig:
         tail = self.min_tail_copy_tokens
         if tail is not None and (not isinstance(tail, int) or isinstance(tail, bool) or tail < 0):
             raise ConfigError(f"min_tail_copy_tokens must be a non-negative integer or null, got {tail!r}")
-        for name in ("num_gpu_pages", "max_model_len", "interleave_prefill_tokens"):
+        for name in ("num_gpu_pages", "max_model_len", "interleave_prefill_tokens", "defer_shared_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")

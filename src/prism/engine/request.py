@@ -118,6 +118,9 @@ class Request:
         self.readout: list[float] | None = None
         # A material request: once its prefill is computed, these branches fork from it (see Engine.add_decision).
         self.branches: list[Branch] | None = None
+        # The chain keys of its prompt's full pages (`kv.keys.chain_keys`), made once when the scheduler first
+        # compares its prompt with another's.
+        self.prompt_page_keys: list[bytes] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,7 +7,9 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
   `max_model_len <= pool capacity` (EngineConfig) means it can always finish.
 - Swapped requests come back before new ones are admitted, when they fit without preempting anyone.
 - Waiting requests are admitted through the KV manager's exact capacity check (prefix hit included),
-  up to `max_num_seqs` and the step's token budget. A chunk never cuts a visual span: its end snaps
+  up to `max_num_seqs` and the step's token budget. One whose prompt shares `defer_shared_prefill_tokens` or more
+  uncached tokens with a running prefill waits for it (the requests behind it are not held up) and then hits its
+  pages: requests about the same images arriving together compute them once, not once each in the same step. A chunk never cuts a visual span: its end snaps
   down to the span start (a chunk starting inside a span, after a deterministic-mode hit, takes the span's
   rest whole or waits); a span larger than the whole budget is rejected with a reason.
 - Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..kv.content import MediaSpan, SeqContent
+from ..kv.keys import chain_keys
 from ..kv.manager import REUSE_FALLBACKS, KVCacheManager
 from ..kv.pages import OutOfPages
 from ..kv.prefix import PrefixHit
@@ -149,15 +152,19 @@ class Scheduler:
         # New work waits while swapped-out requests wait to come back (they are older). A skipped request's seat is
         # free: its token in flight ends it before this step runs.
         ending = sum(1 for r in self.running if r.request_id in skip)
-        while (self.waiting and not self.swapped and budget > 0
+        deferred = 0  # requests at the head of the queue left waiting for a running prefill of their prompt
+        while (len(self.waiting) > deferred and not self.swapped and budget > 0
                and len(self.running) - ending < self.config.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting[deferred]
             content = self.content_of(request)
             hit = self.kv.lookup(content)
+            if self._prefilled_elsewhere(request, hit.num_tokens):
+                deferred += 1
+                continue
             end = self.chunk_end(request, content, hit.num_tokens, budget)
             if end <= hit.num_tokens:
                 if budget == self.config.max_num_batched_tokens:
-                    self.waiting.popleft()
+                    del self.waiting[deferred]
                     out.failed.append((request, self._unschedulable_reason(content, hit.num_tokens)))
                     continue
                 break
@@ -174,7 +181,7 @@ class Scheduler:
             if admitted is None:
                 break  # wait for running requests to finish or be preempted
             seq, end = admitted
-            self.waiting.popleft()
+            del self.waiting[deferred]
             if request.times.first_scheduled is None:
                 request.cached_tokens = seq.num_cached
             request.transition(RequestState.RUNNING)
@@ -186,6 +193,36 @@ class Scheduler:
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _prefilled_elsewhere(self, request: Request, hit_tokens: int) -> bool:
+        """Whether a running request is prefilling at least `defer_shared_prefill_tokens` of `request`'s prompt past
+        its `hit_tokens` (equal chain keys: the same tokens and media, whole pages). It publishes them as it
+        computes them, so `request` waits and hits them. Never for ever: the other prefill progresses every step it
+        runs, and once it has stopped running (finished, preempted, swapped) nothing defers `request`."""
+        threshold = self.config.defer_shared_prefill_tokens
+        if threshold is None or not self.config.enable_prefix_cache:
+            return False
+        mine = None
+        for other in self.running:
+            seq = self.kv.seqs.get(other.request_id)
+            if seq is None or seq.num_computed >= other.num_prompt_tokens:
+                continue  # not prefilling: what it computed of its prompt is published already
+            if mine is None:
+                mine = self._prompt_page_keys(request)
+                if len(mine) * self.kv.page_size - hit_tokens < threshold:
+                    return False  # even a whole shared prompt would not be worth the wait
+            theirs = self._prompt_page_keys(other)
+            shared = 0
+            while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
+                shared += 1
+            if shared * self.kv.page_size - hit_tokens >= threshold:
+                return True
+        return False
+
+    def _prompt_page_keys(self, request: Request) -> list[bytes]:
+        if request.prompt_page_keys is None:
+            request.prompt_page_keys = chain_keys(request.prompt.kv_content(), self.kv.root, self.kv.page_size)
+        return request.prompt_page_keys
+
     def _media_to_encode_ahead(self, request: Request, hit_tokens: int) -> list:
         """The media items of `request` to encode this step, ahead of its admission: those its prefill will read
         (tokens past the prefix hit) that the encoder has not seen and that were not sent ahead already (once

@@ -13,7 +13,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from .content import MediaRun
+from .content import MediaRun, SeqContent
 
 KEY_BYTES = 16  # 128 bits
 _PAGE_TAG = b"prism.page.v1"
@@ -48,3 +48,14 @@ def encode_media(media: Sequence[MediaRun]) -> bytes:
 def page_key(parent: bytes, tokens: Sequence[int], media: Sequence[MediaRun]) -> bytes:
     """Key of one full page given its parent's key."""
     return _hash(_framed(_PAGE_TAG, parent, encode_tokens(tokens), encode_media(media)))
+
+
+def chain_keys(content: SeqContent, root: bytes, page_size: int) -> list[bytes]:
+    """The keys of every full page of `content` (what the index records once they are computed): two sequences hold
+    the same KV in their first j pages exactly where their first j keys are equal."""
+    keys: list[bytes] = []
+    parent = root
+    for start in range(0, len(content) - page_size + 1, page_size):
+        parent = page_key(parent, content.tokens[start : start + page_size], content.media_runs(start, start + page_size))
+        keys.append(parent)
+    return keys
