@@ -824,5 +824,5 @@ def test_a_material_computed_beside_its_running_prefill_is_caught(monkeypatch: p
     from prism.engine import scheduler as scheduler_module
     from specs import spec_shared_prefill
 
-    monkeypatch.setattr(scheduler_module.Scheduler, "_prefilled_elsewhere", lambda self, request, hit_tokens: False)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_prefilled_elsewhere", lambda self, request, prefilling: False)
     _spec_fails(spec_shared_prefill.spec_a_material_asked_about_together_is_computed_once, "computed again")

@@ -7,14 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import prism
 from prism.engine.config import ConfigError, EngineConfig
 from prism.engine.engine import RequestError
 from prism.engine.request import FinishReason, Request, RequestState, RequestStateError
 from prism.engine.sampling import SamplingParams
-from prism.engine.scheduler import snap_chunk_end
+from prism.engine.scheduler import shared_pages, snap_chunk_end
 from prism.kv.content import MediaSpan, SeqContent
+from prism.kv.keys import chain_keys, root_key
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,3 +169,14 @@ def test_lazy_top_level_exports():
     assert prism.LLM.__name__ == "LLM" and prism.SamplingParams.__name__ == "SamplingParams"
     with pytest.raises(AttributeError):
         prism.NotAThing  # noqa: B018
+
+
+@given(st.lists(st.integers(1, 3), max_size=40), st.lists(st.integers(1, 3), max_size=40), st.integers(1, 4))
+def test_shared_pages_is_the_common_prefix_of_two_key_chains(a: list[int], b: list[int], page_size: int) -> None:
+    """The binary search over chained page keys equals a scan of the whole pages whose tokens agree."""
+    root = root_key("units")
+    keys_a, keys_b = chain_keys(SeqContent(a), root, page_size), chain_keys(SeqContent(b), root, page_size)
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    assert shared_pages(keys_a, keys_b) == min(common // page_size, len(keys_a), len(keys_b))

@@ -127,9 +127,9 @@ class EngineConfig:
     # eighth of a page (32 tokens at 256-token pages: W1's cold prompts shared 4 tokens of chat template; 2 at 16).
     # A shorter tail is still copied where the whole pages before it end inside an image (`KVCacheManager.lookup`).
     min_tail_copy_tokens: int | None = None
-    # A waiting request whose prompt shares at least this many tokens, beyond what the cache already holds of it
-    # (whole pages), with a prompt being prefilled waits for that prefill instead of computing the same KV beside
-    # it, then hits the pages it published (`Scheduler._prefilled_elsewhere`). Requests about the same images
+    # A waiting request whose prompt a running prefill has yet to compute at least this many tokens of (whole pages
+    # with the same tokens and images) waits for that prefill instead of computing the same KV beside it, then hits
+    # the pages it published (`Scheduler._prefilled_elsewhere`). Requests about the same images
     # arriving together (W7's decides over a few materials, W5's clients) compute each image set once. Costs the
     # waiting request the steps of that prefill; short shared prefixes (a system prompt) are recomputed instead,
     # which costs less. None: never wait.

@@ -7,9 +7,10 @@ Owns *liveness under a full pool* (invariant 9). Policy, first come first served
   `max_model_len <= pool capacity` (EngineConfig) means it can always finish.
 - Swapped requests come back before new ones are admitted, when they fit without preempting anyone.
 - Waiting requests are admitted through the KV manager's exact capacity check (prefix hit included),
-  up to `max_num_seqs` and the step's token budget. One whose prompt shares `defer_shared_prefill_tokens` or more
-  uncached tokens with a running prefill waits for it (the requests behind it are not held up) and then hits its
-  pages: requests about the same images arriving together compute them once, not once each in the same step. A chunk never cuts a visual span: its end snaps
+  up to `max_num_seqs` and the step's token budget. One whose prompt a running prefill has yet to compute
+  `defer_shared_prefill_tokens` or more tokens of (whole pages) waits for it and then hits its pages: requests about
+  the same images arriving together compute them once, not once each in the same step. The requests behind it are
+  considered (up to `max_num_seqs` passed over per step). A chunk never cuts a visual span: its end snaps
   down to the span start (a chunk starting inside a span, after a deterministic-mode hit, takes the span's
   rest whole or waits); a span larger than the whole budget is rejected with a reason.
 - Encoding ahead (`encode_media_ahead`): while others decode, a waiting request whose media are not encoded
@@ -64,6 +65,19 @@ class SchedulerOutput:
     def media_ahead_requests(self) -> list[Request]:
         """[media_ahead_for] when there is one (it fails with a step that encodes its media ahead)."""
         return [self.media_ahead_for] if self.media_ahead_for is not None else []
+
+
+def shared_pages(a: list[bytes], b: list[bytes]) -> int:
+    """How many leading page keys two chains have in common. A key hashes its parent's, so equal keys at page j mean
+    equal keys before it: a binary search finds the last equal one."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[hi] != b[hi] or hi is the end
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def snap_chunk_end(content: SeqContent, start: int, end: int) -> int:
@@ -153,14 +167,17 @@ class Scheduler:
         # free: its token in flight ends it before this step runs.
         ending = sum(1 for r in self.running if r.request_id in skip)
         deferred = 0  # requests at the head of the queue left waiting for a running prefill of their prompt
+        prefilling = self._prefilling()
         while (len(self.waiting) > deferred and not self.swapped and budget > 0
                and len(self.running) - ending < self.config.max_num_seqs):
             request = self.waiting[deferred]
+            if prefilling and self._prefilled_elsewhere(request, prefilling):  # (None: deferral is off)
+                deferred += 1
+                if deferred >= self.config.max_num_seqs:
+                    break  # passing over more would scan a long queue of them every step, for seats it has not
+                continue
             content = self.content_of(request)
             hit = self.kv.lookup(content)
-            if self._prefilled_elsewhere(request, hit.num_tokens):
-                deferred += 1
-                continue
             end = self.chunk_end(request, content, hit.num_tokens, budget)
             if end <= hit.num_tokens:
                 if budget == self.config.max_num_batched_tokens:
@@ -190,31 +207,39 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= end - seq.num_computed
             prefills = True
+            if prefilling is not None:
+                prefilling.append((request, seq.num_computed))  # those behind it may wait for it too
         return out
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _prefilled_elsewhere(self, request: Request, hit_tokens: int) -> bool:
-        """Whether a running request is prefilling at least `defer_shared_prefill_tokens` of `request`'s prompt past
-        its `hit_tokens` (equal chain keys: the same tokens and media, whole pages). It publishes them as it
-        computes them, so `request` waits and hits them. Never for ever: the other prefill progresses every step it
-        runs, and once it has stopped running (finished, preempted, swapped) nothing defers `request`."""
-        threshold = self.config.defer_shared_prefill_tokens
-        if threshold is None or not self.config.enable_prefix_cache:
-            return False
-        mine = None
+    def _prefilling(self) -> list[tuple[Request, int]] | None:
+        """(request, positions computed) of the running requests still in their prompts; None when waiting requests
+        never wait for them (`defer_shared_prefill_tokens` off, or no prefix cache to hit)."""
+        if self.config.defer_shared_prefill_tokens is None or not self.config.enable_prefix_cache:
+            return None
+        out = []
         for other in self.running:
             seq = self.kv.seqs.get(other.request_id)
-            if seq is None or seq.num_computed >= other.num_prompt_tokens:
-                continue  # not prefilling: what it computed of its prompt is published already
-            if mine is None:
-                mine = self._prompt_page_keys(request)
-                if len(mine) * self.kv.page_size - hit_tokens < threshold:
-                    return False  # even a whole shared prompt would not be worth the wait
+            if seq is not None and seq.num_computed < other.num_prompt_tokens:
+                out.append((other, seq.num_computed))
+        return out
+
+    def _prefilled_elsewhere(self, request: Request, prefilling: list[tuple[Request, int]]) -> bool:
+        """Whether one of the `prefilling` requests has yet to compute at least `defer_shared_prefill_tokens` of
+        the whole pages its prompt shares with `request`'s (the same tokens and media: equal chain keys). It
+        publishes them as it computes them, and `request` hits them once admitted. No lookup: what that request
+        has still to compute of the shared pages is not in the cache (or its own admission would have hit it).
+        Never for ever: it progresses every step it runs, and once it has left the running requests (finished,
+        preempted, swapped) nothing defers `request`."""
+        threshold = self.config.defer_shared_prefill_tokens
+        assert threshold is not None
+        size = self.kv.page_size
+        mine = self._prompt_page_keys(request)
+        for other, computed in prefilling:
+            if len(mine) * size - computed < threshold:
+                continue  # even all of `request`'s pages would leave it less than that to compute
             theirs = self._prompt_page_keys(other)
-            shared = 0
-            while shared < min(len(mine), len(theirs)) and mine[shared] == theirs[shared]:
-                shared += 1
-            if shared * self.kv.page_size - hit_tokens >= threshold:
+            if shared_pages(mine, theirs) * size - computed >= threshold:
                 return True
         return False
 
