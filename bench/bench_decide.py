@@ -18,9 +18,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from results_io import write_results  # noqa: E402
 
+from prism.decision.plan import Outcome, Readouts, advance, plan_decision  # noqa: E402
 from prism.decision.questions import Question, candidate_token_ids  # noqa: E402
 from prism.engine.llm import LLM  # noqa: E402
-from prism.engine.request import Branch  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
 
@@ -59,17 +59,21 @@ def separate(llm: LLM, mat: list[dict]) -> None:
 
 
 def many_decides(llm: LLM, seed: int) -> None:
-    """32 decides over 4 new materials (seeds `seed`..`seed + 3`), all submitted before the first step."""
-    inputs = llm.engine.inputs
+    """32 decides over 4 new materials (seeds `seed`..`seed + 3`), all submitted before the first step, each planned
+    as `LLM.decide` and the server plan it (`plan_decision`: a material's images prepared once for its questions)."""
+    engine = llm.engine
     mats = [material(seed + k) for k in range(4)]
-    ids = []
+    plans, ids = [], []
     for d in range(32):
-        branches = []
-        for i, q in enumerate(QUESTIONS):
-            prompt = inputs.prepare_chat([*mats[d % 4], {"role": "user", "content": q.render()}])
-            branches.append(Branch(f"m{d}-{time.perf_counter_ns()}-{i}", prompt, candidate_token_ids(q, inputs.encode)))
-        ids += llm.engine.add_decision(f"many{d}-{time.perf_counter_ns()}", branches)
-    llm._run_until_finished(ids)
+        plan = plan_decision(f"many{d}-{time.perf_counter_ns()}", mats[d % 4], QUESTIONS, engine.inputs)
+        state, work = advance(plan, None)
+        assert state == "work" and isinstance(work, Readouts) and work.decision_id is not None
+        plans.append((plan, [b.request_id for b in work.branches]))
+        ids += engine.add_decision(work.decision_id, work.branches)
+    finals = llm._run_until_finished(ids)
+    for plan, branch_ids in plans:
+        state, answers = advance(plan, {i: Outcome(readout=finals[i].readout) for i in branch_ids})
+        assert state == "done" and len(answers) == len(QUESTIONS)
 
 
 def main() -> None:
