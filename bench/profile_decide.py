@@ -26,16 +26,10 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_decide import QUESTIONS, many_decides, material  # noqa: E402
+from profile_steps import OUT, device_busy_ms, say  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint, ensure_tiny_checkpoint  # noqa: E402
-
-OUT: list[str] = []
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-    OUT.append(text)
 
 
 def sync() -> None:
@@ -73,7 +67,7 @@ def examine(label: str, make_run, repeats: int, rows: int) -> None:
         run()
         sync()
     averages = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in averages if e.self_device_time_total > 0) / 1e3
+    busy = device_busy_ms(prof)
     say(f"--- {label}: GPU busy {busy:.1f} ms (under the profiler)")
     say(averages.table(sort_by="self_device_time_total" if busy else "self_cpu_time_total", row_limit=rows))
 
