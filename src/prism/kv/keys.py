@@ -50,12 +50,20 @@ def page_key(parent: bytes, tokens: Sequence[int], media: Sequence[MediaRun]) ->
     return _hash(_framed(_PAGE_TAG, parent, encode_tokens(tokens), encode_media(media)))
 
 
-def chain_keys(content: SeqContent, root: bytes, page_size: int) -> list[bytes]:
-    """The keys of every full page of `content` (what the index records once they are computed): two sequences hold
-    the same KV in their first j pages exactly where their first j keys are equal."""
-    keys: list[bytes] = []
+def page_chain(content: SeqContent, root: bytes, page_size: int, max_tokens: int | None = None):
+    """(parent key, tokens, media runs, key) of each full page of `content` in order, within its first `max_tokens`
+    tokens (default all): the keys the index records once those pages are computed."""
+    limit = len(content) if max_tokens is None else min(max_tokens, len(content))
     parent = root
-    for start in range(0, len(content) - page_size + 1, page_size):
-        parent = page_key(parent, content.tokens[start : start + page_size], content.media_runs(start, start + page_size))
-        keys.append(parent)
-    return keys
+    for start in range(0, limit - page_size + 1, page_size):
+        tokens = tuple(content.tokens[start : start + page_size])
+        media = content.media_runs(start, start + page_size)
+        key = page_key(parent, tokens, media)
+        yield parent, tokens, media, key
+        parent = key
+
+
+def chain_keys(content: SeqContent, root: bytes, page_size: int) -> list[bytes]:
+    """The keys of every full page of `content`: two sequences hold the same KV in their first j pages exactly where
+    their first j keys are equal."""
+    return [key for *_, key in page_chain(content, root, page_size)]

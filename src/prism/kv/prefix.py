@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .content import MediaRun, SeqContent
-from .keys import page_key
+from .keys import page_chain, page_key
 from .tail_sources import TailSources, row_codes
 
 
@@ -204,21 +204,14 @@ class PrefixIndex:
     def whole_pages(self, content: SeqContent, root: bytes, max_tokens: int) -> tuple[list[int], list[bytes]]:
         """The longest chain of recorded full pages that `content` starts with, within `max_tokens` tokens:
         (pages, their keys). Its end may fall inside an image (`lookup` snaps; deterministic mode does not)."""
-        size = self.page_size
-        parent = root
         pages: list[int] = []
         keys: list[bytes] = []
-        while (len(pages) + 1) * size <= max_tokens:
-            start = len(pages) * size
-            tokens = tuple(content.tokens[start : start + size])
-            media = content.media_runs(start, start + size)
-            key = page_key(parent, tokens, media)
+        for parent, tokens, media, key in page_chain(content, root, self.page_size, max_tokens):
             record = self._by_key.get(key)
             if record is None or not self._verified(record, parent, tokens, media):
                 break
             pages.append(record.page)
             keys.append(key)
-            parent = key
         return pages, keys
 
     def lookup(self, content: SeqContent, root: bytes, max_tokens: int) -> PrefixHit:
