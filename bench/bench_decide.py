@@ -103,7 +103,7 @@ def main() -> None:
 
     det = LLM(CKPT, kv_memory_bytes=24 * 2**30, page_size=256, deterministic=True)
     det.decide(material(999), QUESTIONS)
-    det_cold = [timed(lambda s=s: det.decide(material(100 + s), QUESTIONS)) for s in range(3)]
+    det_cold = [timed(lambda s=s: det.decide(material(100 + s), QUESTIONS)) for s in range(5)]
     out["prism_deterministic_decide_cold_ms"] = statistics.median(det_cold) * 1e3
     inputs = det.engine.inputs
     det = None

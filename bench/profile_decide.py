@@ -78,28 +78,31 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/profile-decide.txt")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny checkpoint, one repeat")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--only", choices=("burst", "deterministic"), help="profile one case of the two")
+    parser.add_argument("--repeats", type=int, help="timed runs per case (default 3 on the GPU, 1 with --smoke)")
     args = parser.parse_args()
     if args.smoke:
-        ckpt, kw, repeats = ensure_tiny_checkpoint(), {"kv_dtype": "fp32", "page_size": 16}, 1
+        ckpt, kw, repeats = ensure_tiny_checkpoint(), {"kv_dtype": "fp32", "page_size": 16}, args.repeats or 1
     else:
-        ckpt, kw, repeats = Path(args.ckpt), {"kv_memory_bytes": 24 * 2**30, "page_size": 256}, 3
+        ckpt, kw, repeats = Path(args.ckpt), {"kv_memory_bytes": 24 * 2**30, "page_size": 256}, args.repeats or 3
         if not (ckpt / "config.json").exists():
             build_checkpoint("8b", ckpt, device="cuda", progress=True)
     seeds = iter(range(10_000, 10**6, 100))
 
-    llm = LLM(ckpt, max_num_seqs=128, max_num_batched_tokens=16384, **kw)
-    llm.decide(material(999), QUESTIONS)
-    many_decides(llm, next(seeds))  # the first burst's first uses out of the way
-    examine("32 decides over 4 new materials, submitted at once",
-            lambda: functools.partial(many_decides, llm, next(seeds)), repeats, args.rows)
-    llm = None
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-    det = LLM(ckpt, deterministic=True, **kw)
-    det.decide(material(998), QUESTIONS)
-    examine("deterministic mode, one decide of a new material",
-            lambda: functools.partial(det.decide, material(next(seeds)), QUESTIONS), repeats, args.rows)
+    if args.only in (None, "burst"):
+        llm = LLM(ckpt, max_num_seqs=128, max_num_batched_tokens=16384, **kw)
+        llm.decide(material(999), QUESTIONS)
+        many_decides(llm, next(seeds))  # the first burst's first uses out of the way
+        examine("32 decides over 4 new materials, submitted at once",
+                lambda: functools.partial(many_decides, llm, next(seeds)), repeats, args.rows)
+        llm = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.only in (None, "deterministic"):
+        det = LLM(ckpt, deterministic=True, **kw)
+        det.decide(material(998), QUESTIONS)
+        examine("deterministic mode, one decide of a new material",
+                lambda: functools.partial(det.decide, material(next(seeds)), QUESTIONS), repeats, args.rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(OUT))
 

@@ -1,6 +1,7 @@
 """Deterministic mode (issue 7) on the CPU: a fixed request's logits are bitwise identical alone or with
-1, 3, 7 or 31 random companions, and whether its prefix was a cache hit or a miss. (CUDA graphs are
-off in this mode, so 'graphs on or off' cannot change it; the GPU side is tests/gpu/.)"""
+1, 3, 7 or 31 random companions, and whether its prefix was a cache hit or a miss. Every forward of the mode is
+one tile through a packed bucket of one page (captured and replayed on CUDA, the same static buffers run eagerly
+here); the GPU side is tests/gpu/."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def run_with(companions: int, *, deterministic: bool, warm: bool = False, seed: 
                 out = event
         steps += 1
     assert out is not None
+    stats = engine.runner.stats
+    if deterministic:
+        assert stats.packed_graph_steps == stats.steps > 0, "a deterministic forward left the tile bucket"
     return torch.stack(captured), out.cached_tokens
 
 

@@ -134,7 +134,7 @@ def test_prefills_that_would_reread_long_contexts_stay_eager(model, monkeypatch)
     from prism.engine import runner
 
     pool, graphs, tokens, (a_pages, b_pages, c_pages) = setup(model)
-    fake = SimpleNamespace(graphs=graphs, packed=None)  # no packed graphs: the rows are the only graphs
+    fake = SimpleNamespace(graphs=graphs, packed=None, deterministic=False)  # no packed graphs: the rows are the only graphs
     question = [piece(tokens(5), 10, a_pages)]  # 5 tokens x context 15 = 75 key reads
     decodes = [piece(tokens(1), 7, b_pages), piece(tokens(1), 3, c_pages)]
     graph_for = runner.ModelRunner._graph_for

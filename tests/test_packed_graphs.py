@@ -13,9 +13,11 @@ from test_graph_rows import packed_forward as eager
 
 from prism.engine import packed_graphs as pg
 from prism.engine.packed_graphs import PackedGraphs, PackedStep
-from prism.engine.step_payload import MediaSlice
+from prism.engine.step_payload import MediaSlice, PieceInput
 from prism.model.loading import load_model
 from prism.model.qwen3_vl import MultimodalEmbeddings
+from prism.ops.attention_metadata import PagedAttentionMetadata
+from prism.ops.paged_attention import PagedKVBackend
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
 
@@ -124,6 +126,33 @@ def test_steps_that_do_not_fit_are_refused(model):
         graphs.run(PackedStep.from_pieces(five, [], PAGE), None)
     assert PackedGraphs(model, pool, SCRATCH, max_tokens=100, max_seqs=4, max_model_len=SCRATCH * PAGE).buckets \
         == tuple(b for b in pg.BUCKETS if b < 100) + (100,)
+
+
+def test_a_deterministic_tile_is_one_page_of_its_own_rows(model):
+    """Deterministic mode's forward: one sequence's tile of a whole page, its filler rows (id 0, the positions and
+    slots after its end) part of its query, run in a bucket of exactly a page: no padding sequence, the eager padded
+    forward's logits at the last real row."""
+    pool, _, tokens, (a_pages, _, _) = setup(model)
+    graphs = PackedGraphs(model, pool, SCRATCH, max_tokens=PAGE, max_seqs=1, max_model_len=SCRATCH * PAGE,
+                          buckets=(PAGE,))
+    real = tokens(3)  # positions 8..10 of A (page 11), then one filler row
+    positions = torch.arange(8, 12, dtype=torch.int64).expand(3, -1).clone()
+    step = PackedStep.from_pieces([PieceInput(real, positions, 8, 11, 1, a_pages, True)], [], PAGE)
+    assert step.token_ids.tolist() == [*real, 0] and step.sample_rows == [2]
+    assert step.query_lens == (4,) and step.context_lens == (12,)
+    assert step.slots.tolist() == [11 * PAGE + r for r in range(PAGE)]
+    saved = snapshot(pool)
+    meta = PagedAttentionMetadata.build([4], [12], [a_pages], PAGE)
+    with torch.inference_mode():
+        expected = model(torch.tensor([*real, 0]), positions, PagedKVBackend(pool, meta),
+                         logits_indices=torch.tensor([2])).float()
+    restore(pool, saved)
+    assert graphs._fill(step, None) == (PAGE, ((4,), (12,)))  # the bucket, and no padding sequence
+    restore(pool, saved)
+    torch.testing.assert_close(graphs.run(step, None), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="buckets must be"):
+        PackedGraphs(model, pool, SCRATCH, max_tokens=PAGE, max_seqs=1, max_model_len=SCRATCH * PAGE,
+                     buckets=(2 * PAGE,))
 
 
 # The Triton interpreter's own `int(array)` on loaded scalars (triton/runtime/interpreter.py), ~4,600 times here.

@@ -70,3 +70,28 @@ def test_deterministic_hit_equals_miss_and_default_mode_differs_on_gpu(ckpt_8b, 
     diff = float((default_alone - default_busy).abs().max())
     print(f"negative control, default mode on {torch.cuda.get_device_name()}: "
           f"{'differs' if diff else 'identical'} (max abs logit diff {diff:.4g})")
+
+
+def test_deterministic_mode_replays_its_tiles_and_vision_with_the_eager_bits_on_gpu(ckpt_8b):
+    """The mode's speed (session 25): every forward is a tile replayed from the page bucket's CUDA graph, and a
+    grid list seen again replays a vision graph captured with the eager call's attention backend, whose features
+    are the eager call's bits (else an image's features would depend on whether its size was seen before)."""
+    llm = LLM(ckpt_8b, kv_memory_bytes=8 * 2**30, page_size=64, deterministic=True)
+    runner = llm.engine.runner
+    assert runner.packed is not None and runner.packed.buckets == (64,) and 64 in runner.packed._graphs
+    llm.generate([message(IMAGE, "Describe the picture.")], PARAMS)
+    assert runner.stats.packed_graph_steps == runner.stats.steps > 0 and runner.packed.replays == runner.stats.steps
+    graphs, model = runner.vision_graphs, runner.model
+    assert graphs is not None
+    grid = (1, 20, 20)  # a size nothing above encoded
+    g = torch.Generator(device=model.device).manual_seed(3)
+    for trial in range(2):
+        pixels = torch.randn(400, model.config.vision.patch_dim, device=model.device, dtype=model.dtype, generator=g)
+        eager = model.encode_media(pixels, [list(grid)])
+        outs = [graphs.encode(pixels, [grid]) for _ in range(graphs.capture_after + 1)]
+        assert grid in [k[0] for k in graphs._graphs], "the grid list was not captured"
+        for out in outs:
+            assert torch.equal(out.embeds, eager.embeds) and torch.equal(out.deepstack, eager.deepstack), (
+                f"trial {trial}: a vision replay in deterministic mode changed the features")
+    del llm, runner, graphs, model
+    release_gpu_memory()

@@ -134,8 +134,9 @@ class EngineConfig:
     # waiting request the steps of that prefill; short shared prefixes (a system prompt) are recomputed instead,
     # which costs less. None: never wait.
     defer_shared_prefill_tokens: int | None = 512
-    # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles,
-    # prefix hits page-aligned, media encoded one at a time, no CUDA graphs. Costs speed (see bench/).
+    # Bitwise-reproducible outputs: each sequence computed alone in page-aligned, padded one-page tiles (each
+    # replayed from one CUDA graph of a page's rows), prefix hits page-aligned, media encoded one at a time (vision
+    # graphs captured with the eager attention backend). Costs speed (see bench/).
     deterministic: bool = False
     # After every step, run the KV manager's full accounting check; check every cascade attention plan (tests).
     check_invariants: bool = False

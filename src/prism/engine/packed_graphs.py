@@ -66,28 +66,30 @@ class PackedStep:
 
     @classmethod
     def from_pieces(cls, pieces, media, page_size: int) -> PackedStep:
-        """From `step_payload.PieceInput`s without padding and their `MediaSlice`s."""
+        """From `step_payload.PieceInput`s and their `MediaSlice`s. A piece's filler rows (a deterministic tile's
+        `pad`) are rows of its own sequence (id 0, the positions and slots after its end) and count in its query
+        and context lengths, as in the eager forward; it samples its last real row."""
         ids, slots, positions, sample = [], [], [], []
         offset = 0
         for p in pieces:
-            if p.pad:
-                raise ValueError("padded (deterministic) pieces do not run in the packed graphs")
-            ids.append(np.asarray(p.token_ids, dtype=np.int64))
+            ids.append(np.concatenate([np.asarray(p.token_ids, dtype=np.int64), np.zeros(p.pad, dtype=np.int64)]))
             slots.append(p.slots(page_size))
             positions.append(p.positions.numpy())
-            offset += p.end - p.start
+            offset += p.num_rows
             if p.sample:
-                sample.append(offset - 1)
+                sample.append(offset - p.pad - 1)
         media_rows = [np.arange(m.row, m.row + m.length, dtype=np.int64) for m in media]
         cat = np.concatenate
-        return cls(cat(ids), cat(positions, axis=1), cat(slots), tuple(p.end - p.start for p in pieces),
-                   tuple(p.end for p in pieces), [list(p.pages) for p in pieces], sample,
+        return cls(cat(ids), cat(positions, axis=1), cat(slots), tuple(p.num_rows for p in pieces),
+                   tuple(p.end + p.pad for p in pieces), [list(p.pages) for p in pieces], sample,
                    cat(media_rows) if media_rows else np.zeros(0, dtype=np.int64))
 
 
 class PackedGraphs:
     def __init__(self, model: Qwen3VLModel, pool: KVPool, first_scratch_page: int, max_tokens: int,
-                 max_seqs: int, max_model_len: int) -> None:
+                 max_seqs: int, max_model_len: int, buckets: tuple[int, ...] | None = None) -> None:
+        """`buckets`: the token counts captured (default: `BUCKETS` below `max_tokens`, then `max_tokens`); a step
+        replays the smallest that holds it."""
         self.model = model
         self.pool = pool
         page_size = pool.layout.page_size
@@ -95,7 +97,10 @@ class PackedGraphs:
         self.max_pages = -(-max_model_len // page_size)
         self.max_context = self.max_pages * page_size
         max_tokens = min(max_tokens, self.max_context)
-        self.buckets = tuple(b for b in BUCKETS if b < max_tokens) + (max_tokens,)
+        if buckets is not None and (not buckets or min(buckets) < 1 or max(buckets) > max_tokens):
+            raise ValueError(f"buckets must be in [1, {max_tokens}], got {buckets}")
+        self.buckets = (tuple(sorted(buckets)) if buckets is not None
+                        else tuple(b for b in BUCKETS if b < max_tokens) + (max_tokens,))
         self.max_tokens = max_tokens
         self.max_seqs = max_seqs  # real sequences; slot max_seqs is the padding sequence
         text = model.config.text

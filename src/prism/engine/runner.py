@@ -6,7 +6,8 @@ the tokens written in that step, so a prefix that was computed earlier (a hit) a
 miss) are read identically. Vision runs only for media items whose tokens are computed this step and
 whose features are not in the encoder cache (or that the scheduler sends ahead of their prefill); a full
 prefix hit runs no vision at all. Decodes and short prefills without media replay a CUDA graph as one-token
-rows (`cuda_graphs.py`); other steps run one packed eager forward.
+rows (`cuda_graphs.py`), steps with a prefill the packed graphs (`packed_graphs.py`) where they fit; other steps
+run one packed eager forward. Deterministic mode runs one tile per forward, each through a packed bucket of a page.
 Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), with one rank or several.
 """
 
@@ -120,8 +121,14 @@ class ModelRunner:
                       and (self.device.type == "cuda" and kernels_override() != "reference"
                            or graph_rows_without_cuda))
         use_packed = use_graphs and bool(packed_graph_max_tokens)
+        # Deterministic mode runs every forward (one tile: one sequence, one page of rows) through one packed bucket
+        # of a page: replayed on CUDA (an eager tile was ~25 ms of launches on the H200's host for ~7 ms of GPU
+        # work), on its static buffers elsewhere, so a tile's arithmetic is the same on every device path.
+        capture_tiles = (deterministic and cuda_graph_max_batch is not None and self.device.type == "cuda"
+                         and kernels_override() != "reference")
         # CUDA graphs pad batches with rows that write scratch pages past the manager's pages.
-        scratch_rows = max(cuda_graph_max_batch or 0, packed_graph_max_tokens or 0) if use_graphs else 0
+        scratch_rows = (max(cuda_graph_max_batch or 0, packed_graph_max_tokens or 0) if use_graphs
+                        else layout.page_size if deterministic else 0)
         scratch = -(-scratch_rows // layout.page_size)
         self.gpu_pool = KVPool.allocate(layout.with_num_pages(layout.num_pages + scratch), self.device)
         self.cpu_pool = (
@@ -154,6 +161,11 @@ class ModelRunner:
                     self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, packed_graph_max_tokens,
                                                max_num_seqs, max_model_len)
                     self.packed.capture()
+                if deterministic:
+                    self.packed = PackedGraphs(model, self.gpu_pool, layout.num_pages, layout.page_size, 1,
+                                               max_model_len, buckets=(layout.page_size,))
+                    if capture_tiles:
+                        self.packed.capture()
             background_encoding = background_encoding and self.device.type == "cuda" and self.group.world_size == 1
             vision_capture = None
             if background_encoding:
@@ -164,11 +176,11 @@ class ModelRunner:
                 taken = [torch.cuda.graph.default_capture_stream]
                 vision_capture = stream_apart(self.device, taken)
                 self.background = BackgroundEncoding(self.device, [*taken, vision_capture])
-            if vision_graphs and self.device.type == "cuda" and not deterministic:
+            if vision_graphs and self.device.type == "cuda":
                 self.vision_graphs = VisionGraphs(
                     model.encode_media,
                     functools.partial(capture_encoder, model.visual, pool=torch.cuda.graph_pool_handle(),
-                                      stream=vision_capture),
+                                      stream=vision_capture, plan_free=deterministic),
                     max_graphs=vision_graphs)
         except BaseException:  # graphs captured before the failure would pin a TP group's communicators
             self.release_cuda_graphs()
@@ -183,7 +195,9 @@ class ModelRunner:
         for holder in (self.graphs, self.packed, self.vision_graphs):
             if holder is not None:
                 holder.release()
-        self.graphs = self.packed = self.vision_graphs = None
+        self.graphs = self.vision_graphs = None
+        if not self.deterministic:  # deterministic tiles go on through the holder's buffers, eagerly
+            self.packed = None
 
     def group_q_heads(self, text) -> int:
         """Query heads on this rank (the KV pool holds this rank's share of the KV heads)."""
@@ -312,8 +326,8 @@ class ModelRunner:
         tile among a block of tokens: W2's 30-token question after a hit took 7.9 ms packed, 8.6 ms as rows, on
         the H200); without them, a short prefill without media goes to the rows, where each prefill token reads
         its whole context on its own, so only while that re-reading stays small."""
-        if any(p.pad for p in pieces):
-            return ""
+        if self.deterministic:  # one tile (`_deterministic_tiles`): always its bucket, replayed where captured
+            return "packed"
         tokens, longest = sum(p.end - p.start for p in pieces), max(p.end for p in pieces)
         decode_only = all(p.end - p.start == 1 for p in pieces)
         if decode_only and not media and self.graphs is not None and self.graphs.fits(tokens, longest):

@@ -40,8 +40,9 @@ class PieceInput:
         return self.end + self.pad - self.start
 
     def slots(self, page_size: int) -> np.ndarray:
-        """int64 KV slot of each real position [start, end): its page's slot base plus its row in the page."""
-        pos = np.arange(self.start, self.end, dtype=np.int64)
+        """int64 KV slot of each row, positions [start, end + pad): its page's slot base plus its row in the page
+        (a deterministic tile's filler rows write the rest of its own frontier page, as the eager forward does)."""
+        pos = np.arange(self.start, self.end + self.pad, dtype=np.int64)
         pages = np.asarray(self.pages, dtype=np.int64)
         return pages[pos // page_size] * page_size + pos % page_size
 

@@ -19,8 +19,10 @@ grid list replays for any pixels of that list: the same sizes of images, new pic
   graph's buffers after its replay but the clone, so one list's activations may reuse another's.
 - A capture that fails is logged, and that grid list stays eager; one that ran out of memory is tried again
   after `capture_after` more encodings of the list.
-The runner does not use it in deterministic mode: captured kernels may be other algorithms than the eager
-ones, and there an item's features must not depend on how it was encoded.
+- A capture keeps PyTorch's attention backend (cuDNN on Hopper), which rounds otherwise than the eager call's
+  plan-free one; in deterministic mode, where an item's features must not depend on how it was encoded, the
+  runner captures with the eager call's backend (`plan_free`), so a replay gives the eager call's bits
+  (tests/gpu/test_deterministic_gpu.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.attention import plan_free_sdpa
 from ..model.vision import Grid, GridMetadata, VisionEncoder, VisionOutput
 from .cuda_graphs import capture_buckets
 
@@ -60,15 +63,23 @@ class CapturedEncoder:
 
 
 def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence[Grid], *,
-                    pool: tuple | None = None, stream: torch.cuda.Stream | None = None) -> CapturedEncoder:
+                    pool: tuple | None = None, stream: torch.cuda.Stream | None = None,
+                    plan_free: bool = False) -> CapturedEncoder:
     """`visual` over patches of `grids` captured in a CUDA graph (in memory pool `pool`, else a private one; on capture
     stream `stream`), the way the decoder's graphs are (`cuda_graphs.capture_buckets`). The grid metadata (host work
-    and copies, which a capture cannot hold) is made first."""
+    and copies, which a capture cannot hold) is made first. `plan_free`: attention by the eager call's backends
+    (`attention.plan_free_sdpa`), for the eager call's bits."""
     meta = visual.grid_metadata([list(g) for g in grids])
     static = pixels.clone()
+
+    def encode(_):
+        if not plan_free:
+            return visual.encode(static, meta)
+        with plan_free_sdpa():
+            return visual.encode(static, meta)
+
     with torch.cuda.device(static.device):
-        graphs, outputs = capture_buckets(static.device, [0], lambda _: visual.encode(static, meta), pool=pool,
-                                          stream=stream)
+        graphs, outputs = capture_buckets(static.device, [0], encode, pool=pool, stream=stream)
     return CapturedEncoder(graphs[0], static, outputs[0], meta)
 
 

@@ -213,7 +213,8 @@ class VisionEncoder(nn.Module):
         in the step, beside whatever decodes. A captured grid list (`engine.vision_graphs`, `encode` called
         directly) keeps PyTorch's choice, cuDNN on Hopper (1.5x faster at 8 images): its plan is built once,
         at the capture, which is a one-time cost per list anyway. The two round differently, so an image's
-        features depend on whether its grid list was captured yet (deterministic mode captures nothing)."""
+        features depend on whether its grid list was captured yet (deterministic mode captures with this call's
+        backends: `engine.vision_graphs.capture_encoder`'s `plan_free`)."""
         with plan_free_sdpa():
             return self.encode(pixel_values, self.grid_metadata(grid_thw))
 
