@@ -71,6 +71,10 @@ def test_openai_client_plain_and_streaming(live):
     hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("prism:prefix_cache_hits_total"))
     assert hits > 0
     assert "prism:time_to_first_token_seconds_bucket" in metrics and "prism:mm_cache_hits_total" in metrics
+    gauges = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("prism:kv")}
+    # Idle and warm: the cached prefix's pages are all the pool holds, and all of them are evictable.
+    assert gauges["prism:kv_cache_pages_used"] == gauges["prism:kv_cache_pages_reclaimable"] > 0
+    assert gauges["prism:kv_cache_usage_perc"] == 0.0
 
 
 def test_images_named_by_uuid_after_being_sent_once(live):

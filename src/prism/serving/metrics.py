@@ -38,8 +38,13 @@ class EngineCollector:
                        runner.encoder_cache_hits)
         yield _counter("prism:num_preemptions", "Requests preempted (swapped out or recomputed).", e.stats.preemptions)
         yield _gauge("prism:kv_cache_pages_total", "KV pages in the GPU pool.", kv.gpu.num_pages)
-        yield _gauge("prism:kv_cache_pages_used", "KV pages referenced (requests, cache entries, transfers).", kv.gpu.num_used)
-        yield _gauge("prism:kv_cache_usage_perc", "Fraction of KV pages in use.", kv.gpu.num_used / max(kv.gpu.num_pages, 1))
+        used, reclaimable = kv.gpu.num_used, kv.entries.num_reclaimable()
+        yield _gauge("prism:kv_cache_pages_used", "KV pages referenced (requests, cache entries, transfers).", used)
+        yield _gauge("prism:kv_cache_pages_reclaimable", "KV pages only prefix-cache entries hold (evictable now).",
+                     reclaimable)
+        # As vLLM counts it: pages only the cache holds are free to take, so a warm, idle server reads 0.
+        yield _gauge("prism:kv_cache_usage_perc", "Fraction of KV pages held by requests or transfers.",
+                     (used - reclaimable) / max(kv.gpu.num_pages, 1))
         yield _gauge("prism:num_requests_running", "Requests running (scheduled with pages).", len(e.scheduler.running))
         yield _gauge("prism:num_requests_waiting", "Requests waiting to be scheduled.", len(e.scheduler.waiting))
         yield _gauge("prism:num_requests_swapped", "Requests swapped out to the CPU pool.", len(e.scheduler.swapped))
