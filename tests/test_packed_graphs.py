@@ -155,6 +155,36 @@ def test_a_deterministic_tile_is_one_page_of_its_own_rows(model):
                      buckets=(2 * PAGE,))
 
 
+def test_a_replays_logits_are_the_callers_not_the_graphs_output_buffer(model):
+    """Found in review (session 25): a replay's fp32 logits were a view of the bucket's static output, so the next
+    replay overwrote them; deterministic mode replays the bucket once per tile and concatenates the sampling tiles'
+    logits after the last one (with fp32 weights on CUDA every sequence of a step read the last tile's logits).
+    Here a stand-in graph writes the eager forward into a static output buffer, as a replay does."""
+    pool, _, tokens, (a_pages, b_pages, _) = setup(model)
+    graphs = PackedGraphs(model, pool, SCRATCH, max_tokens=PAGE, max_seqs=1, max_model_len=SCRATCH * PAGE,
+                          buckets=(PAGE,))
+    fill, real = graphs._fill, {}
+
+    def recording_fill(step, media, bucket=None):
+        real["lengths"] = (out := fill(step, media, bucket))[1]
+        return out
+
+    class StaticOutputGraph:
+        def replay(self):
+            graphs._outputs[PAGE].copy_(graphs._forward(PAGE, real["lengths"]))
+
+    graphs._fill = recording_fill
+    graphs._graphs[PAGE] = StaticOutputGraph()
+    graphs._outputs[PAGE] = torch.zeros(2, model.config.text.vocab_size, dtype=model.dtype)
+    assert model.dtype == torch.float32
+    positions = torch.arange(12, 16, dtype=torch.int64).expand(3, -1).clone()
+    tile = PieceInput(tokens(3), positions, 12, 15, 1, a_pages, True)  # positions 12..14 of A, one filler row
+    first = graphs.run(PackedStep.from_pieces([tile], [], PAGE), None)
+    kept = first.clone()
+    graphs.run(PackedStep.from_pieces([piece(tokens(4), 4, b_pages)], [], PAGE), None)
+    assert torch.equal(first, kept), "the next replay overwrote the logits a tile returned"
+
+
 # The Triton interpreter's own `int(array)` on loaded scalars (triton/runtime/interpreter.py), ~4,600 times here.
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 def test_the_captured_form_with_the_triton_kernels_equals_the_eager_step(model, monkeypatch):  # noqa: F811

@@ -235,4 +235,6 @@ class PackedGraphs:
             logits = self._outputs[b]
         else:
             logits = self._forward(b, real)
-        return logits[: len(step.sample_rows)].float()
+        # A copy, never a view of the graph's output (what `.float()` of fp32 logits would be): a deterministic step
+        # replays the bucket once per tile and keeps every sampling tile's logits until the last one has run.
+        return logits[: len(step.sample_rows)].to(torch.float32, copy=True)
