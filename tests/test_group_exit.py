@@ -42,6 +42,22 @@ def test_rank_0_destroys_its_graphs_before_leaving_the_group(planted):
         assert exit_.graphs_held == []
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["fixed", "planted_leave_with_graphs"])
+def test_deterministic_rank_0_releases_its_tile_graphs_before_leaving(planted):
+    """Deterministic mode keeps its page bucket's holder after the release (its tiles go on through the buffers), so
+    the check asks the holder whether its graphs were destroyed."""
+    torch.set_num_threads(1)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=64, page_size=4, kv_dtype="fp8",
+              deterministic=True, distributed_timeout_s=60)
+    assert llm.engine.runner.packed is not None and llm.engine.runner.graphs is None
+    llm.generate(["Count to five."], SamplingParams.greedy(max_tokens=3, ignore_eos=True))
+    if planted:
+        llm.engine._followers.release_graphs = None
+    exit_ = shutdown_recording_group_exit(llm.engine)
+    assert exit_.left and exit_.finished_in_time
+    assert exit_.graphs_held == (["packed"] if planted else [])
+
+
 def test_leaving_releases_first_and_gives_up_on_an_abort_that_hangs(monkeypatch):
     order: list[str] = []
     entered, stuck = threading.Event(), threading.Event()

@@ -123,6 +123,7 @@ class PackedGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self.released = False
 
     def num_blocks(self, bucket: int) -> int:
         """The prefill kernel's grid for a bucket: the most query blocks its pieces can cut into (each piece,
@@ -166,6 +167,7 @@ class PackedGraphs:
     def release(self) -> None:
         """Destroy every captured bucket (`cuda_graphs.destroy_graphs`); a later step runs eagerly."""
         destroy_graphs(self._graphs, self._outputs)
+        self.released = True  # (deterministic mode keeps the holder for its buffers: `testing.group_exit` asks this)
 
     def _idle_step(self) -> PackedStep:
         return PackedStep(np.zeros(0, np.int64), np.zeros((3, 0), np.int64), np.zeros(0, np.int64), (), (), [],

@@ -31,7 +31,9 @@ def shutdown_recording_group_exit(engine) -> GroupExit:
 
     def recording_abort() -> None:
         seen.left = True
-        seen.graphs_held = [name for name in GRAPH_HOLDERS if getattr(engine.runner, name, None) is not None]
+        seen.graphs_held = [name for name in GRAPH_HOLDERS
+                            if getattr(engine.runner, name, None) is not None
+                            and not getattr(getattr(engine.runner, name), "released", False)]
         original()
 
     tp_workers.abort_process_group = recording_abort
