@@ -461,8 +461,9 @@ class ModelRunner:
 
     def replays_chunk_beside_rows(self, num_rows: int, chunk_tokens: int, max_context: int) -> bool:
         """Whether `execute_decode_rows` takes `num_rows` decode rows and a chunk of `chunk_tokens` (the packed
-        graphs)."""
-        return self.packed is not None and self.packed.fits(num_rows + chunk_tokens, num_rows + 1, max_context)
+        graphs; never deterministic mode's page bucket, which takes one tile of one sequence)."""
+        return (not self.deterministic and self.packed is not None
+                and self.packed.fits(num_rows + chunk_tokens, num_rows + 1, max_context))
 
     @torch.inference_mode()
     def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager, token_ids: torch.Tensor,
