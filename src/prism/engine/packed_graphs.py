@@ -72,7 +72,9 @@ class PackedStep:
         ids, slots, positions, sample = [], [], [], []
         offset = 0
         for p in pieces:
-            ids.append(np.concatenate([np.asarray(p.token_ids, dtype=np.int64), np.zeros(p.pad, dtype=np.int64)]))
+            ids.append(np.asarray(p.token_ids, dtype=np.int64))
+            if p.pad:  # filler ids right after the piece's own: `ids` is concatenated in this order
+                ids.append(np.zeros(p.pad, dtype=np.int64))
             slots.append(p.slots(page_size))
             positions.append(p.positions.numpy())
             offset += p.num_rows

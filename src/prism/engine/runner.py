@@ -443,10 +443,6 @@ class ModelRunner:
         logits = self.model(
             input_ids,
             to_device(torch.cat([p.positions for p in pieces], dim=1), self.device),
-            # The paged prefill kernel in deterministic mode too: there a forward is one tile of one sequence, and the
-            # kernel's key splits follow the tile's rows and context alone (the same on a hit and on a miss, alone or
-            # beside companions). Checked in the interpreter (tests/test_deterministic.py with PRISM_KERNELS=triton,
-            # session 23); the torch reference had been most of a deterministic decide's time on the H200.
             PagedKVBackend(self.gpu_pool, meta),
             multimodal=self._place_media(forward.media, features),
             logits_indices=to_device(rows, self.device, torch.int64),

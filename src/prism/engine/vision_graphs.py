@@ -27,6 +27,7 @@ grid list replays for any pixels of that list: the same sizes of images, new pic
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -73,9 +74,7 @@ def capture_encoder(visual: VisionEncoder, pixels: torch.Tensor, grids: Sequence
     static = pixels.clone()
 
     def encode(_):
-        if not plan_free:
-            return visual.encode(static, meta)
-        with plan_free_sdpa():
+        with plan_free_sdpa() if plan_free else contextlib.nullcontext():
             return visual.encode(static, meta)
 
     with torch.cuda.device(static.device):
