@@ -826,3 +826,54 @@ def test_a_material_computed_beside_its_running_prefill_is_caught(monkeypatch: p
 
     monkeypatch.setattr(scheduler_module.Scheduler, "_prefilled_elsewhere", lambda self, request, prefilling: False)
     _spec_fails(spec_shared_prefill.spec_a_material_asked_about_together_is_computed_once, "computed again")
+
+
+if kv_write.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _merge_all_but_the_last_split(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, b, h, HQ, HEAD_DIM,
+                                      NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      CACHE: tl.constexpr):
+        """`paged_attention.merge_splits` as a merge that ran before the last split arrived: without its partial."""
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        smask = s < NUM_SPLITS - 1
+        base = (b.to(tl.int64) * HQ + h) * NUM_SPLITS + s
+        m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+        acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, axis=0))
+        o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _write_no_key(x1, x2, pay_ptr, sc_ptr, slot, ok, row, h, j, H, HALF: tl.constexpr, stride_row, stride_slot,
+                      sc_stride_row, KIND: tl.constexpr, OFFSET_DTYPE: tl.constexpr):
+        """`kv_write.write_head_halves` that stores nothing: the new token's key never reaches the pool."""
+        pass
+
+
+@pytest.mark.skipif(not kv_write._INTERPRETED, reason="re-binding a jit function's callee needs the interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_fused_decode_merging_before_the_last_split_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused decode attention: the program that merges a (sequence, KV head)'s splits must be the last to
+    arrive. Planted: a merge without the last split's partial, as one that ran before it was stored."""
+    from prism.ops import fused_decode
+    from specs import spec_fused_decode
+
+    monkeypatch.setattr(fused_decode, "merge_splits", _merge_all_but_the_last_split)
+    _spec_fails(spec_fused_decode.spec_fused_decode_equals_the_unfused_launches, "differs from the unfused")
+
+
+@pytest.mark.skipif(not kv_write._INTERPRETED, reason="re-binding a jit function's callee needs the interpreter")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_fused_decode_dropping_the_new_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused decode attention writes the new token's key before its split reads it back through the pool.
+    Planted: the key's write left out."""
+    from prism.ops import fused_decode
+    from specs import spec_fused_decode
+
+    monkeypatch.setattr(fused_decode, "write_head_halves", _write_no_key)
+    _spec_fails(spec_fused_decode.spec_fused_decode_equals_the_unfused_launches, "pool's bytes differ")
