@@ -25,15 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from prism.ops import (  # noqa: E402
-    cascade_attention,
-    fused_decode,
-    fused_norms,
-    gemv,
-    paged_attention,
-    qk_norm_rope_kv,
-    skinny_gemm,
-)
+from prism.ops import cascade_attention, fused_norms, gemv, paged_attention, qk_norm_rope_kv, skinny_gemm  # noqa: E402
 from prism.testing import kernel_signatures as sig  # noqa: E402
 from prism.testing.knobs import parse_value  # noqa: E402
 from prism.testing.offline_compile import compile_for_hopper, ptxas_resources  # noqa: E402
@@ -100,11 +92,6 @@ def rows() -> dict[str, tuple]:
             paged_attention._decode_kernel, sig.DECODE_ATTENTION,
             {**decode, "NUM_SPLITS": splits_b1, "SPLIT_SLOTS": splits_b1, "SKIP_PREFIX": False},
             paged_attention._NUM_WARPS),
-        f"fused decode: norm + rope + KV write + attention + merge, batch 1 ({splits_b1} splits)": (
-            fused_decode._fused_decode_kernel, sig.FUSED_DECODE,
-            {**{k: v for k, v in decode.items() if k != "BLOCK_D"}, "NUM_SPLITS": splits_b1, "BLOCK_S": splits_b1, "BLOCK_GM": GROUP,
-             "HALF": HEAD_DIM // 2, "DTYPE": tl.bfloat16},
-            fused_decode.NUM_WARPS),
         "decode attention, cascade own tails (1 split)": (
             paged_attention._decode_kernel, sig.DECODE_ATTENTION,
             {**decode, "NUM_SPLITS": 1, "SPLIT_SLOTS": 1 + shared_splits, "SKIP_PREFIX": True},

@@ -256,7 +256,7 @@ COMPILE_FOR_HOPPER = r'''
 import json, sys
 import triton
 import triton.language as tl
-from prism.ops import fused_decode, fused_norms, gemv, skinny_gemm
+from prism.ops import fused_norms, gemv, skinny_gemm
 from prism.testing import kernel_signatures as sig
 from prism.testing.offline_compile import compile_for_hopper
 from prism.ops.pdl import wait_for_predecessors
@@ -303,11 +303,6 @@ cases = {
     "skinny_gemm, split sums, one row": (skinny_gemm._split_sums_kernel, sig.without(sig.SPLIT_SUMS, "M"),
                                          {"SPLIT_K": 2, "SILU": True, "BLOCK": 1024, "M": 1}),
     "add_rms_norm": (fused_norms._add_rms_norm_kernel, sig.ADD_RMS_NORM, {"DTYPE": tl.bfloat16, "BLOCK": 4096}),
-    # the decode step's norm + rope + K/V write + attention + merge (`fused_decode`): 8B heads, 8 splits
-    "fused_decode": (fused_decode._fused_decode_kernel, sig.FUSED_DECODE,
-                     {"HALF": 64, "DTYPE": tl.bfloat16, "KIND": 0, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_G": 16, "BLOCK_GM": 4,
-                      "BLOCK_N": 128, "DOT_DTYPE": tl.float16, "PRECISION": "tf32", "OFFSET_DTYPE": tl.int64,
-                      "NUM_STAGES": 2, "NATIVE_FP8": True, "V_WITH_K": True}),
     "planted: reads, then waits": (planted_reads_then_waits, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}),
 }
 memory = ("ld.global", "st.global", "cp.async", "atom.", "red.")
@@ -346,8 +341,7 @@ def hopper_ptx_order(tmp_path_factory) -> dict:
                                   "gemv_silu_and_mul", "skinny_gemm", "skinny_gemm, silu", "skinny_gemm, split K",
                                   "skinny_gemm, split sums", "skinny_gemm, split K, one row",
                                   "skinny_gemm, split sums, one row",
-                                  "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm",
-                                  "fused_decode"])
+                                  "gemv_silu_and_mul, norm in", "gemv_silu_and_mul, INTER = 1", "add_rms_norm"])
 def test_the_compiled_kernel_waits_before_its_first_memory_access(hopper_ptx_order, case):
     """The source rule above, checked again where it matters: in the PTX for Hopper, `griddepcontrol.wait` comes
     before the first global load, store, async copy or atomic (no helper, alias or compiler reordering moved a

@@ -189,21 +189,6 @@ if HAVE_TRITON:
         """One BLOCK_N-key tile [n0, n0 + BLOCK_N) folded into the online softmax (m_i, l_i, acc). MASKED=False
         is for tiles that every row sees whole (all keys < hi and <= every qpos): the same numbers without
         the causal and bounds selects."""
-        pos, pmask, slot, k, k_f, v, v_f = load_tile(n0, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask,
-                                                     stride_row, stride_slot, sc_stride_row, page_size, H, HEAD_DIM,
-                                                     BLOCK_N, KIND, DOT_DTYPE, OFFSET_DTYPE, NATIVE_FP8, V_WITH_K,
-                                                     MASKED)
-        return fold_tile(q, qpos, pos, pmask, slot, k, k_f, v, v_f, m_i, l_i, acc, pay_ptr, sc_ptr, row_v, hk, d,
-                         dmask, stride_row, stride_slot, sc_stride_row, H, HEAD_DIM, KIND, DOT_DTYPE, PRECISION,
-                         OFFSET_DTYPE, NATIVE_FP8, V_WITH_K, MASKED)
-
-    @triton.jit
-    def load_tile(n0, hi, bt_row, pay_ptr, sc_ptr, row_k, row_v, hk, d, dmask, stride_row, stride_slot,
-                  sc_stride_row, page_size, H, HEAD_DIM, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                  V_WITH_K: tl.constexpr, MASKED: tl.constexpr):
-        """`_attend_tile`'s loads: the tile's positions, mask, slots, K and (V_WITH_K) V with their factors (else V
-        placeholders, loaded by `fold_tile`)."""
         pos = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
             pmask = pos < hi
@@ -213,18 +198,9 @@ if HAVE_TRITON:
         slot = page * page_size + pos % page_size  # int64: page ids are int64
         k, k_f = _load_kv_tile(pay_ptr, sc_ptr, row_k, slot, hk, d, pmask, dmask, stride_row, stride_slot,
                                sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE, NATIVE_FP8)
-        v, v_f = k, k_f
         if V_WITH_K:
             v, v_f = _load_kv_tile(pay_ptr, sc_ptr, row_v, slot, hk, d, pmask, dmask, stride_row, stride_slot,
                                    sc_stride_row, H, HEAD_DIM, KIND, OFFSET_DTYPE, DOT_DTYPE, NATIVE_FP8)
-        return pos, pmask, slot, k, k_f, v, v_f
-
-    @triton.jit
-    def fold_tile(q, qpos, pos, pmask, slot, k, k_f, v, v_f, m_i, l_i, acc, pay_ptr, sc_ptr, row_v, hk, d, dmask,
-                  stride_row, stride_slot, sc_stride_row, H, HEAD_DIM, KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  PRECISION: tl.constexpr, OFFSET_DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                  V_WITH_K: tl.constexpr, MASKED: tl.constexpr):
-        """`_attend_tile`'s arithmetic on the tile `load_tile` loaded."""
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_f[None, :]
         if MASKED:
             s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
@@ -350,33 +326,27 @@ if HAVE_TRITON:
         return (tl.float32, "tf32") if kv_dtype == "bf16" else (tl.float16, "tf32")
 
     @triton.jit
-    def merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, b, h, HQ, HEAD_DIM,
-                     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
-        """Row (b, h): merge the splits' partial softmaxes (empty splits: m = -inf, l = 0) and store the output.
-        `CACHE`: the partials' load cache modifier (".cg" when other programs of the same launch wrote them)."""
+    def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HQ, HEAD_DIM,
+                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                              PDL: tl.constexpr):
+        # grid = (sequences, query heads): merge the splits' partial softmaxes (empty splits: m = -inf, l = 0).
+        wait_for_predecessors(PDL)
+        b = tl.program_id(0)
+        h = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         smask = s < NUM_SPLITS
         dmask = d < HEAD_DIM
         base = (b.to(tl.int64) * HQ + h) * NUM_SPLITS + s
-        m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-        l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0, cache_modifier=CACHE)
+        m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
         acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
-                      other=0.0, cache_modifier=CACHE)
+                      other=0.0)
         m_max = tl.max(m, axis=0)  # finite: split 0 always holds the row's first key it attends itself
         w = tl.exp2(m - m_max)
         o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         optr = out_ptr + b.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh + d
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=dmask)
-
-    @triton.jit
-    def _decode_reduce_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, HQ, HEAD_DIM,
-                              NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                              PDL: tl.constexpr):
-        # grid = (sequences, query heads)
-        wait_for_predecessors(PDL)
-        merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, tl.program_id(0), tl.program_id(1),
-                     HQ, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_D, "")
 
 
 @functools.cache
@@ -493,19 +463,11 @@ class PagedKVBackend:
                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
                          sin: torch.Tensor) -> torch.Tensor:
         """`attend` for q and k before their per-head RMSNorm and rope: with the Triton kernels the norm, the rope
-        and the K/V write are one launch (`qk_norm_rope_write_kv`, the same bytes as the two it replaces), and a
-        decode step's attention joins them where it can (`fused_decode`: one launch for all of it)."""
+        and the K/V write are one launch (`qk_norm_rope_write_kv`, the same bytes as the two it replaces)."""
         if not _want_triton(self.pool.device, self.use_triton):
             q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
             return self.attend(layer_idx, q, k, v)
         _check_attention_inputs(q, self.pool, layer_idx, self.meta)
-        if self.meta.is_decode:
-            from .fused_decode import qk_norm_rope_decode_attention  # imports this module's kernels
-
-            out = qk_norm_rope_decode_attention(q, k, v, q_weight, k_weight, eps, cos, sin, self.pool, layer_idx,
-                                                self.meta, self.scale)
-            if out is not None:
-                return out
         q = qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, cos, sin, self.pool, layer_idx,
                                   self.meta.slot_mapping)
         return self._attend_written(layer_idx, q)

@@ -34,13 +34,6 @@ QK_NORM_ROPE_WRITE_KV = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "
                          "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32",
                          "stride_vt": "i32", "stride_vh": "i32", "stride_cs": "i32", "HQ": "i32", "HKV": "i32",
                          "eps": "fp32", "num_slots": "i32", **_POOL}
-FUSED_DECODE = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
-                "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slots_ptr": "*i64", "out_ptr": "*bf16", "bt_ptr": "*i64",
-                "ctx_ptr": "*i64", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "counter_ptr": "*i32",
-                "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
-                "stride_vh": "i32", "stride_cs": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32",
-                "eps": "fp32", "num_slots": "i32", "page_size": "i32", "qk_scale": "fp32", "H": "i32", "HQ": "i32",
-                "GROUP": "i32", **_POOL}
 
 
 def without(signature: dict, *names: str) -> dict:
