@@ -14,7 +14,6 @@ built (`prism.ops.<module>.<NAME>=<int or name>`), as `config_ab.py --variants` 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import triton.language as tl  # noqa: E402
 
 from prism.ops import cascade_attention, fused_norms, gemv, paged_attention, qk_norm_rope_kv, skinny_gemm  # noqa: E402
 from prism.testing import kernel_signatures as sig  # noqa: E402
-from prism.testing.knobs import parse_value  # noqa: E402
+from prism.testing.knobs import set_ops_knob  # noqa: E402
 from prism.testing.offline_compile import compile_for_hopper, ptxas_resources  # noqa: E402
 
 # Qwen3-VL-8B's text decoder
@@ -111,17 +110,6 @@ def rows() -> dict[str, tuple]:
     }
 
 
-def set_knob(assignment: str) -> None:
-    name, _, value = assignment.partition("=")
-    module_name, _, knob = name.rpartition(".")
-    if not module_name or not value:
-        raise SystemExit(f"--set: {assignment!r} is not module.NAME=VALUE")
-    module = importlib.import_module(f"prism.ops.{module_name}")
-    if not hasattr(module, knob):
-        raise SystemExit(f"{module.__name__} has no knob {knob}")
-    setattr(module, knob, parse_value(value))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
@@ -129,7 +117,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="rows whose name contains this text")
     args = parser.parse_args()
     for assignment in args.set:
-        set_knob(assignment)
+        set_ops_knob(assignment)
     print(f"sm_90, 8B shapes, bf16 activations, FP8 KV{'; ' + ', '.join(args.set) if args.set else ''}")
     print("| kernel | warps | registers | stack B | spill stores B | spill loads B | shared KB |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -33,6 +33,7 @@ from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
+from prism.testing.knobs import set_ops_knob  # noqa: E402
 
 STEPS = 32
 OUT: list[str] = []
@@ -133,7 +134,12 @@ def main() -> None:
     parser.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--pdl", default="both", choices=("both", "on", "off"))
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a launch knob of prism.ops.<module> for the profiled engines (repeatable)")
     args = parser.parse_args()
+    for assignment in args.set:
+        set_ops_knob(assignment)
+        OUT.append(f"knob: {assignment}")
     ckpt = Path(args.ckpt)
     if not (ckpt / "config.json").exists():
         build_checkpoint("8b", ckpt, device="cuda", progress=True)

@@ -34,3 +34,18 @@ def module_knobs(module: ModuleType, values: dict):
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def set_ops_knob(assignment: str) -> None:
+    """`MODULE.NAME=VALUE` (a command line's `--set`): `prism.ops.<MODULE>.<NAME>` set to VALUE (`parse_value`), for
+    the rest of the process. SystemExit with a message for a malformed assignment or an unknown knob."""
+    import importlib
+
+    name, _, value = assignment.partition("=")
+    module_name, _, knob = name.rpartition(".")
+    if not module_name or not value:
+        raise SystemExit(f"--set: {assignment!r} is not MODULE.NAME=VALUE")
+    module = importlib.import_module(f"prism.ops.{module_name}")
+    if not hasattr(module, knob):
+        raise SystemExit(f"{module.__name__} has no knob {knob}")
+    setattr(module, knob, parse_value(value))
