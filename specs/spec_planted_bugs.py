@@ -402,15 +402,14 @@ def test_tail_copy_dropping_a_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
 def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Invariant 11, deterministic mode: a hit ending inside a page, computed from the hit onwards instead of
     from the page start, gives the frontier page's rows other tile positions than a miss does."""
-    from prism.engine import runner
+    from prism.engine import step_building
 
     init = KVCacheManager.__init__
 
     def tail_hits_allowed(self, *args, **kwargs):
         init(self, *args, **{**kwargs, "page_aligned_hits": False})
 
-    def tiles_from_the_hit(self, slices):
-        size = self.page_size
+    def tiles_from_the_hit(slices, size):
         tiles = []
         for s in slices:
             start = s.start
@@ -422,7 +421,7 @@ def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.Mo
         return tiles
 
     monkeypatch.setattr(KVCacheManager, "__init__", tail_hits_allowed)
-    monkeypatch.setattr(runner.ModelRunner, "_deterministic_tiles", tiles_from_the_hit)
+    monkeypatch.setattr(step_building, "deterministic_tiles", tiles_from_the_hit)
     _hit_equals_miss_fails("spec_deterministic_mode_hit_equals_miss_bitwise", "changed the logits")
 
 

@@ -41,7 +41,7 @@ from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
 from .rank import build_rank_runner
 from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
-from .sampler import make_generator, sample, take_rows
+from .sampler import make_generator, sample, take_rows, token_logprobs
 from .sampling import SamplingParams
 from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
 from .step_payload import MediaWork
@@ -446,14 +446,14 @@ class Engine:
                 request.times.first_token = now
             request.times.last_token = now
             delta, stopped_by_text = self._streams[request.request_id].push(token)
-            logprobs = self._logprobs(result, i, token) if request.params.logprobs is not None else None
-            reason = self._finish_reason(request, token, stopped_by_text)
+            logprobs = token_logprobs(result, i, token) if request.params.logprobs is not None else None
+            reason = request.finish_reason_after(token, stopped_by_text, self.inputs.eos_token_ids, self.max_model_len)
             if reason is None:
                 if request.request_id in pending:
                     self.kv.fill_pending(request.request_id, token)
                 else:
                     self.kv.append_tokens(request.request_id, [token])
-                self._events.append(self._event(request, [token], delta, logprobs))
+                self._events.append(RequestOutput.of(request, [token], delta, logprobs))
             else:
                 self._finish(request, reason, new_tokens=[token], new_text=delta, logprobs=logprobs)
 
@@ -511,25 +511,6 @@ class Engine:
             self.scheduler.running.append(branch)
         self._finish(material, FinishReason.STOP)
 
-    def _finish_reason(self, request: Request, token: int, stopped_by_text: bool) -> FinishReason | None:
-        params = request.params
-        if stopped_by_text or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token in self.inputs.eos_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
-            return FinishReason.LENGTH
-        if len(request.prompt.token_ids) + len(request.output_token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    @staticmethod
-    def _logprobs(result, row: int, token: int) -> list[TokenLogprobs]:
-        top: list[tuple[int, float]] = []
-        if result.top_token_ids is not None:
-            top = list(zip(result.top_token_ids[row].tolist(), result.top_logprobs[row].tolist(), strict=True))
-        return [TokenLogprobs(token, float(result.logprobs[row]), top)]
-
     # -- ending ----------------------------------------------------------------------------------
     def _finish(
         self,
@@ -552,23 +533,8 @@ class Engine:
 
     def _emit_terminal(self, request: Request, new_tokens=(), new_text: str = "", logprobs=None) -> None:
         assert request.state is RequestState.FINISHED
-        self._events.append(self._event(request, list(new_tokens), new_text, logprobs))
+        self._events.append(RequestOutput.of(request, list(new_tokens), new_text, logprobs))
         self._streams.pop(request.request_id, None)
         self._generators.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.stats.requests_finished += 1
-
-    def _event(self, request: Request, new_tokens, text: str, logprobs) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_tokens,
-            new_text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            error=request.error,
-            logprobs=logprobs,
-            prompt_tokens=request.num_prompt_tokens,
-            cached_tokens=request.cached_tokens,
-            completion_tokens=len(request.output_token_ids),
-            readout=request.readout,
-        )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -70,6 +71,24 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     readout: list[float] | None = None  # probabilities over the request's candidate tokens
+
+    @classmethod
+    def of(cls, request: Request, new_tokens: list[int], text: str,
+           logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+        """The event carrying `new_tokens` / `text` of `request`, with its state and counts as they are now."""
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            error=request.error,
+            logprobs=logprobs,
+            prompt_tokens=request.num_prompt_tokens,
+            cached_tokens=request.cached_tokens,
+            completion_tokens=len(request.output_token_ids),
+            readout=request.readout,
+        )
 
 
 @dataclass(frozen=True)
@@ -159,3 +178,18 @@ class Request:
         self.finish_reason = reason
         self.error = error
         self.times.finished = time.perf_counter()
+
+    def finish_reason_after(self, token: int, stopped_by_text: bool, eos_token_ids: Collection[int],
+                            max_model_len: int) -> FinishReason | None:
+        """Why this request ends with `token` (already appended to its output), or None if it goes on: a stop
+        string or stop token, EOS (unless ignored), `max_tokens`, or the model's length."""
+        params = self.params
+        if stopped_by_text or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in eos_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if len(self.prompt.token_ids) + len(self.output_token_ids) >= max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -8,7 +8,7 @@ whose features are not in the encoder cache (or that the scheduler sends ahead o
 prefix hit runs no vision at all. Decodes and short prefills without media replay a CUDA graph as one-token
 rows (`cuda_graphs.py`), steps with a prefill the packed graphs (`packed_graphs.py`) where they fit; other steps
 run one packed eager forward. Deterministic mode runs one tile per forward, each through a packed bucket of a page.
-Every step goes through a `StepPayload` (prepare on rank 0, run on every rank), with one rank or several.
+Every step goes through a `StepPayload` (built on rank 0 by `step_building`, run on every rank), with one rank or several.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..distributed.encoder_dp import encode_media_items
@@ -37,15 +36,8 @@ from .background_encoding import BackgroundEncoding, stream_apart
 from .cuda_graphs import GraphRows, RowGraphs
 from .packed_graphs import PackedGraphs, PackedStep
 from .scheduler import ScheduledSlice
-from .step_payload import (
-    ForwardInput,
-    MediaSlice,
-    MediaWork,
-    PieceInput,
-    StepPayload,
-    media_slices,
-    media_work,
-)
+from .step_building import build_payload, token_positions
+from .step_payload import ForwardInput, MediaSlice, MediaWork, PieceInput, StepPayload, media_work
 from .vision_graphs import VisionGraphs, capture_encoder
 from .warm_up import warm_up_first_uses
 
@@ -61,23 +53,6 @@ class RunnerStats:
     tokens_computed: int = 0
     vision_items_encoded: int = 0  # media items that went through the vision encoder
     encoder_cache_hits: int = 0  # media items whose features came from the encoder cache
-
-
-def token_positions(request, start: int, end: int) -> torch.Tensor:
-    """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's own, then text positions
-    continued with the rope delta for generated tokens."""
-    prompt = request.prompt
-    n_prompt = len(prompt.token_ids)
-    if start >= n_prompt:  # every decode step of every sequence: NumPy, no torch dispatch per call
-        row = np.arange(start + prompt.rope_delta, end + prompt.rope_delta, dtype=np.int64)
-        return torch.from_numpy(np.repeat(row[None, :], 3, axis=0))
-    out = torch.empty(3, end - start, dtype=torch.int64)
-    split = min(max(start, n_prompt), end)
-    if split > start:
-        out[:, : split - start] = torch.as_tensor(prompt.positions)[:, start:split]
-    if end > split:
-        out[:, split - start :] = torch.arange(split, end, dtype=torch.int64) + prompt.rope_delta
-    return out
 
 
 class ModelRunner:
@@ -236,51 +211,10 @@ class ModelRunner:
     # -- rank 0: building the payload ------------------------------------------------------------
     def prepare(self, plan: TransferPlan, slices: list[ScheduledSlice], kv: KVCacheManager,
                 media_ahead: Sequence = (), pending: Collection[str] = ()) -> StepPayload:
-        """The step as data: the plan, the forwards (one, or one per deterministic tile) and the media work
-        (what the forwards read, then the items encoded ahead). A `pending` request's row has a placeholder id
-        (its token comes from the device) and samples."""
-        pending = set(pending)
-        if not slices:
-            return StepPayload(plan, [], [])
-        if self.deterministic:
-            groups = self._deterministic_tiles(slices)
-        else:
-            groups = [[(s, s.start, s.end, 0, s.sample or s.request.request_id in pending) for s in slices]]
-        forwards, items = [], []
-        for group in groups:
-            pieces = [
-                PieceInput(
-                    [0] if s.request.request_id in pending else s.request.token_ids_between(start, end),
-                    token_positions(s.request, start, end + pad),
-                    start,
-                    end,
-                    pad,
-                    [page for _, page in kv.seqs[s.request.request_id].pages],
-                    sample,
-                )
-                for s, start, end, pad, sample in group
-            ]
-            media, used = media_slices(pieces, [g[0].request for g in group])
-            items.extend(used)
-            forwards.append(ForwardInput(pieces, media, graph=self._graph_for(pieces, media)))
-        items.extend(media_ahead)  # media_work keeps one entry per digest, the forwards' first
-        beside_decodes = any(s.start >= s.request.num_prompt_tokens for s in slices)
-        return StepPayload(plan, forwards, media_work(items, self.is_encoder_cached), beside_decodes, len(pending))
-
-    def _deterministic_tiles(self, slices: list[ScheduledSlice]) -> list[list[tuple]]:
-        """Every sequence alone, in page-aligned tiles of exactly one page of rows (padded), recomputing
-        the frontier page from its start: every token is always computed in the same tile at the same row
-        with the same shapes, whatever the batch, the chunking or the cache did."""
-        size = self.page_size
-        tiles = []
-        for s in slices:
-            tile_start = (s.start // size) * size
-            while tile_start < s.end:
-                tile_end = min(tile_start + size, s.end)
-                last = tile_end == s.end
-                tiles.append([(s, tile_start, tile_end, tile_start + size - tile_end, s.sample and last)])
-                tile_start += size
-        return tiles
+        """The step as data (`step_building.build_payload`), each forward marked with the graphs that run it."""
+        return build_payload(plan, slices, kv, page_size=self.page_size, deterministic=self.deterministic,
+                             graph_for=self._graph_for, is_encoder_cached=self.is_encoder_cached,
+                             media_ahead=media_ahead, pending=pending)
 
     @torch.inference_mode()
     def encode_ahead(self, items: list[MediaWork]) -> None:
@@ -326,7 +260,7 @@ class ModelRunner:
         tile among a block of tokens: W2's 30-token question after a hit took 7.9 ms packed, 8.6 ms as rows, on
         the H200); without them, a short prefill without media goes to the rows, where each prefill token reads
         its whole context on its own, so only while that re-reading stays small."""
-        if self.deterministic:  # one tile (`_deterministic_tiles`): always its bucket, replayed where captured
+        if self.deterministic:  # one tile (`step_building.deterministic_tiles`): its bucket, replayed where captured
             return "packed"
         tokens, longest = sum(p.end - p.start for p in pieces), max(p.end for p in pieces)
         decode_only = all(p.end - p.start == 1 for p in pieces)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import host_copy
+from .request import TokenLogprobs
 from .sampling import SamplingParams
 
 
@@ -190,3 +191,11 @@ def _sample_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     probs = probs.masked_fill(drop, 0.0)
     pos = _inverse_cdf(probs, u)
     return order.gather(1, pos.unsqueeze(1)).squeeze(1)
+
+
+def token_logprobs(result: SampleResult, row: int, token: int) -> list[TokenLogprobs]:
+    """The logprob of row `row`'s sampled `token`, with its row's top alternatives when they were asked for."""
+    top: list[tuple[int, float]] = []
+    if result.top_token_ids is not None:
+        top = list(zip(result.top_token_ids[row].tolist(), result.top_logprobs[row].tolist(), strict=True))
+    return [TokenLogprobs(token, float(result.logprobs[row]), top)]
