@@ -13,6 +13,10 @@ request not decoding is the youngest and still in its prompt (a prompt interleav
 launched step also carries its next chunk, the one the scheduler would give it: a chunk step's host work
 then overlaps the previous step's device time instead of following it (W4: each chunk step waited 2-3 ms of
 host work, `bench/host_chunk_steps.py`).
+
+(Over the guide's ~500 lines: the synchronous step, the launched-ahead step and the decisions' forks all change
+the same request, stream and KV state at the same points; the pieces that stand alone live in `continuation`,
+`inflight`, `request` and `sampler`.)
 """
 
 from __future__ import annotations
