@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import statistics
 import sys
@@ -34,10 +33,9 @@ from kernel_timing import module_knobs  # noqa: E402
 
 from prism.engine.llm import LLM  # noqa: E402
 from prism.engine.sampling import SamplingParams  # noqa: E402
-from prism.ops import gemv as ops_gemv  # noqa: E402
 from prism.testing.checkpoints import build_checkpoint  # noqa: E402
 from prism.testing.hf_reference import random_images  # noqa: E402
-from prism.testing.knobs import parse_value  # noqa: E402
+from prism.testing.knobs import ops_knob, parse_value  # noqa: E402
 
 
 def build(ckpt: Path, kv: str, kv_gib: int, **config) -> LLM:
@@ -63,11 +61,8 @@ def engines_of_variants(ckpt: Path, kv: str, kv_gib: int, variants: list[str]) -
         knobs: dict[ModuleType, dict] = {}
         fields = {}
         for name, value in settings.items():
-            module_name, _, knob = name.rpartition(".")
-            if module_name or knob.isupper():
-                module = importlib.import_module(f"prism.ops.{module_name}") if module_name else ops_gemv
-                if not hasattr(module, knob):
-                    raise SystemExit(f"{module.__name__} has no launch knob {knob}")
+            if "." in name or name.isupper():
+                module, knob = ops_knob(name, default_module="gemv")
                 knobs.setdefault(module, {})[knob] = parse_value(value)
             else:
                 fields[name] = parse_value(value)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from prism.ops import gemv
-from prism.testing.knobs import module_knobs, parse_value, set_ops_knob
+from prism.testing.knobs import module_knobs, ops_knob, parse_value, set_ops_knob
 
 
 def test_parse_value_reads_bools_ints_floats_and_text():
@@ -34,3 +34,12 @@ def test_module_knobs_restores_the_module_values():
     with module_knobs(gemv, {"BLOCK_N": before * 2}):
         assert gemv.BLOCK_N == before * 2
     assert gemv.BLOCK_N == before
+
+
+def test_ops_knob_names_a_module_or_takes_the_default_one():
+    from prism.ops import pdl
+
+    assert ops_knob("pdl.TRIGGER_FIRST") == (pdl, "TRIGGER_FIRST")
+    assert ops_knob("BLOCK_K", default_module="gemv") == (gemv, "BLOCK_K")
+    with pytest.raises(SystemExit, match="is not MODULE.NAME"):
+        ops_knob("BLOCK_K")

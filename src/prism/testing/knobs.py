@@ -36,16 +36,26 @@ def module_knobs(module: ModuleType, values: dict):
             setattr(module, name, value)
 
 
-def set_ops_knob(assignment: str) -> None:
-    """`MODULE.NAME=VALUE` (a command line's `--set`): `prism.ops.<MODULE>.<NAME>` set to VALUE (`parse_value`), for
-    the rest of the process. SystemExit with a message for a malformed assignment or an unknown knob."""
+def ops_knob(name: str, default_module: str | None = None) -> tuple[ModuleType, str]:
+    """(module, knob) of a launch knob named `MODULE.NAME` (`prism.ops.<MODULE>`), or a bare `NAME` of
+    `default_module`. SystemExit with a message for a name without a module or a knob the module lacks."""
     import importlib
 
-    name, _, value = assignment.partition("=")
     module_name, _, knob = name.rpartition(".")
-    if not module_name or not value:
-        raise SystemExit(f"--set: {assignment!r} is not MODULE.NAME=VALUE")
+    module_name = module_name or default_module
+    if not module_name or not knob:
+        raise SystemExit(f"{name!r} is not MODULE.NAME")
     module = importlib.import_module(f"prism.ops.{module_name}")
     if not hasattr(module, knob):
         raise SystemExit(f"{module.__name__} has no knob {knob}")
+    return module, knob
+
+
+def set_ops_knob(assignment: str) -> None:
+    """`MODULE.NAME=VALUE` (a command line's `--set`): `prism.ops.<MODULE>.<NAME>` set to VALUE (`parse_value`), for
+    the rest of the process. SystemExit with a message for a malformed assignment or an unknown knob."""
+    name, _, value = assignment.partition("=")
+    if "." not in name or not value:
+        raise SystemExit(f"--set: {assignment!r} is not MODULE.NAME=VALUE")
+    module, knob = ops_knob(name)
     setattr(module, knob, parse_value(value))
