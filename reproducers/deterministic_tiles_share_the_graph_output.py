@@ -9,32 +9,11 @@ import _common  # noqa: F401
 import torch
 
 from prism.engine.llm import LLM
-from prism.engine.packed_graphs import PackedGraphs
 from prism.engine.sampling import SamplingParams
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.static_output_graph import stand_in_static_output_graph
 
 PROMPTS = ("Tell me about paged attention please.", "Why is the sky blue? Answer briefly.")
-
-
-class StaticOutputGraph:
-    """A replay: the bucket's eager forward over its filled buffers, written into its static output."""
-
-    def __init__(self, holder: PackedGraphs, bucket: int) -> None:
-        self.holder, self.bucket, self.lengths = holder, bucket, None
-        fill = holder._fill
-
-        def recording_fill(step, media, bucket=None):
-            out = fill(step, media, bucket)
-            self.lengths = out[1]
-            return out
-
-        holder._fill = recording_fill
-
-    def replay(self) -> None:
-        self.holder._outputs[self.bucket].copy_(self.holder._forward(self.bucket, self.lengths))
-
-    def reset(self) -> None:
-        pass
 
 
 def logits(prompts) -> list[torch.Tensor]:
@@ -43,10 +22,7 @@ def logits(prompts) -> list[torch.Tensor]:
               deterministic=True, check_invariants=True)
     runner = llm.engine.runner
     holder = runner.packed
-    bucket = holder.buckets[0]
-    holder._graphs[bucket] = StaticOutputGraph(holder, bucket)
-    holder._outputs[bucket] = torch.zeros(holder.max_seqs + 1, runner.model.config.text.vocab_size,
-                                          dtype=runner.model.dtype)
+    stand_in_static_output_graph(holder, holder.buckets[0], rows=holder.max_seqs + 1)
     got: dict[str, list[torch.Tensor]] = {}
     execute = runner.execute
 

@@ -19,6 +19,7 @@ from prism.model.qwen3_vl import MultimodalEmbeddings
 from prism.ops.attention_metadata import PagedAttentionMetadata
 from prism.ops.paged_attention import PagedKVBackend
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.static_output_graph import stand_in_static_output_graph
 
 
 @pytest.fixture(scope="module")
@@ -163,19 +164,7 @@ def test_a_replays_logits_are_the_callers_not_the_graphs_output_buffer(model):
     pool, _, tokens, (a_pages, b_pages, _) = setup(model)
     graphs = PackedGraphs(model, pool, SCRATCH, max_tokens=PAGE, max_seqs=1, max_model_len=SCRATCH * PAGE,
                           buckets=(PAGE,))
-    fill, real = graphs._fill, {}
-
-    def recording_fill(step, media, bucket=None):
-        real["lengths"] = (out := fill(step, media, bucket))[1]
-        return out
-
-    class StaticOutputGraph:
-        def replay(self):
-            graphs._outputs[PAGE].copy_(graphs._forward(PAGE, real["lengths"]))
-
-    graphs._fill = recording_fill
-    graphs._graphs[PAGE] = StaticOutputGraph()
-    graphs._outputs[PAGE] = torch.zeros(2, model.config.text.vocab_size, dtype=model.dtype)
+    stand_in_static_output_graph(graphs, PAGE, rows=2)
     assert model.dtype == torch.float32
     positions = torch.arange(12, 16, dtype=torch.int64).expand(3, -1).clone()
     tile = PieceInput(tokens(3), positions, 12, 15, 1, a_pages, True)  # positions 12..14 of A, one filler row
