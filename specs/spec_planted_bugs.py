@@ -825,3 +825,16 @@ def test_a_material_computed_beside_its_running_prefill_is_caught(monkeypatch: p
 
     monkeypatch.setattr(scheduler_module.Scheduler, "_prefilled_elsewhere", lambda self, request, prefilling: False)
     _spec_fails(spec_shared_prefill.spec_a_material_asked_about_together_is_computed_once, "computed again")
+
+
+def test_alternatives_counted_for_the_batch_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): a row's logprobs carried as many alternatives as the most demanding row of its
+    batch asked for (`logprobs=2` beside `logprobs=7` answered 7; `logprobs=0`, none asked, got 7 too). Planted: the
+    row's own count ignored again."""
+    from prism.engine import sampler
+    from specs import spec_sampling_companions
+
+    fixed = sampler.token_logprobs
+    monkeypatch.setattr(sampler, "token_logprobs",
+                        lambda result, row, token, alternatives: fixed(result, row, token, result.top_token_ids.shape[1]))
+    _spec_fails(spec_sampling_companions.spec_a_row_samples_as_it_would_alone, "alternatives")

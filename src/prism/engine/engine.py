@@ -450,7 +450,8 @@ class Engine:
                 request.times.first_token = now
             request.times.last_token = now
             delta, stopped_by_text = self._streams[request.request_id].push(token)
-            logprobs = token_logprobs(result, i, token) if request.params.logprobs is not None else None
+            logprobs = (token_logprobs(result, i, token, request.params.logprobs)
+                        if request.params.logprobs is not None else None)
             reason = request.finish_reason_after(token, stopped_by_text, self.inputs.eos_token_ids, self.max_model_len)
             if reason is None:
                 if request.request_id in pending:

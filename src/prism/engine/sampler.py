@@ -193,9 +193,12 @@ def _sample_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     return order.gather(1, pos.unsqueeze(1)).squeeze(1)
 
 
-def token_logprobs(result: SampleResult, row: int, token: int) -> list[TokenLogprobs]:
-    """The logprob of row `row`'s sampled `token`, with its row's top alternatives when they were asked for."""
+def token_logprobs(result: SampleResult, row: int, token: int, alternatives: int) -> list[TokenLogprobs]:
+    """The logprob of row `row`'s sampled `token`, with the row's own `alternatives` (its `params.logprobs`) most
+    likely tokens: the batch's columns are as many as its most demanding row asked for, so a row's answer must not
+    depend on its companions."""
     top: list[tuple[int, float]] = []
-    if result.top_token_ids is not None:
-        top = list(zip(result.top_token_ids[row].tolist(), result.top_logprobs[row].tolist(), strict=True))
+    if result.top_token_ids is not None and alternatives > 0:
+        top = list(zip(result.top_token_ids[row, :alternatives].tolist(),
+                       result.top_logprobs[row, :alternatives].tolist(), strict=True))
     return [TokenLogprobs(token, float(result.logprobs[row]), top)]
