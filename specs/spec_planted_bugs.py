@@ -838,3 +838,23 @@ def test_alternatives_counted_for_the_batch_are_caught(monkeypatch: pytest.Monke
     monkeypatch.setattr(sampler, "token_logprobs",
                         lambda result, row, token, alternatives: fixed(result, row, token, result.top_token_ids.shape[1]))
     _spec_fails(spec_sampling_companions.spec_a_row_samples_as_it_would_alone, "alternatives")
+
+
+def test_a_call_keeping_only_its_own_events_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): each `LLM` call stepped the shared engine and kept only its own requests'
+    events, so a `generate` run while a stream was open took the stream's last events (the stream then stepped an
+    empty engine for ever) and two streams read in turn each lost tokens. Planted: a step's events for requests
+    other than the caller's are dropped again."""
+    from prism.engine.llm import LLM
+    from specs import spec_llm_event_routing
+
+    def keep_own(self, request_ids):
+        for event in self.engine.step():
+            if event.request_id in request_ids:
+                self._mailboxes[event.request_id].append(event)
+
+    monkeypatch.setattr(LLM, "_step_for", keep_own)
+    try:
+        _spec_fails(spec_llm_event_routing.spec_each_call_gets_all_of_its_own_events, "read|will never get")
+    finally:
+        spec_llm_event_routing.engine_under_test.cache_clear()  # a planted run leaves requests behind

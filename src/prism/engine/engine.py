@@ -147,6 +147,9 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if params.n != 1:  # not silently one: a caller asking for n sequences must not get one
+            raise RequestError(f"n={params.n}: an engine request is one sequence; ask for n choices as n requests "
+                               "(the server does: each choice its own request, a seeded one with seed + i)")
         if isinstance(prompt, str):
             prompt = self.inputs.prepare_prompt(prompt)
         elif isinstance(prompt, list):

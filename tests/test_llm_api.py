@@ -1,0 +1,69 @@
+"""The offline API's edges (`prism.engine.llm`): a refused prompt refuses the whole `generate` and leaves nothing
+running; `n` above 1 is refused, not silently one; a stream starts when it is made and is aborted when closed or
+dropped early. (Event routing between calls: `specs/spec_llm_event_routing.py`.)"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from prism.engine.chat import InputError
+from prism.engine.engine import RequestError
+from prism.engine.llm import LLM
+from prism.engine.sampling import SamplingParams
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(ensure_tiny_checkpoint(), dtype="float32", num_gpu_pages=128)
+
+
+def settled(llm: LLM) -> None:
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert not llm.engine.requests and not llm.engine.kv.seqs and not llm._mailboxes
+
+
+def test_a_refused_prompt_refuses_the_call_and_leaves_nothing_running(llm):
+    with pytest.raises(InputError, match="empty"):
+        llm.generate(["Tell me a story.", ""], SamplingParams(max_tokens=50))
+    assert not llm.engine.requests, "the prompt before the refused one was left queued"
+    settled(llm)
+
+
+def test_n_above_one_is_refused(llm):
+    with pytest.raises(RequestError, match="n=3"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=4, n=3))
+    settled(llm)
+
+
+def test_a_stream_starts_when_made(llm):
+    (alone,) = llm.generate(["Count to ten:"], GREEDY)
+    stream = llm.stream("Count to ten:", GREEDY)
+    llm.generate(["Hi"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # steps the stream too
+    assert llm._mailboxes[stream.request_id], "the stream's request did not run beside the generate"
+    events = list(stream)
+    assert [t for e in events for t in e.new_token_ids] == alone.token_ids and events[-1].finished
+    assert list(stream) == [], "a finished stream yields nothing more"
+    settled(llm)
+
+
+@pytest.mark.parametrize("how", ["close", "drop", "context"])
+def test_a_stream_left_early_is_aborted(llm, how):
+    stream = llm.stream("Tell me a story.", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    next(stream)
+    request_id = stream.request_id
+    if how == "close":
+        stream.close()
+    elif how == "drop":
+        del stream
+        gc.collect()
+    else:
+        with stream:
+            pass
+    assert request_id not in llm.engine.requests, f"the request outlived its stream ({how})"
+    settled(llm)
