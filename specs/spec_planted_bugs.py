@@ -858,3 +858,13 @@ def test_a_call_keeping_only_its_own_events_is_caught(monkeypatch: pytest.Monkey
         _spec_fails(spec_llm_event_routing.spec_each_call_gets_all_of_its_own_events, "read|will never get")
     finally:
         spec_llm_event_routing.engine_under_test.cache_clear()  # a planted run leaves requests behind
+
+
+def test_a_reread_of_the_whole_generation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): the re-read appended a reasoning generation's tokens as they were, its
+    end-of-turn token or the stop string "Final answer:" included. Planted: the generation shown whole again."""
+    from prism.decision import thinking
+    from specs import spec_thinking_reread
+
+    monkeypatch.setattr(thinking, "reasoning_of", lambda thought, decode, end_token_ids: list(thought))
+    _spec_fails(spec_thinking_reread.spec_the_reread_shows_the_reasoning_once, "end-of-turn|cue")

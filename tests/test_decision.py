@@ -222,3 +222,36 @@ def test_decides_submitted_together_compute_their_material_once():
     for request_id, probabilities in computed_each.items():
         assert waited[request_id] == pytest.approx(probabilities, abs=1e-5), request_id
     assert not once.engine.kv.seqs and not once.engine.requests
+
+
+def test_the_reread_shows_the_reasoning_once_without_its_end_or_its_cue():
+    """`reasoning_of` (found by review, session 27): a reasoning generation ends with the end-of-turn token or on
+    the stop string "Final answer:", whose tokens it keeps; appended as they were, the re-read put the answer outside
+    the assistant's turn or asked for it twice."""
+    from prism.decision.thinking import ANSWER_CUE, reasoning_of
+
+    inputs = new_llm().engine.inputs
+    decode = lambda ids: inputs.decode(ids, skip_special_tokens=False)  # noqa: E731
+    thought = inputs.encode("It looks wet outside, so yes.")
+    eos = inputs.eos_token_ids
+    assert reasoning_of(thought, decode, eos) == thought
+    assert reasoning_of(thought + [eos[0]], decode, eos) == thought
+    ended_on_cue = reasoning_of(thought + inputs.encode(" " + ANSWER_CUE.strip()), decode, eos)
+    assert ANSWER_CUE.strip() not in decode(ended_on_cue) and ended_on_cue[: len(thought) - 1] == thought[:-1]
+
+
+def test_a_thinking_reread_never_ends_its_reasoning_with_the_end_of_turn(monkeypatch):
+    """The review's case: a hot reasoning (temperature 50) that ends with the end-of-turn token; its re-read must
+    not read the answer after it."""
+    from prism.decision import plan
+    from prism.decision.thinking import ThinkingConfig
+
+    seen = []
+    real = plan.answer_after_thinking
+    monkeypatch.setattr(plan, "answer_after_thinking", lambda prompt, reasoning, encode: (
+        seen.append(list(reasoning)), real(prompt, reasoning, encode))[1])
+    llm = new_llm()
+    (answer,) = llm.decide(MATERIAL, [Question("yes_no", "Rain?")],
+                           ThinkingConfig(gate=1.0, max_tokens=200, temperature=50.0, seed=2))
+    assert answer.thought and seen, "the question did not think"
+    assert not any(r and r[-1] in llm.engine.inputs.eos_token_ids for r in seen), "a re-read ended its reasoning with EOS"

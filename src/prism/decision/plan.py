@@ -10,13 +10,14 @@ re-reads the questions whose confidence stays below the gate after reasoning.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from dataclasses import dataclass
 
 from ..engine.request import Branch
 from ..engine.sampling import SamplingParams
 from .questions import MAX_OPTIONS, Answer, Question, QuestionError, candidate_token_ids, make_answer
-from .thinking import ThinkingConfig, answer_after_thinking, thinking_request
+from .thinking import ThinkingConfig, answer_after_thinking, reasoning_of, thinking_request
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,11 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     if thinkers:
         generated = yield Generations(requests)
         thoughts = {i: generated[f"{decision_id}/q{i}/think"].token_ids or [] for i in thinkers}
+        decode = functools.partial(inputs.decode, skip_special_tokens=False)
         rereads = [
-            Branch(f"{decision_id}/q{i}/reread", answer_after_thinking(by_question[i].prompt, thoughts[i], inputs.encode),
+            Branch(f"{decision_id}/q{i}/reread",
+                   answer_after_thinking(by_question[i].prompt,
+                                         reasoning_of(thoughts[i], decode, inputs.eos_token_ids), inputs.encode),
                    by_question[i].candidates, by_question[i].temperature)
             for i in thinkers
         ]

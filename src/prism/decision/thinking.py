@@ -54,6 +54,20 @@ def thinking_request(prompt: PreparedPrompt, question: Question, config: Thinkin
     return start, params
 
 
-def answer_after_thinking(prompt: PreparedPrompt, thought: list[int], encode) -> PreparedPrompt:
-    """The second readout's prompt: the question, the reasoning, then the answer cue."""
-    return prompt.extended(encode(THINKING_PREAMBLE) + list(thought) + encode(ANSWER_CUE))
+def reasoning_of(thought: list[int], decode, end_token_ids: tuple[int, ...]) -> list[int]:
+    """The reasoning as the re-read shows it: a generation's tokens without the end-of-turn token it may end with
+    (the answer would be read outside the assistant's turn) and without the tokens of the answer cue it stops on
+    (the cue would appear twice): `answer_after_thinking` appends the cue once. `decode(ids)` keeps special tokens."""
+    tokens = list(thought)
+    while tokens and tokens[-1] in end_token_ids:
+        tokens.pop()
+    cue = ANSWER_CUE.strip()
+    while tokens and cue in decode(tokens):
+        tokens.pop()
+    return tokens
+
+
+def answer_after_thinking(prompt: PreparedPrompt, reasoning: list[int], encode) -> PreparedPrompt:
+    """The second readout's prompt: the question, the reasoning (`reasoning_of` a generation), then the answer
+    cue."""
+    return prompt.extended(encode(THINKING_PREAMBLE) + list(reasoning) + encode(ANSWER_CUE))
