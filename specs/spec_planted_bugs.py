@@ -868,3 +868,13 @@ def test_a_reread_of_the_whole_generation_is_caught(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(thinking, "reasoning_of", lambda thought, decode, end_token_ids: list(thought))
     _spec_fails(spec_thinking_reread.spec_the_reread_shows_the_reasoning_once, "end-of-turn|cue")
+
+
+def test_images_over_the_step_budget_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): an image larger than one step's tokens was refused (a 400 for every 12 MP photo
+    on the 8B config) instead of downscaled. Planted: the budget ignored again."""
+    from prism.media.config import ImageProcessorConfig
+    from specs import spec_image_token_budget
+
+    monkeypatch.setattr(ImageProcessorConfig, "within_tokens", lambda self, tokens: self)
+    _spec_fails(spec_image_token_budget.spec_every_image_fits_the_step, "more than the step")

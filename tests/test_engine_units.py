@@ -134,9 +134,16 @@ def test_add_request_errors(engine):
         engine.add_request("long", "word " * 400)
     from prism.testing.hf_reference import random_images
 
-    (big,) = random_images([(320, 320)])
+    (big,) = random_images([(320, 320)])  # 100 visual tokens at the checkpoint's settings, 80 a step here
+    photo = [{"role": "user", "content": [{"type": "image", "image": big}]}]
+    request = engine.add_request("wide", photo)  # downscaled to what one step computes (session 27's review)
+    ((_, tokens),) = request.prompt.media[0].spans
+    assert 64 <= tokens <= 80, f"the 320x320 image became {tokens} tokens"
+    from prism.engine.inputs import InputProcessor
+
+    uncapped = InputProcessor(engine.model_dir).prepare_chat(photo)  # a prompt prepared elsewhere: still refused
     with pytest.raises(RequestError, match="of 100 visual tokens is too large for this server.*megapixels"):
-        engine.add_request("wide", [{"role": "user", "content": [{"type": "image", "image": big}]}])
+        engine.add_request("wide-prepared", uncapped)
     import dataclasses
 
     prepared = engine.inputs.prepare_prompt("a hand-built prompt")

@@ -102,7 +102,9 @@ class Engine:
             self._followers.release_graphs = self.runner.release_cuda_graphs
             weakref.finalize(self, self._followers.close)
         model, layout = self.runner.model, self.runner.layout
-        self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes)
+        # An image is encoded in one step: one larger than a step's tokens is downscaled to fit (`within_tokens`).
+        self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes,
+                                     max_image_tokens=self.config.max_num_batched_tokens)
         namespace = f"{model_id}|weights={model.dtype}|kv={layout.kv_dtype}"
         self.kv = KVCacheManager(
             layout.num_pages,

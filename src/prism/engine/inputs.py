@@ -126,6 +126,7 @@ class InputProcessor:
         limits: DecodeLimits = DEFAULT_LIMITS,
         max_prompt_tokens: int | None = None,
         absorb_video_vision_tokens: bool = False,
+        max_image_tokens: int | None = None,
     ) -> None:
         root = Path(model_dir)
         if not root.is_dir():
@@ -142,6 +143,8 @@ class InputProcessor:
             raise InputError(f"model_id must be a non-empty string, got {model_id!r}")
         self.config = Qwen3VLConfig.from_pretrained(root)
         self.image_config = ImageProcessorConfig.from_json_file(root / "preprocessor_config.json")
+        if max_image_tokens is not None:  # larger images are downscaled to what one step computes, not refused
+            self.image_config = self.image_config.within_tokens(max_image_tokens)
         video_file = root / "video_preprocessor_config.json"
         self.video_config = (
             VideoProcessorConfig.from_json_file(video_file)

@@ -159,16 +159,26 @@ class ImageProcessorConfig:
     temporal_patch_size: int = 2
     merge_size: int = 2
     rescale_factor: float = 1.0 / 255.0
+    # Not an HF setting: the most LM tokens one image may become (the engine's step; `within_tokens`).
+    step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image_mean", _triple("image_mean", self.image_mean))
         object.__setattr__(self, "image_std", _triple("image_std", self.image_std))
         _common_checks(self)
+        if self.step_tokens is not None:
+            _positive_int("step_tokens", self.step_tokens)
 
     @property
     def factor(self) -> int:
         """Resized sides are multiples of this: one LM token covers factor x factor pixels."""
         return self.patch_size * self.merge_size
+
+    def within_tokens(self, tokens: int) -> ImageProcessorConfig:
+        """These settings for a server whose step computes at most `tokens` tokens: an image that smart resize
+        makes larger is resized again to fit (`media.image.target_size`), as OpenAI's API downscales a large
+        photo, instead of being refused; every other image is resized exactly as before."""
+        return dataclasses.replace(self, step_tokens=tokens)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ImageProcessorConfig:

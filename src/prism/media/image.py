@@ -134,6 +134,19 @@ def smart_resize(
     return h_bar, w_bar
 
 
+def target_size(height: int, width: int, config: ImageProcessorConfig) -> tuple[int, int]:
+    """The (height, width) an image is resized to: smart resize under the processor's settings; where that makes
+    more than `config.step_tokens` LM tokens, smart resize again with max_pixels at that budget (so an image that
+    fits is resized exactly as the checkpoint's settings resize it)."""
+    h, w = smart_resize(height, width, factor=config.factor, min_pixels=config.min_pixels,
+                        max_pixels=config.max_pixels)
+    budget = None if config.step_tokens is None else config.step_tokens * config.factor**2
+    if budget is not None and h * w > budget:
+        h, w = smart_resize(height, width, factor=config.factor, min_pixels=min(config.min_pixels, budget),
+                            max_pixels=budget)
+    return h, w
+
+
 def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> Image.Image:
     """Decode encoded image bytes to an RGB PIL image, refusing decompression bombs from the header."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -261,9 +274,7 @@ def preprocess_image(
     height, width = (rgb.shape[0], rgb.shape[1]) if isinstance(rgb, np.ndarray) else (rgb.size[1], rgb.size[0])
     if isinstance(rgb, np.ndarray):
         limits.check_size(width, height)
-    new_h, new_w = smart_resize(
-        height, width, factor=config.factor, min_pixels=config.min_pixels, max_pixels=config.max_pixels
-    )
+    new_h, new_w = target_size(height, width, config)
     if (new_h, new_w) == (height, width):
         # PIL's resize to the same size returns a copy of the image: the pixels as they are, copied once (the
         # cache keeps them: never a view of the caller's pixels).
