@@ -94,6 +94,17 @@ def test_question_validation_and_single_token_candidates():
         Question("essay", "Write")  # type: ignore[arg-type]
     with pytest.raises(QuestionError, match="2 tokens"):
         candidate_token_ids(Question("score", "Rate", levels=(1, 10)), lambda text: [ord(c) for c in text])
+    # session 27's review: each of these was accepted, or failed later with another error type
+    for bad, match in ((dict(kind="yes_no", text=None), "needs text"),
+                       (dict(kind="choice", text="Pick", options="ab"), "options must be a list"),
+                       (dict(kind="choice", text="Pick", options=("a", 2)), "non-empty strings"),
+                       (dict(kind="score", text="Rate", levels=["a", "b"]), "integers"),
+                       (dict(kind="score", text="Rate", levels=[1.5, 2]), "integers"),
+                       (dict(kind="yes_no", text="Rain?", temperature=True), "temperature")):
+        with pytest.raises(QuestionError, match=match):
+            Question(**bad)
+    with pytest.raises(QuestionError, match="at least one question"):
+        new_llm().decide(MATERIAL, [])
 
 
 def test_readout_is_a_softmax_over_candidates_only():

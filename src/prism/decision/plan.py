@@ -65,6 +65,8 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
                   thinking: ThinkingConfig | None = None, max_prompt_tokens: int | None = None) -> Plan:
     """`max_prompt_tokens`: the engine's (`Engine.max_prompt_tokens`); reasoning is cut short so that its re-read
     fits."""
+    if not questions:
+        raise QuestionError("a decide needs at least one question")
     media_memo: dict = {}  # the material's images are hashed and looked up once, not once per question
 
     def branch(request_id: str, question: Question) -> Branch:

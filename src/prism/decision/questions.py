@@ -33,13 +33,22 @@ class Question:
     temperature: float = 1.0  # readout temperature (softmax over candidate logits / temperature)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "options", tuple(self.options))
-        object.__setattr__(self, "levels", tuple(self.levels))
+        # A string is one value, not a sequence of one-character options (or levels).
+        for name in ("options", "levels"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise QuestionError(f"{name} must be a list, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, tuple(value))
         if self.kind not in ("choice", "yes_no", "score"):
             raise QuestionError(f"question kind must be choice, yes_no or score, got {self.kind!r}")
-        if not self.text.strip():
-            raise QuestionError("a question needs text")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise QuestionError(f"a question needs text (a non-empty string), got {self.text!r}")
+        if not all(isinstance(option, str) and option.strip() for option in self.options):
+            raise QuestionError(f"options must be non-empty strings, got {list(self.options)!r}")
+        if not all(isinstance(level, int) and not isinstance(level, bool) for level in self.levels):
+            raise QuestionError(f"score levels must be integers, got {list(self.levels)!r}")
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and math.isfinite(self.temperature) and self.temperature > 0):
             raise QuestionError(f"temperature must be a positive number, got {self.temperature!r}")
         if self.kind == "choice":
             if len(self.options) < 2:
