@@ -464,11 +464,13 @@ def test_an_image_uuid_re_pointed_at_another_image_is_caught(monkeypatch: pytest
     from prism.engine import image_names
     from specs.spec_image_uuids import ImageUuidMachine
 
-    def last_wins(self, uuid, key, digest):
+    def last_wins(self, bindings):
         with self._lock:
-            self._names[uuid] = (key, digest)
+            for uuid, key, digest in bindings:
+                self._names[uuid] = (key, digest)
 
-    monkeypatch.setattr(image_names.ImageNames, "bind", last_wins)
+    monkeypatch.setattr(image_names.ImageNames, "bind_all", last_wins)
+    monkeypatch.setattr(image_names.ImageNames, "check", lambda self, uuid, digest: None)
     with pytest.raises(AssertionError, match="re-pointed|was refused|another image"):
         run_state_machine_as_test(ImageUuidMachine, settings=settings(
             max_examples=60, stateful_step_count=25, deadline=None, phases=[Phase.generate], database=None,
@@ -878,3 +880,20 @@ def test_images_over_the_step_budget_are_caught(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(ImageProcessorConfig, "within_tokens", lambda self, tokens: self)
     _spec_fails(spec_image_token_budget.spec_every_image_fits_the_step, "more than the step")
+
+
+def test_names_bound_before_the_engine_accepts_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): a chat request's image uuids were bound while its prompt was prepared, so a
+    request the engine or the server then refused (too long, max_tokens, a conflict between its own parts) named
+    its pictures anyway. Planted: preparing binds the names again, whatever the caller asks."""
+    from prism.engine.inputs import InputProcessor
+    from specs import spec_refused_requests_name_nothing
+
+    prepare = InputProcessor.prepare_chat
+
+    def binds_at_once(self, messages, **kwargs):
+        kwargs["bind_names"] = True
+        return prepare(self, messages, **kwargs)
+
+    monkeypatch.setattr(InputProcessor, "prepare_chat", binds_at_once)
+    _spec_fails(spec_refused_requests_name_nothing.spec_a_refused_request_names_nothing, "is bound")

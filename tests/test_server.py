@@ -106,6 +106,21 @@ def test_images_named_by_uuid_after_being_sent_once(live):
         assert response.status_code == 400, response.text
         assert needle in response.json()["error"]["message"], response.json()
     assert ask({"type": "image_url", "image_url": None, "uuid": "shelf-31"}, "Still there?").choices
+    # A refused request names nothing (session 27's review): refused for its max_tokens, or for two of its own parts
+    # naming different pictures with one uuid, its uuid is then as unknown as one never sent.
+    for content, param in (
+        ([{"type": "image_url", "image_url": {"url": _data_url(_png(33))}, "uuid": "refused-33"}], "max_tokens"),
+        ([{"type": "image_url", "image_url": {"url": _data_url(_png(33))}, "uuid": "refused-33"},
+          {"type": "image_url", "image_url": {"url": _data_url(_png(34))}, "uuid": "refused-33"}], None),
+    ):
+        response = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 10**6 if param else 2,
+            "messages": [{"role": "user", "content": [*content, {"type": "text", "text": "x"}]}]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        response = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": None, "uuid": "refused-33"}, {"type": "text", "text": "x"}]}]})
+        assert response.status_code == 400 and "names no image" in response.json()["error"]["message"], response.text
 
 
 def test_local_file_under_the_media_root(live):

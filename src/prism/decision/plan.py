@@ -71,7 +71,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
 
     def branch(request_id: str, question: Question) -> Branch:
         prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}],
-                                     media_memo=media_memo)
+                                     media_memo=media_memo, bind_names=False)  # bound when the engine accepts
         return Branch(request_id, prompt, candidate_token_ids(question, inputs.encode), question.temperature)
 
     def read(outcome: Outcome, index: int, question: Question) -> Answer:

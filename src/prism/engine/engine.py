@@ -156,8 +156,10 @@ class Engine:
             prompt = self.inputs.prepare_prompt(prompt)
         elif isinstance(prompt, list):
             encode = self.config.encode_media_while_preparing and self._followers is None
-            prompt = self.inputs.prepare_chat(prompt, on_image=self._encode_while_preparing if encode else None)
+            prompt = self.inputs.prepare_chat(prompt, on_image=self._encode_while_preparing if encode else None,
+                                              bind_names=False)
         self._check_prompt(prompt)
+        self.inputs.bind_names(prompt)  # accepted: its image uuids name their images from now on
         request = Request(request_id, prompt, params, self._arrivals)
         self._arrivals += 1
         self.requests[request_id] = request
@@ -490,6 +492,8 @@ class Engine:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
             self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
         prompts = [b.prompt.token_ids for b in branches]
+        for b in branches:
+            self.inputs.bind_names(b.prompt)
         # The shared material: the common prefix, leaving every branch at least its last token to compute.
         shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
         if shared < max((m.end for m in branches[0].prompt.media), default=0):

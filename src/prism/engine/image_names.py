@@ -34,16 +34,30 @@ class ImageNames:
     def bind(self, uuid: str, key: CacheKey, digest: bytes) -> None:
         """Name the image stored under `key` (content digest `digest`) `uuid`; ImageNameConflict if `uuid`
         names an image of another digest."""
+        self.bind_all([(uuid, key, digest)])
+
+    def check(self, uuid: str, digest: bytes) -> None:
+        """ImageNameConflict if `uuid` names an image of another digest (nothing bound, nothing touched)."""
         with self._lock:
             known = self._names.get(uuid)
-            if known is not None and known[1] != digest:
-                raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
-            # The same image may come back as other bytes (another encoding) under another cache key: the name
-            # follows the key that was filled last, which holds its pixels.
-            self._names[uuid] = (key, digest)
-            self._names.move_to_end(uuid)
-            if len(self._names) > self.max_names:
-                self._names.popitem(last=False)
+        if known is not None and known[1] != digest:
+            raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
+
+    def bind_all(self, bindings) -> None:
+        """Name each (uuid, key, digest): `uuid` names the image stored under `key` (content digest `digest`). All of
+        them or none: ImageNameConflict, binding nothing, if any uuid names an image of another digest."""
+        with self._lock:
+            for uuid, _, digest in bindings:
+                known = self._names.get(uuid)
+                if known is not None and known[1] != digest:
+                    raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
+            for uuid, key, digest in bindings:
+                # The same image may come back as other bytes (another encoding) under another cache key: the name
+                # follows the key that was filled last, which holds its pixels.
+                self._names[uuid] = (key, digest)
+                self._names.move_to_end(uuid)
+                if len(self._names) > self.max_names:
+                    self._names.popitem(last=False)
 
     def resolve(self, uuid: str) -> tuple[CacheKey, bytes] | None:
         """(cache key, content digest) of the image `uuid` names, or None for a name not held."""

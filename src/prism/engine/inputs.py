@@ -260,11 +260,14 @@ class InputProcessor:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
         on_image: Callable[[PreparedImage], None] | None = None,
+        bind_names: bool = True,
     ) -> PreparedPrompt:
         """`media_memo`: prompts built from the same message objects (a decision's material asked several
         questions) pass one dict, and each image object is hashed and looked up once for all of them.
         `on_image`: called on this thread with each image as soon as it is prepared, while the others still are
-        (the engine starts encoding it)."""
+        (the engine starts encoding it). `bind_names`: bind the uuids the images are sent with now; the engine and
+        the server pass False and bind them when the engine accepts the prompt (`bind_names`), so a refused
+        request names nothing."""
         text, media = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -273,7 +276,10 @@ class InputProcessor:
         )
         images = [m for m in media if isinstance(m, ImageInput)]
         videos = [m for m in media if isinstance(m, VideoInput)]
-        return self._prepare(text, images, videos, from_chat=True, media_memo=media_memo, on_image=on_image)
+        prompt = self._prepare(text, images, videos, from_chat=True, media_memo=media_memo, on_image=on_image)
+        if bind_names:
+            self.bind_names(prompt)
+        return prompt
 
     def prepare_prompt(
         self,
@@ -285,7 +291,19 @@ class InputProcessor:
         wrapped as `<|vision_start|><|image_pad|><|vision_end|>`). Images: bytes, PIL or uint8 arrays (or
         ImageInput); videos: VideoInput or {"video": frames, "fps": ..., "num_frames"?: ...}."""
         image_inputs, video_inputs = coerce_media_lists(images, videos)
-        return self._prepare(text, image_inputs, video_inputs, from_chat=False)
+        prompt = self._prepare(text, image_inputs, video_inputs, from_chat=False)
+        self.bind_names(prompt)
+        return prompt
+
+    def bind_names(self, prompt: PreparedPrompt) -> None:
+        """Bind the uuids `prompt`'s images were sent with (all or none; InputError if one now names another
+        image: a request sent in between took it)."""
+        if not prompt.image_names:
+            return
+        try:
+            self.image_names.bind_all(prompt.image_names)
+        except ImageNameConflict as error:
+            raise InputError(str(error)) from error
 
     # ---------------------------------------------------------------------------------- internals
     def _prepare(
@@ -312,7 +330,7 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
-        prepared_images = self._images(images, {} if media_memo is None else media_memo, on_image)
+        prepared_images, names = self._images(images, {} if media_memo is None else media_memo, on_image)
         prepared_videos = [self._video(v) for v in videos]
         expanded = expand_placeholders(
             ids,
@@ -377,6 +395,7 @@ class InputProcessor:
             rope_delta=rope_delta,
             media=tuple(media),
             text=text,
+            image_names=names,
         )
 
     def _cached(self, key: CacheKey, compute: Any) -> Any:
@@ -385,11 +404,13 @@ class InputProcessor:
         return self._cache.get_or_compute(key, compute)
 
     def _images(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]],
-                on_image: Callable[[PreparedImage], None] | None = None) -> list[PreparedImage]:
+                on_image: Callable[[PreparedImage], None] | None = None
+                ) -> tuple[list[PreparedImage], tuple[tuple[str, CacheKey, bytes], ...]]:
         """Each image prepared once per memo (keyed by object identity; the memo holds the object, so its id
         cannot be reused while the entry lives), new ones on the media threads (`_MEDIA_TASKS` tasks of
         consecutive images), each handed to `on_image` in prompt order once its task is done; images named by uuid
-        alone come from the uuid registry, and images sent with a uuid are registered under it."""
+        alone come from this prompt's own sends or the uuid registry. Returns the images and the names the prompt
+        binds when accepted (each checked against the registry now)."""
         datas = [im.data for im in images if im.data is not None]
         todo = list({id(d): d for d in datas if id(d) not in memo or memo[id(d)][0] is not d}.values())
         tasks = min(len(todo), _MEDIA_TASKS)
@@ -404,10 +425,21 @@ class InputProcessor:
         finally:  # an image that failed fails the prompt: the ones not started yet are not prepared for nothing
             for f in futures:
                 f.cancel()
+        sent: dict[str, tuple[CacheKey, bytes, PreparedImage]] = {}
         for im in images:  # names first, so a part may name an image a later part of the same prompt sends
             if im.data is not None and im.uuid is not None:
-                self._name_image(im.uuid, im.data, memo[id(im.data)][1])
-        return [memo[id(im.data)][1] if im.data is not None else self._image_by_uuid(im.uuid) for im in images]
+                prepared = memo[id(im.data)][1]
+                key = self._name_key(im.data, prepared)
+                if im.uuid in sent and sent[im.uuid][1] != prepared.digest:
+                    raise InputError(f"image uuid {im.uuid!r} names two different images in this prompt")
+                try:
+                    self.image_names.check(im.uuid, prepared.digest)
+                except ImageNameConflict as error:
+                    raise InputError(str(error)) from error
+                sent[im.uuid] = (key, prepared.digest, prepared)
+        out = [memo[id(im.data)][1] if im.data is not None
+               else sent[im.uuid][2] if im.uuid in sent else self._image_by_uuid(im.uuid) for im in images]
+        return out, tuple((uuid, key, digest) for uuid, (key, digest, _) in sent.items())
 
     def _images_of(self, datas: list[Any]) -> list[PreparedImage]:
         return [self._image(d) for d in datas]
@@ -428,21 +460,18 @@ class InputProcessor:
                              "(it may have been evicted)")
         return prepared
 
-    def _name_image(self, uuid: str, data: Any, prepared: PreparedImage) -> None:
-        """Name `prepared` (from `data`) `uuid`; a uuid naming another image keeps it (first wins): re-pointing it
-        would hand that image's other users someone else's pixels."""
+    def _name_key(self, data: Any, prepared: PreparedImage) -> CacheKey:
+        """The preprocessing-cache key a uuid names `prepared` (from `data`) by, its pixels made findable there (a
+        memo may have skipped the cache)."""
         self._check_names_usable()
         assert self._cache is not None
         if isinstance(data, (bytes, bytearray, memoryview)):
             key = CacheKey(prepared.raw_digest, self._bytes_ns)
         else:
             key = CacheKey(prepared.raw_digest, self._image_ns)
-        if key not in self._cache:  # make sure the name's pixels are findable (a memo may have skipped the cache)
+        if key not in self._cache:
             self._cache.put(key, prepared, prepared.nbytes)
-        try:
-            self.image_names.bind(uuid, key, prepared.digest)
-        except ImageNameConflict as error:
-            raise InputError(str(error)) from error
+        return key
 
     def _image(self, data: Any) -> PreparedImage:
         cfg = self.image_config

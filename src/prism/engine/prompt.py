@@ -7,7 +7,7 @@ tokens and one `MediaSpan(start, length, digest)` per pad run, which is what pag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -77,6 +77,9 @@ class PreparedPrompt:
     rope_delta: int  # a token appended at sequence index i >= N gets position i + rope_delta
     media: tuple[PreparedMedia, ...]  # prompt order
     text: str | None = None
+    # (uuid, cache key, content digest) of each image sent with a uuid: the names the prompt binds when the engine
+    # accepts it (`InputProcessor.bind_names`), so a refused request names nothing.
+    image_names: tuple[tuple[str, Any, bytes], ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -124,6 +127,7 @@ class PreparedPrompt:
             positions=torch.cat([self.positions, more], dim=1),
             rope_delta=self.rope_delta,
             media=self.media,
+            image_names=self.image_names,
         )
 
     def prefix(self, length: int) -> PreparedPrompt:
@@ -138,6 +142,7 @@ class PreparedPrompt:
             positions=self.positions[:, :length],
             rope_delta=self.rope_delta,
             media=tuple(m for m in self.media if m.end <= length),
+            image_names=self.image_names,
         )
 
 

@@ -9,6 +9,7 @@ engine requests (their pages are released); shutdown aborts whatever is still ru
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -136,7 +137,9 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             chat = await _parse(request, state)
             params = chat.to_sampling_params(default_max_tokens=state.engine.max_model_len)
             messages = await state.async_engine.run_in_media_pool(state.resolver.resolve_messages, chat.messages)
-            prompt = await state.async_engine.run_in_media_pool(state.engine.inputs.prepare_chat, messages)
+            # The image uuids are bound when the engine accepts the prompt: a refused request names nothing.
+            prompt = await state.async_engine.run_in_media_pool(
+                functools.partial(state.engine.inputs.prepare_chat, bind_names=False), messages)
             _check_context(chat, len(prompt.token_ids), state.engine.max_model_len)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return _error_response(state, error)
