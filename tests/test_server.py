@@ -173,6 +173,28 @@ def test_64_streaming_clients_a_quarter_disconnecting_leak_nothing(live):
     assert engine.kv.num_allocatable() == engine.kv.gpu.num_pages, "every used page must be reclaimable cache"
 
 
+def test_a_client_that_leaves_is_counted_as_an_abort(live):
+    """A request aborted because its client left is a finished request with reason "abort" in /metrics, as vLLM counts
+    it (session 27's review: its terminal event was never read, so it was not counted at all)."""
+
+    def aborts() -> float:
+        return sum(float(line.split()[-1]) for line in httpx.get(live.url + "/metrics").text.splitlines()
+                   if line.startswith("prism:request_success_total") and 'finished_reason="abort"' in line)
+
+    before = aborts()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 4000,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i >= 2:
+                break  # leave mid-stream
+    deadline = time.time() + 30
+    while live.app.state.prism.async_engine.num_in_flight or aborts() < before + 1:
+        assert time.time() < deadline, f"the abandoned request was not counted: aborts {before} -> {aborts()}"
+        time.sleep(0.05)
+    assert aborts() == before + 1
+
+
 BOMB = None
 
 

@@ -69,12 +69,21 @@ class GenerationEvents:
         if not self._done:
             self._done = True
             self._engine.abort(self.request_id)
+            self._abandoned()
 
     def __del__(self) -> None:
         # Dropped unread and unclosed (a streaming response cancelled before its body started): abort, as an async
         # generator's finalizer would. `abort` only queues a command: safe wherever the collector runs this.
         if not self._done:
+            self._done = True
             self._engine.abort(self.request_id)
+            self._abandoned()
+
+    def _abandoned(self) -> None:
+        """Tell the observer (the metrics) that the request ends unread: its terminal event never reaches it."""
+        abandoned = getattr(self._observe, "abandoned", None)
+        if abandoned is not None:
+            abandoned(time.perf_counter())
 
 
 @dataclass(frozen=True)

@@ -104,3 +104,9 @@ class RequestTracker:
             m.e2e.observe(now - self.arrival)
             m.prompt_tokens.inc(event.prompt_tokens)
             m.finished.labels(finished_reason=event.finish_reason.value if event.finish_reason else "unknown").inc()
+
+    def abandoned(self, now: float) -> None:
+        """The client left before the request's terminal event was read (its request is aborted): counted as vLLM
+        counts it, a finished request with reason "abort", and its E2E up to now."""
+        self.metrics.e2e.observe(now - self.arrival)
+        self.metrics.finished.labels(finished_reason="abort").inc()
