@@ -57,6 +57,9 @@ def test_openai_client_plain_and_streaming(live):
     url = _data_url(_png(7))
     first = client.chat.completions.create(model=MODEL, messages=_image_message(url, "What is it?"), max_tokens=4)
     assert first.choices[0].finish_reason in ("stop", "length") and first.usage.prompt_tokens > 64
+    raw = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).json()
+    assert raw["choices"][0]["logprobs"] is None, "OpenAI sends logprobs: null when none were asked"
     chunks = list(
         client.chat.completions.create(
             model=MODEL, messages=_image_message(url, "Now a new question."), max_tokens=4, stream=True,
@@ -265,7 +268,10 @@ def test_overload_gets_429_and_nothing_is_lost():
         async def one(http: httpx.AsyncClient, i: int) -> int:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 300,
                     "ignore_eos": True}
-            return (await http.post("/v1/chat/completions", json=body)).status_code
+            response = await http.post("/v1/chat/completions", json=body)
+            if response.status_code == 429:  # when to come back (session 27's review: no Retry-After was sent)
+                assert response.headers.get("retry-after") == "1", response.headers
+            return response.status_code
 
         async def run():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:

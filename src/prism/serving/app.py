@@ -420,7 +420,8 @@ async def _collect(state: ServerState, chat: ChatCompletionRequest, completion_i
         )
     except RequestFailedError as error:
         return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
-    return JSONResponse(response.model_dump(mode="json", exclude_none=True))
+    # OpenAI's nulls kept ("logprobs": null when none were asked, a token's "bytes": null): what clients parse.
+    return JSONResponse(response.model_dump(mode="json"))
 
 
 def _error_response(state: ServerState, error: Exception) -> JSONResponse:
@@ -435,5 +436,6 @@ def _error_response(state: ServerState, error: Exception) -> JSONResponse:
         if status >= 500:
             log.exception("request failed", exc_info=error)
     state.metrics.rejected.labels(status=str(status)).inc()
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": "1"} if status == 429 else None  # retry later: the requests in flight finish in time
+    return JSONResponse(body, status_code=status, headers=headers)
 

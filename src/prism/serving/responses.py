@@ -111,6 +111,13 @@ class ChatCompletionChunk(_Out):
     OMIT_IF_NONE = frozenset({"usage"})
 
 
+class ChatCompletionChunkWithUsage(ChatCompletionChunk):
+    """A chunk of a stream that asked for usage (`stream_options.include_usage`): as OpenAI sends them, every chunk
+    carries "usage", null until the last one's."""
+
+    OMIT_IF_NONE = frozenset()
+
+
 class ModelCard(_Out):
     id: str
     object: Literal["model"] = "model"

@@ -22,6 +22,7 @@ from ..engine.request import FinishReason, RequestOutput, TokenLogprobs
 from .responses import (
     SSE_DONE,
     ChatCompletionChunk,
+    ChatCompletionChunkWithUsage,
     ChatCompletionResponse,
     Choice,
     ChoiceLogprobs,
@@ -227,7 +228,7 @@ class ChatCompletionStream:
             for i in range(len(self._finals))
         ]
         return b"".join(
-            sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[c]))
+            sse(self._chunk_type(id=self.id, created=self.created, model=self.model, choices=[c]))
             for c in choices
         )
 
@@ -238,7 +239,13 @@ class ChatCompletionStream:
         chunk = chunk_from_output(self.id, self.created, self.model, index, event, self._token_bytes)
         if event.finished:
             self._finals[index] = event
-        return b"" if chunk is None else sse(chunk)
+        if chunk is None:
+            return b""
+        return sse(self._chunk_type(**dict(chunk)) if self.include_usage else chunk)
+
+    @property
+    def _chunk_type(self) -> type[ChatCompletionChunk]:
+        return ChatCompletionChunkWithUsage if self.include_usage else ChatCompletionChunk
 
     @property
     def finished(self) -> bool:
