@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from prism.decision.questions import Question, QuestionError, candidate_token_ids, make_answer, readout
+from prism.engine.engine import RequestError
 from prism.engine.llm import LLM
 from prism.engine.request import Branch
 from prism.testing.checkpoints import ensure_tiny_checkpoint
@@ -266,3 +267,20 @@ def test_a_thinking_reread_never_ends_its_reasoning_with_the_end_of_turn(monkeyp
                            ThinkingConfig(gate=1.0, max_tokens=200, temperature=50.0, seed=2))
     assert answer.thought and seen, "the question did not think"
     assert not any(r and r[-1] in llm.engine.inputs.eos_token_ids for r in seen), "a re-read ended its reasoning with EOS"
+
+
+def test_branches_over_different_pictures_of_one_size_are_refused():
+    """Review (session 27): `add_decision` found the material as the branches' common token ids, and an image's pad
+    tokens are the same for any picture of its size: branches over different pictures would have read the first
+    branch's image KV. Refused now; each question asked over its own picture is a readout of its own."""
+    llm = new_llm()
+    inputs = llm.engine.inputs
+    q = QUESTIONS[1]
+    pictures = random_images([(64, 64), (64, 64)], seed=5)
+    branches = [Branch(f"pic{k}", inputs.prepare_chat([{"role": "user", "content": [
+        {"type": "image", "image": pictures[k]}, {"type": "text", "text": "Look."}]}, {"role": "user", "content": q.render()}]),
+        candidate_token_ids(q, inputs.encode)) for k in (0, 1)]
+    assert branches[0].prompt.token_ids == branches[1].prompt.token_ids, "the setup needs two pictures of one size"
+    with pytest.raises(RequestError, match="images differ"):
+        llm.engine.add_decision("two-pictures", branches)
+    assert not llm.engine.requests

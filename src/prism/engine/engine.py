@@ -492,12 +492,15 @@ class Engine:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
             self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
         prompts = [b.prompt.token_ids for b in branches]
-        for b in branches:
-            self.inputs.bind_names(b.prompt)
         # The shared material: the common prefix, leaving every branch at least its last token to compute.
         shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
         if shared < max((m.end for m in branches[0].prompt.media), default=0):
             raise RequestError("the questions must follow the whole material (its media included)")
+        # Equal token ids are not one material: an image's pad tokens are the same for any picture of its size.
+        material_media = [tuple(sp for sp in b.prompt.media_spans() if sp.start < shared) for b in branches]
+        if any(media != material_media[0] for media in material_media):
+            raise RequestError("the questions must share one material: their images differ")
+        self.inputs.bind_names(*(b.prompt for b in branches))  # accepted: their image uuids name their images now
         if len(branches) == 1 or shared == 0:
             for b in branches:
                 self.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature)

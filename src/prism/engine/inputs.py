@@ -295,13 +295,14 @@ class InputProcessor:
         self.bind_names(prompt)
         return prompt
 
-    def bind_names(self, prompt: PreparedPrompt) -> None:
-        """Bind the uuids `prompt`'s images were sent with (all or none; InputError if one now names another
+    def bind_names(self, *prompts: PreparedPrompt) -> None:
+        """Bind the uuids the prompts' images were sent with (all or none; InputError if one now names another
         image: a request sent in between took it)."""
-        if not prompt.image_names:
+        names = [name for prompt in prompts for name in prompt.image_names]
+        if not names:
             return
         try:
-            self.image_names.bind_all(prompt.image_names)
+            self.image_names.bind_all(names)
         except ImageNameConflict as error:
             raise InputError(str(error)) from error
 

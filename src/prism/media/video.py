@@ -13,9 +13,12 @@ Owns: the video pixel layout and the timestamps, following HF transformers 5.17
   and is rendered as `<{t:.1f} seconds>`.
 - pixel rows in the same order as images (see image.patchify); grid_thw = (frames / T, gh, gw).
 
-One known difference: HF resizes video frames with torchvision (bicubic, antialias, on tensors); torchvision
+Two known differences: HF resizes video frames with torchvision (bicubic, antialias, on tensors); torchvision
 does not install beside CPU torch here, so frames are resized with PIL bicubic like images. Grids, sampling,
-timestamps and the patch layout are exact; resized pixel values can differ from HF's by a rounding step.
+timestamps and the patch layout are exact; resized pixel values can differ from HF's by a rounding step. And HF
+normalizes video pixels in one fused fp32 step ((x - 127.5) / 127.5 for Qwen's mean and std) where frames here take
+the images' table (rescaled in fp64, rounded, then normalized): half the 256 levels differ by one fp32 ulp (at most
+5.9e-8), identical once cast to bf16 or fp16 (session 27's review).
 """
 
 from __future__ import annotations
