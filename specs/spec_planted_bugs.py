@@ -897,3 +897,18 @@ def test_names_bound_before_the_engine_accepts_are_caught(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(InputProcessor, "prepare_chat", binds_at_once)
     _spec_fails(spec_refused_requests_name_nothing.spec_a_refused_request_names_nothing, "is bound")
+
+
+def test_questions_left_without_an_ending_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): a decision's questions existed only in its material until it was computed, so a
+    material that ended otherwise (a client leaving, a failed step) left them without a terminal event, and an abort
+    of one did nothing. Planted: a question that is never forked gets no event again."""
+    from prism.engine.engine import Engine
+    from specs import spec_unforked_questions
+
+    monkeypatch.setattr(Engine, "_end_question",
+                        lambda self, branch, material, reason, error=None: self._unspawned.pop(branch.request_id))
+    try:
+        _spec_fails(spec_unforked_questions.spec_every_question_ends_once, "terminal events")
+    finally:
+        spec_unforked_questions.engine_under_test.cache_clear()

@@ -119,6 +119,9 @@ class Engine:
         self.scheduler.is_media_encoded = self.runner.is_encoder_cached
         self.scheduler.media_ahead_pending = self.runner.encoding_in_background
         self.requests: dict[str, Request] = {}
+        # A decision's question id -> its material request, until the material is computed and the question forked:
+        # the id is taken, an abort of it ends the question, and a material that ends otherwise ends its questions.
+        self._unspawned: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._events: list[RequestOutput] = []
@@ -146,7 +149,7 @@ class Engine:
         self, request_id: str, prompt: PreparedPrompt | str | list[dict], params: SamplingParams | None = None
     ) -> Request:
         """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._unspawned:
             raise RequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if params.n != 1:  # not silently one: a caller asking for n sequences must not get one
@@ -209,6 +212,14 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its terminal event comes out of the next `step`. Unknown or finished: no-op."""
+        material = self._unspawned.get(request_id)
+        if material is not None:  # a question not forked yet: it ends; its material too if no question is left
+            (branch,) = (b for b in material.branches if b.request_id == request_id)
+            material.branches = [b for b in material.branches if b is not branch]
+            self._end_question(branch, material, FinishReason.ABORT)
+            if not material.branches:
+                self._finish(material, FinishReason.ABORT)
+            return
         request = self.requests.get(request_id)
         if request is not None and not request.is_finished:
             self._finish(request, FinishReason.ABORT)
@@ -488,7 +499,7 @@ class Engine:
             raise RequestError("a decision needs at least one question")
         uses = Counter(b.request_id for b in branches)
         for b in branches:  # all checked before any is added: a refused decision leaves nothing running
-            if b.request_id in self.requests or uses[b.request_id] > 1:
+            if b.request_id in self.requests or b.request_id in self._unspawned or uses[b.request_id] > 1:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
             self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
         prompts = [b.prompt.token_ids for b in branches]
@@ -508,6 +519,7 @@ class Engine:
         material = self.add_request(f"{decision_id}/material", branches[0].prompt.prefix(shared),
                                     SamplingParams(max_tokens=1))
         material.branches = list(branches)
+        self._unspawned.update((b.request_id, material) for b in branches)
         return [b.request_id for b in branches]
 
     def _spawn_branches(self, material: Request) -> None:
@@ -516,6 +528,7 @@ class Engine:
         assert material.branches is not None
         shared = len(material.prompt.token_ids)
         for b in material.branches:
+            del self._unspawned[b.request_id]
             self.kv.fork(material.request_id, b.request_id)
             self.kv.append_tokens(b.request_id, b.prompt.token_ids[shared:])
             branch = Request(b.request_id, b.prompt, SamplingParams(max_tokens=1), material.arrival_order)
@@ -547,6 +560,18 @@ class Engine:
         if reason is not FinishReason.ERROR and reason is not FinishReason.ABORT:
             new_text += self._streams[request.request_id].flush()
         self._emit_terminal(request, new_tokens or [], new_text, logprobs)
+        for b in request.branches or ():  # a material that ends before its questions were forked ends them
+            if self._unspawned.get(b.request_id) is request:
+                self._end_question(b, request, reason, error)
+
+    def _end_question(self, branch: Branch, material: Request, reason: FinishReason, error: str | None = None
+                      ) -> None:
+        """The terminal event of a question its material never forked (aborted, or failed with its material)."""
+        del self._unspawned[branch.request_id]
+        question = Request(branch.request_id, branch.prompt, SamplingParams(max_tokens=1), material.arrival_order)
+        question.finish(reason, error)
+        self._events.append(RequestOutput.of(question, [], "", None))
+        self.stats.requests_finished += 1
 
     def _emit_terminal(self, request: Request, new_tokens=(), new_text: str = "", logprobs=None) -> None:
         assert request.state is RequestState.FINISHED
