@@ -912,3 +912,22 @@ def test_questions_left_without_an_ending_are_caught(monkeypatch: pytest.MonkeyP
         _spec_fails(spec_unforked_questions.spec_every_question_ends_once, "terminal events")
     finally:
         spec_unforked_questions.engine_under_test.cache_clear()
+
+
+def test_recompute_required_in_one_step_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): with chunked prefill off, a preempted request's recompute (its prompt and the
+    tokens it had generated) had to fit one step, so a request preempted late was failed. Planted: the whole content
+    in one step again."""
+    from prism.engine.scheduler import Scheduler
+    from specs import spec_unchunked_recompute
+
+    chunk_end = Scheduler.chunk_end
+
+    def whole_content(self, request, content, start, budget, decoding=None):
+        if not self.config.enable_chunked_prefill and start < request.num_prompt_tokens:
+            remaining = len(content) - start
+            return start + remaining if remaining <= budget else start
+        return chunk_end(self, request, content, start, budget, decoding)
+
+    monkeypatch.setattr(Scheduler, "chunk_end", whole_content)
+    _spec_fails(spec_unchunked_recompute.spec_no_request_fails_with_chunked_prefill_off, "failed with chunked")

@@ -89,13 +89,14 @@ def prompts_sharing_images(draw) -> list[FakePrompt]:
 def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: int,
         interleave: int | None = None, encode_ahead: bool = False, forgetful_encoder: bool = False,
         page_aligned_hits: bool = False, encode_steps: list[int] | None = None, defer: int | None = None,
-        max_num_seqs: int = 4) -> dict:
-    """Run the requests to their ends; returns the steps, the preemptions and the prompt tokens computed in all.
-    `defer`: `defer_shared_prefill_tokens` (waiting for a running prefill of the same prompt pages)."""
+        max_num_seqs: int = 4, chunked_prefill: bool = True) -> dict:
+    """Run the requests to their ends; returns the steps, the preemptions, the prompt tokens computed in all and the
+    requests the scheduler failed. `defer`: `defer_shared_prefill_tokens` (waiting for a running prefill of the same
+    prompt pages). `chunked_prefill` False: a prompt longer than the budget is refused, as the engine refuses it."""
     config = EngineConfig(page_size=4, num_gpu_pages=pool_pages, num_cpu_pages=8 if preemption == "swap" else 0,
                           preemption=preemption, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           interleave_prefill_tokens=interleave, encode_media_ahead=encode_ahead,
-                          defer_shared_prefill_tokens=defer)
+                          defer_shared_prefill_tokens=defer, enable_chunked_prefill=chunked_prefill)
     kv = KVCacheManager(pool_pages, 4, "spec", config.num_cpu_pages, page_aligned_hits=page_aligned_hits)
     scheduler = Scheduler(config, kv, max_model_len=pool_pages * 4)
     encoded: set[bytes] = set()  # the stand-in encoder cache
@@ -111,6 +112,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     pending = list(zip(arrivals, requests, strict=True))
     step = 0
     prompt_tokens_computed = 0
+    failed = 0
     limit = 400 + 60 * len(requests)
 
     def finish(request: Request, reason: FinishReason) -> None:
@@ -125,7 +127,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
         assert step < limit, f"no progress: {len(live)} requests still live after {step} steps"
         for arrival, (prompt, max_tokens) in [p for p in pending if p[0] <= step]:
             request = Request(f"r{len(terminal) + len(live)}-{arrival}-{step}", prompt, SamplingParams(max_tokens=max_tokens), step)
-            if len(prompt.token_ids) + 1 > kv.gpu.num_pages * 4:
+            if len(prompt.token_ids) + 1 > kv.gpu.num_pages * 4 or (not chunked_prefill and len(prompt.token_ids) > budget):
                 continue  # the engine refuses these at add_request
             live[request.request_id] = request
             scheduler.add(request)
@@ -146,6 +148,7 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
             assert victim.priority > preemptor.priority, "a request was preempted by a younger one"
         for request, _reason in out.failed:
             finish(request, FinishReason.ERROR)
+            failed += 1
         if out.media_ahead:  # the head of the queue was held back while its media are encoded
             assert all(s.start >= s.request.num_prompt_tokens for s in out.slices), \
                 "a step both encoded media ahead and computed a prefill"
@@ -183,7 +186,8 @@ def run(requests, arrivals, cancels, preemption: str, pool_pages: int, budget: i
     kv.clear_cache()
     kv.check_invariants()
     assert kv.gpu.num_free == kv.gpu.num_pages and kv.cpu.num_free == kv.cpu.num_pages, "pages leaked"
-    return {"steps": step, "preemptions": scheduler.num_preemptions, "prompt_tokens_computed": prompt_tokens_computed}
+    return {"steps": step, "preemptions": scheduler.num_preemptions, "prompt_tokens_computed": prompt_tokens_computed,
+            "failed": failed}
 
 
 @settings(max_examples=150, deadline=None)

@@ -282,7 +282,11 @@ class Scheduler:
         decoding = self._decoding if decoding is None else decoding
         remaining = len(content) - start
         if not self.config.enable_chunked_prefill and start < request.num_prompt_tokens:
-            return start + remaining if remaining <= budget else start
+            # The prompt goes in one step; a preempted request's recomputed output after it may take more (those
+            # tokens were never a prompt: requiring them in the same step turned a request into an ERROR).
+            if request.num_prompt_tokens - start > budget:
+                return start
+            return start + min(remaining, budget)
         end = snap_chunk_end(content, start, start + min(remaining, budget))
         limit = self.config.interleave_prefill_tokens
         if limit is not None and decoding and start < request.num_prompt_tokens and end - start > limit:
