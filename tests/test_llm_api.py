@@ -59,11 +59,44 @@ def test_a_stream_left_early_is_aborted(llm, how):
     request_id = stream.request_id
     if how == "close":
         stream.close()
-    elif how == "drop":
+    elif how == "drop":  # aborted before the LLM's next step (a finalizer may run inside a step)
         del stream
         gc.collect()
+        llm.generate(["Hi"], SamplingParams(max_tokens=1))
     else:
         with stream:
             pass
     assert request_id not in llm.engine.requests, f"the request outlived its stream ({how})"
+    settled(llm)
+
+
+def test_a_stream_finalized_inside_a_step_fails_no_request(llm):
+    """Review (session 27): a stream dropped inside a reference cycle is finalized whenever the cyclic collector
+    runs, possibly inside an engine step; its abort then released a sequence the step was using and failed the whole
+    step (another stream ended with a KeyError). Its abort now waits for the LLM's next step."""
+    a = llm.stream("Tell me a story about a cat.", GREEDY)
+    b = llm.stream("Name three colours, please.", GREEDY)
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.stream, holder.me = b, holder  # b lives in a cycle: only the collector frees it
+    del b, holder
+    engine, execute = llm.engine, llm.engine.runner.execute
+    collected = []
+
+    def collect_inside(*args, **kwargs):
+        if not collected:
+            collected.append(gc.collect())  # the collector running during the step's allocations
+        return execute(*args, **kwargs)
+
+    gc.disable()
+    engine.runner.execute = collect_inside
+    try:
+        events = list(a)
+    finally:
+        engine.runner.execute = execute
+        gc.enable()
+    assert collected and events[-1].finish_reason.value == "length" and events[-1].error is None, events[-1]
     settled(llm)

@@ -49,6 +49,9 @@ class LLM:
         self.engine = Engine(model_dir, base.replace(**overrides) if overrides else base)
         self._ids = itertools.count()
         self._mailboxes: dict[str, deque[RequestOutput]] = {}  # the events of requests a call still reads
+        # Streams dropped unread, to abort before the next step: a finalizer may run inside a step (the cyclic
+        # garbage collector), where an abort would release a sequence the step is using.
+        self._abandoned: list[str] = []
 
     def generate(
         self, prompts: PromptLike | Sequence[PromptLike], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -124,7 +127,7 @@ class LLM:
 
     def stream(self, prompt: PromptLike, params: SamplingParams | None = None) -> RequestStream:
         """The events of one request, which starts now, as the engine produces them (other requests, other
-        streams' included, may share the steps). Closing the stream, or dropping it, before its last event
+        streams' included, may share the steps). Closing the stream (or dropping it) before its last event
         aborts the request."""
         return RequestStream(self, self._add(prompt, params))
 
@@ -143,6 +146,8 @@ class LLM:
     def _step_for(self, request_ids) -> None:
         """One engine step for requests still waiting for events; each event goes to its request's mailbox (a
         request no call reads any more, such as a closed stream's, has none: its events are dropped)."""
+        while self._abandoned:
+            self._forget(self._abandoned.pop())
         if not self.engine.has_unfinished_requests():
             raise RuntimeError(f"requests {sorted(request_ids)} are owed events the engine no longer has: "
                                "something else stepped this LLM's engine directly and took them")
@@ -171,8 +176,8 @@ class LLM:
 
 
 class RequestStream:
-    """The events of one request (`LLM.stream`), an iterator that ends after the terminal event. `close()` (or
-    dropping the stream) before that aborts the request."""
+    """The events of one request (`LLM.stream`), an iterator that ends after the terminal event. `close()` before
+    that aborts the request; dropping the stream aborts it before the LLM's next step."""
 
     def __init__(self, llm: LLM, request_id: str) -> None:
         self._llm = llm
@@ -207,4 +212,7 @@ class RequestStream:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        # Dropped unread: aborted before the LLM's next step, not here (this may run inside a step).
+        if self._open:
+            self._open = False
+            self._llm._abandoned.append(self.request_id)
