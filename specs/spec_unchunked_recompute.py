@@ -17,14 +17,11 @@ from specs.spec_scheduler_liveness import prompts, run
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    requests=st.lists(st.tuples(prompts(), st.integers(4, 24)), min_size=2, max_size=6),
-    data=st.data(),
-    preemption=st.sampled_from(["recompute", "swap"]),
-    pool_pages=st.integers(8, 14),
-    budget=st.integers(14, 24),
-)
-def spec_no_request_fails_with_chunked_prefill_off(requests, data, preemption, pool_pages, budget) -> None:
-    arrivals = data.draw(st.lists(st.integers(0, 6), min_size=len(requests), max_size=len(requests)))
-    stats = run(requests, arrivals, {}, preemption, pool_pages, budget, chunked_prefill=False)
-    assert stats["failed"] == 0, f"{stats['failed']} request(s) failed with chunked prefill off ({stats})"
+@given(data=st.data())
+def spec_no_request_fails_with_chunked_prefill_off(data) -> None:
+    requests = data.draw(st.lists(st.tuples(prompts(), st.integers(4, 24)), min_size=2, max_size=6), "requests")
+    arrivals = data.draw(st.lists(st.integers(0, 6), min_size=len(requests), max_size=len(requests)), "arrivals")
+    pool = {"preemption": data.draw(st.sampled_from(["recompute", "swap"]), "preemption"),
+            "pool_pages": data.draw(st.integers(8, 14), "pool pages"), "budget": data.draw(st.integers(14, 24), "budget")}
+    stats = run(requests, arrivals, {}, **pool, chunked_prefill=False)
+    assert stats["failed"] == 0, f"{stats['failed']} request(s) failed with chunked prefill off ({pool}, {stats})"
