@@ -284,3 +284,25 @@ def test_branches_over_different_pictures_of_one_size_are_refused():
     with pytest.raises(RequestError, match="images differ"):
         llm.engine.add_decision("two-pictures", branches)
     assert not llm.engine.requests
+
+
+def test_a_decision_whose_material_id_is_taken_is_refused_before_it_binds_anything():
+    """Review (session 27): the material's id was only checked when the material was added, after the branches'
+    image uuids were bound; a refused decision then named its pictures anyway."""
+    llm = new_llm()
+    inputs = llm.engine.inputs
+    named = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0], "uuid": "decide-pic"},
+                                          {"type": "text", "text": "Look."}]}]
+
+    def branches(tag: str) -> list[Branch]:
+        return [Branch(f"{tag}/q{i}", inputs.prepare_chat([*named, {"role": "user", "content": q.render()}],
+                                                          bind_names=False), candidate_token_ids(q, inputs.encode))
+                for i, q in enumerate(QUESTIONS[1:3])]
+
+    llm.engine.add_decision("same", branches("first"))
+    llm.engine.inputs.image_names._names.clear()  # as if the first decide's names were forgotten (evicted)
+    with pytest.raises(RequestError, match="same/material"):
+        llm.engine.add_decision("same", branches("second"))
+    assert llm.engine.inputs.image_names.resolve("decide-pic") is None, "a refused decision bound its uuid"
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()

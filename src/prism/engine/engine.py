@@ -498,6 +498,9 @@ class Engine:
         if not branches:
             raise RequestError("a decision needs at least one question")
         uses = Counter(b.request_id for b in branches)
+        material_id = f"{decision_id}/material"
+        if len(branches) > 1 and (material_id in self.requests or material_id in self._unspawned):
+            raise RequestError(f"request id {material_id!r} is already in use")
         for b in branches:  # all checked before any is added: a refused decision leaves nothing running
             if b.request_id in self.requests or b.request_id in self._unspawned or uses[b.request_id] > 1:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
@@ -516,7 +519,7 @@ class Engine:
             for b in branches:
                 self.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature)
             return [b.request_id for b in branches]
-        material = self.add_request(f"{decision_id}/material", branches[0].prompt.prefix(shared),
+        material = self.add_request(material_id, branches[0].prompt.prefix(shared),
                                     SamplingParams(max_tokens=1))
         material.branches = list(branches)
         self._unspawned.update((b.request_id, material) for b in branches)
