@@ -149,7 +149,7 @@ class Engine:
         self, request_id: str, prompt: PreparedPrompt | str | list[dict], params: SamplingParams | None = None
     ) -> Request:
         """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
-        if request_id in self.requests or request_id in self._unspawned:
+        if self._id_in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if params.n != 1:  # not silently one: a caller asking for n sequences must not get one
@@ -174,6 +174,10 @@ class Engine:
             self._generators[request_id] = generator
         self.scheduler.add(request)
         return request
+
+    def _id_in_use(self, request_id: str) -> bool:
+        """A live request's id, or a decision's question not yet forked from its material."""
+        return request_id in self.requests or request_id in self._unspawned
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -499,10 +503,10 @@ class Engine:
             raise RequestError("a decision needs at least one question")
         uses = Counter(b.request_id for b in branches)
         material_id = f"{decision_id}/material"
-        if len(branches) > 1 and (material_id in self.requests or material_id in self._unspawned):
+        if len(branches) > 1 and self._id_in_use(material_id):
             raise RequestError(f"request id {material_id!r} is already in use")
         for b in branches:  # all checked before any is added: a refused decision leaves nothing running
-            if b.request_id in self.requests or b.request_id in self._unspawned or uses[b.request_id] > 1:
+            if self._id_in_use(b.request_id) or uses[b.request_id] > 1:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
             self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
         prompts = [b.prompt.token_ids for b in branches]

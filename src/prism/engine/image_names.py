@@ -39,7 +39,10 @@ class ImageNames:
     def check(self, uuid: str, digest: bytes) -> None:
         """ImageNameConflict if `uuid` names an image of another digest (nothing bound, nothing touched)."""
         with self._lock:
-            known = self._names.get(uuid)
+            self._check_locked(uuid, digest)
+
+    def _check_locked(self, uuid: str, digest: bytes) -> None:
+        known = self._names.get(uuid)
         if known is not None and known[1] != digest:
             raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
 
@@ -48,9 +51,7 @@ class ImageNames:
         them or none: ImageNameConflict, binding nothing, if any uuid names an image of another digest."""
         with self._lock:
             for uuid, _, digest in bindings:
-                known = self._names.get(uuid)
-                if known is not None and known[1] != digest:
-                    raise ImageNameConflict(f"image uuid {uuid!r} already names a different image")
+                self._check_locked(uuid, digest)
             for uuid, key, digest in bindings:
                 # The same image may come back as other bytes (another encoding) under another cache key: the name
                 # follows the key that was filled last, which holds its pixels.
