@@ -189,15 +189,17 @@ def chunk_from_output(
     index: int,
     event: RequestOutput,
     token_bytes: TokenBytes | None = None,
+    chunk_type: type[ChatCompletionChunk] = ChatCompletionChunk,
 ) -> ChatCompletionChunk | None:
-    """The chunk for one engine event of choice `index`, or None when it carries nothing to send."""
+    """The chunk for one engine event of choice `index`, or None when it carries nothing to send. `chunk_type`:
+    `ChatCompletionChunkWithUsage` in a stream that asked for usage."""
     reason = openai_finish_reason(event.finish_reason, event.error) if event.finished else None
     logprobs = _logprobs_of([event], token_bytes) if event.logprobs else None
     if not event.new_text and reason is None and logprobs is None:
         return None
     delta = DeltaMessage(content=event.new_text if (event.new_text or logprobs) else None)
     choice = ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
-    return ChatCompletionChunk(id=completion_id, created=created, model=model, choices=[choice])
+    return chunk_type(id=completion_id, created=created, model=model, choices=[choice])
 
 
 class ChatCompletionStream:
@@ -236,12 +238,11 @@ class ChatCompletionStream:
         """SSE bytes for one event (b"" when it carries nothing); raises `RequestFailedError` on ERROR/ABORT."""
         if not 0 <= index < len(self._finals) or self._finals[index] is not None:
             raise ValueError(f"choice {index} is out of range or already finished")
-        chunk = chunk_from_output(self.id, self.created, self.model, index, event, self._token_bytes)
+        chunk = chunk_from_output(self.id, self.created, self.model, index, event, self._token_bytes,
+                                  self._chunk_type)
         if event.finished:
             self._finals[index] = event
-        if chunk is None:
-            return b""
-        return sse(self._chunk_type(**dict(chunk)) if self.include_usage else chunk)
+        return b"" if chunk is None else sse(chunk)
 
     @property
     def _chunk_type(self) -> type[ChatCompletionChunk]:
