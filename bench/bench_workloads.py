@@ -2,7 +2,10 @@
 Zipf working set of image groups, scaled-FP8 vs BF16 KV under the same fixed KV budget), on the 8B-shaped
 checkpoint built by bench_engine.py. `--smoke` runs a tiny version on the CPU (tiny checkpoint) to check the
 harness. Each row is the median run by its headline figure, with the range, of one process, or of `W5_PROCESSES` for
-W5's rows (their spread is larger than their margin), or of `--repeat N` for every row. Writes bench/results/<date>-<gpu>-workloads.json/.md.
+W5's rows (their spread is larger than their margin), or of `--repeat N` for every row. W5's figures are those of the
+steady state (its second 256 requests; the first ones' beside them). `--select A,B` runs the named workloads only
+(the W5 rows without async admissions run only when selected). Writes
+bench/results/<date>-<gpu>-workloads[-selection].json/.md.
 
 Each workload runs in a process of its own (`--only NAME` prints its result as JSON), and this one never initializes
 CUDA. H200, session 12, same code: W5's FP8 engine served 54 req/s measured after the three W4 engines in one
@@ -123,12 +126,16 @@ def w4_injection(ckpt: Path, size: int, n_images: int, kv_bytes: int, interleave
 
 
 def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: int, clients: int, requests: int,
-                   **overrides) -> dict:
-    """`clients` requests in flight at all times over `groups` image sets with Zipf(1.1) popularity. `overrides`:
-    other engine settings (`host_w5.py` runs it on the tiny checkpoint with the pool of the 8B's pages)."""
+                   warm_requests: int = 0, **overrides) -> dict:
+    """`clients` requests in flight at all times over `groups` image sets with Zipf(1.1) popularity. The figures are
+    those of the `requests` requests after the first `warm_requests` (the steady state: the cache holds the working
+    set as its budget allows, every kernel variant has been launched); the first ones' figures are under
+    `from_start`. `overrides`: other engine settings (`host_w5.py` runs it on the tiny checkpoint with the pool of the
+    8B's pages)."""
     llm = LLM(ckpt, **{"kv_dtype": kv_dtype, "kv_memory_bytes": kv_bytes, "page_size": 256 if size >= 448 else 16,
                        "max_num_seqs": clients, **overrides})
     engine = llm.engine
+    kv = engine.kv
     rng = random.Random(0)
     weights = [1 / (k + 1) ** 1.1 for k in range(groups)]
     image_sets = [random_images([(size, size)] * 4, seed=1000 + g) for g in range(groups)]
@@ -137,8 +144,12 @@ def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: 
     media_pool = ThreadPoolExecutor(8)
     preparing: dict[str, object] = {}
     arrivals: dict[str, float] = {}
-    ttft: list[float] = []
+    ttft: dict[int, float] = {}  # by submission index
     submitted = finished = steps = 0
+    total = warm_requests + requests
+
+    def snapshot() -> tuple:
+        return time.perf_counter(), steps, kv.stats.hit_tokens, kv.stats.queries_tokens, kv.entries.evictions
 
     def submit() -> None:
         nonlocal submitted
@@ -149,9 +160,9 @@ def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: 
             engine.inputs.prepare_chat, chat(image_sets[group], f"Question {submitted} about set {group}?"))
         submitted += 1
 
-    start = time.perf_counter()
-    while finished < requests:
-        while submitted - finished < clients and submitted < requests:
+    marks = {"start": snapshot()}
+    while finished < total:
+        while submitted - finished < clients and submitted < total:
             submit()
         for request_id in [r for r, f in preparing.items() if f.done()]:
             engine.add_request(request_id, preparing.pop(request_id).result(),
@@ -162,18 +173,27 @@ def w5_working_set(ckpt: Path, kv_dtype: str, kv_bytes: int, size: int, groups: 
         steps += 1
         for event in engine.step():
             if event.new_token_ids and event.request_id in arrivals:
-                ttft.append(time.perf_counter() - arrivals.pop(event.request_id))
+                ttft[int(event.request_id[3:])] = time.perf_counter() - arrivals.pop(event.request_id)
             if event.finished:
                 if event.finish_reason is FinishReason.ERROR:  # a failed request is no throughput
                     raise RuntimeError(f"W5 request {event.request_id} failed: {event.error}")
                 finished += 1
-    elapsed = time.perf_counter() - start
+                if finished == warm_requests:
+                    marks["warm"] = snapshot()
+    marks["end"] = snapshot()
     media_pool.shutdown()
-    kv = engine.kv
-    return {"req_per_s": requests / elapsed, "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
-            "hit_rate": kv.stats.hit_tokens / max(kv.stats.queries_tokens, 1), "evictions": kv.entries.evictions,
-            "pool_pages": kv.gpu.num_pages, "steps": steps, "async_steps": engine.stats.async_steps,
-            "scheduled_ahead_steps": engine.stats.scheduled_ahead_steps,
+
+    def phase(begin: tuple, end: tuple, count: int, indices: range) -> dict:
+        times = [ttft[i] for i in indices]
+        return {"requests": count, "req_per_s": count / (end[0] - begin[0]), "ttft_p50_ms": pct(times, 0.5) * 1e3,
+                "ttft_p99_ms": pct(times, 0.99) * 1e3, "hit_rate": (end[2] - begin[2]) / max(end[3] - begin[3], 1),
+                "evictions": end[4] - begin[4], "steps": end[1] - begin[1]}
+
+    result = phase(marks.get("warm", marks["start"]), marks["end"], requests, range(warm_requests, total))
+    if warm_requests:
+        result["from_start"] = phase(marks["start"], marks["warm"], warm_requests, range(warm_requests))
+    return {**result, "warm_requests": warm_requests, "pool_pages": kv.gpu.num_pages,
+            "async_steps": engine.stats.async_steps, "scheduled_ahead_steps": engine.stats.scheduled_ahead_steps,
             "async_admissions": engine.config.async_admissions}
 
 
@@ -194,20 +214,30 @@ def workloads(smoke: bool) -> dict:
         ckpt, size, kv_w5, kv_w4, groups, clients, requests = ensure_tiny_checkpoint(), 64, 2 * 2**20, 16 * 2**20, 6, 8, 40
     else:
         ckpt, size, kv_w5, kv_w4, groups, clients, requests = CKPT, 448, 3 * 2**30, 16 * 2**30, 32, 32, 256
-    w5 = {"groups": groups, "clients": clients, "requests": requests, "kv_bytes": kv_w5}
+    # W5's figures are its second `requests` requests': its first ones fill the cache and launch every kernel
+    # variant for the first time (session 15: one variant's compile took 0.66 s of W5's first steps).
+    w5 = {"groups": groups, "clients": clients, "kv_bytes": kv_w5}
+
+    def w5_run(kv_dtype: str, **overrides) -> dict:
+        return {**w5, **w5_working_set(ckpt, kv_dtype, kv_w5, size, groups, clients, requests,
+                                       warm_requests=requests, **overrides)}
+
     return {"W4": lambda: w4_injection(ckpt, size, 8, kv_w4),
             "W4_second_run": lambda: w4_second_run(ckpt, size, 8, kv_w4),
             "W4_interleave_256": lambda: w4_injection(ckpt, size, 8, kv_w4, interleave=256),
             "W4_interleave_512": lambda: w4_injection(ckpt, size, 8, kv_w4, interleave=512),
             "W4_interleave_640": lambda: w4_injection(ckpt, size, 8, kv_w4, interleave=640),
-            "W5_fp8": lambda: {**w5, **w5_working_set(ckpt, "fp8", kv_w5, size, groups, clients, requests)},
-            "W5_bf16": lambda: {**w5, **w5_working_set(ckpt, "bf16", kv_w5, size, groups, clients, requests)},
+            "W5_fp8": lambda: w5_run("fp8"),
+            "W5_bf16": lambda: w5_run("bf16"),
             # without async admissions (on by default since session 15): each step that admits a waiting request
-            # is scheduled after the previous one's tokens are read
-            "W5_fp8_no_admissions": lambda: {**w5, **w5_working_set(ckpt, "fp8", kv_w5, size, groups, clients,
-                                                                    requests, async_admissions=False)},
-            "W5_bf16_no_admissions": lambda: {**w5, **w5_working_set(ckpt, "bf16", kv_w5, size, groups, clients,
-                                                                     requests, async_admissions=False)}}
+            # is scheduled after the previous one's tokens are read. Not run unless selected.
+            "W5_fp8_no_admissions": lambda: w5_run("fp8", async_admissions=False),
+            "W5_bf16_no_admissions": lambda: w5_run("bf16", async_admissions=False)}
+
+
+# the workloads `main` runs unless `--select` names others
+DEFAULT_WORKLOADS = ["W4", "W4_second_run", "W4_interleave_256", "W4_interleave_512", "W4_interleave_640", "W5_fp8",
+                     "W5_bf16"]
 
 
 _RESULT = "WORKLOAD RESULT "  # marks the child's result line among whatever else it prints
@@ -270,27 +300,14 @@ def spread(result: dict, fmt: str) -> str:
     return f" ({fmt.format(min(values))}-{fmt.format(max(values))} over {len(values)})" if len(values) > 1 else ""
 
 
-def main() -> None:
-    smoke = "--smoke" in sys.argv
-    if "--only" in sys.argv:
-        name = sys.argv[sys.argv.index("--only") + 1]
-        result = workloads(smoke)[name]()
-        print(_RESULT + json.dumps({**result, "gpu": "cpu-smoke" if smoke else torch.cuda.get_device_name()}))
-        return
-    if not smoke and not (CKPT / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "bench" / "make_checkpoint.py"), "--ckpt", str(CKPT)], check=True)
-    # This process never touches CUDA (the device's name comes from the workloads' processes).
-    repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else None
-    if repeat is not None and repeat < 1:
-        raise SystemExit(f"--repeat needs a positive count, got {repeat}")
-    results = {name: median_run(runs) for name, runs in run_rounds(list(workloads(smoke)), repeat, smoke).items()}
-    gpu = next(iter(results.values())).get("gpu", "unknown")
-    out = {"gpu": gpu, "date": datetime.date.today().isoformat(), **results}
-    f8, b16 = out["W5_fp8"], out["W5_bf16"]
-    f8a, b16a = out["W5_fp8_no_admissions"], out["W5_bf16_no_admissions"]
-    md = "\n".join([
-        f"W4/W5, {gpu}, {out['date']}",
-        "",
+def w4_table(out: dict) -> list[str]:
+    rows = [(label, out[name]) for label, name in (
+        ("default", "W4"), ("default, second run of its process", "W4_second_run"),
+        ("interleave 256", "W4_interleave_256"), ("interleave 512", "W4_interleave_512"),
+        ("interleave 640", "W4_interleave_640")) if name in out]
+    if not rows:
+        return []
+    return [
         "W4: 8 running decodes, a cold 8-image request injected (targets: max ITL <= 70 ms by default; interleaving "
         "<= 20 ms with cold TTFT <= 1.3x the same request alone)",
         "",
@@ -303,34 +320,78 @@ def main() -> None:
         "",
         "| mode | max ITL | p95 ITL | median ITL | cold TTFT | same request alone | ratio | chunks ahead | tokens = alone |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-        *(f"| {name} | {r['max_itl_ms']:.1f} ms | {r['p95_itl_ms']:.1f} ms | {r['median_itl_ms']:.1f} ms | "
+        *(f"| {label} | {r['max_itl_ms']:.1f} ms | {r['p95_itl_ms']:.1f} ms | {r['median_itl_ms']:.1f} ms | "
           f"{r['cold_ttft_ms']:.1f} ms | {r['cold_alone_ttft_ms']:.1f} ms | {r['cold_ttft_over_alone']:.2f}x"
           f"{spread(r, '{:.2f}')} | "
           f"{r.get('async_chunk_steps', 0)} | {'yes' if r['cold_tokens_equal_alone'] else 'NO'} |"
-          for name, r in (("default", out["W4"]), ("default, second run of its process", out["W4_second_run"]),
-                          ("interleave 256", out["W4_interleave_256"]),
-                          ("interleave 512", out["W4_interleave_512"]),
-                          ("interleave 640", out["W4_interleave_640"]))),
+          for label, r in rows),
         "",
-        f"W5: {f8['clients']} clients, {f8['groups']} image groups (4 images each), Zipf 1.1, {f8['requests']} requests, "
-        f"same KV budget ({f8['kv_bytes'] / 2**30:.2f} GiB)",
+    ]
+
+
+def w5_table(out: dict) -> list[str]:
+    rows = [(label, out[name]) for label, name in (
+        ("scaled FP8", "W5_fp8"), ("BF16", "W5_bf16"), ("scaled FP8, no async admissions", "W5_fp8_no_admissions"),
+        ("BF16, no async admissions", "W5_bf16_no_admissions")) if name in out]
+    if not rows:
+        return []
+    first = rows[0][1]
+
+    def row(label: str, r: dict) -> str:
+        return (f"| {label} | {r['pool_pages']} | {r['req_per_s']:.2f}{spread(r, '{:.1f}')} | {r['ttft_p50_ms']:.1f} ms "
+                f"| {r['ttft_p99_ms']:.1f} ms | {r['hit_rate']:.1%} | {r['evictions']} | {r['steps']} |")
+
+    def from_start(label: str, r: dict) -> str:
+        return row(f"{label}, first {r['warm_requests']}", {**r, **r["from_start"], "headline_of_runs": []})
+
+    lines = [
+        f"W5: {first['clients']} clients, {first['groups']} image groups (4 images each), Zipf 1.1, same KV budget "
+        f"({first['kv_bytes'] / 2**30:.2f} GiB). Each row: {first['requests']} requests after the first "
+        f"{first['warm_requests']} (the steady state), the median of its processes by req/s; below, the same processes'"
+        f" first {first['warm_requests']} (from the engine's start: the cache fills, kernels launch the first time).",
         "",
-        "| KV | pool pages | req/s | TTFT p50 | TTFT p99 | prefix hit rate | evictions | steps (launched ahead) |",
+        "| KV | pool pages | req/s | TTFT p50 | TTFT p99 | prefix hit rate | evictions | steps |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
-        *(f"| {name} | {r['pool_pages']} | {r['req_per_s']:.2f}{spread(r, '{:.1f}')} | {r['ttft_p50_ms']:.1f} ms | "
-          f"{r['ttft_p99_ms']:.1f} ms | {r['hit_rate']:.1%} | {r['evictions']} | {r.get('steps', '-')} "
-          f"({r.get('async_steps', '-')}) |"
-          for name, r in (("scaled FP8", f8), ("BF16", b16), ("scaled FP8, no async admissions", f8a),
-                          ("BF16, no async admissions", b16a))),
+        *(row(label, r) for label, r in rows),
+        *(from_start(label, r) for label, r in rows if "from_start" in r),
         "",
-        f"FP8 / BF16 req/s (the rows' medians): {f8['req_per_s'] / b16['req_per_s']:.2f}x (target >= 1.3x with a higher "
-        f"hit rate); without "
-        f"async admissions: {f8a['req_per_s'] / b16a['req_per_s']:.2f}x",
-    ]) + "\n"
+    ]
+    for fp8_name, bf16_name, what in (("W5_fp8", "W5_bf16", ""),
+                                      ("W5_fp8_no_admissions", "W5_bf16_no_admissions", ", no async admissions")):
+        if fp8_name in out and bf16_name in out:
+            f8, b16 = out[fp8_name], out[bf16_name]
+            lines.append(f"FP8 / BF16 req/s{what} (the rows' medians): {f8['req_per_s'] / b16['req_per_s']:.2f}x "
+                         f"(target >= 1.3x with a higher hit rate: {f8['hit_rate']:.1%} vs {b16['hit_rate']:.1%})")
+    return lines
+
+
+def main() -> None:
+    smoke = "--smoke" in sys.argv
+    if "--only" in sys.argv:
+        name = sys.argv[sys.argv.index("--only") + 1]
+        result = workloads(smoke)[name]()
+        print(_RESULT + json.dumps({**result, "gpu": "cpu-smoke" if smoke else torch.cuda.get_device_name()}))
+        return
+    names = DEFAULT_WORKLOADS
+    if "--select" in sys.argv:  # a comma-separated list of workload names
+        names = sys.argv[sys.argv.index("--select") + 1].split(",")
+        unknown = sorted(set(names) - set(workloads(smoke)))
+        if unknown:
+            raise SystemExit(f"unknown workloads {unknown}; known: {sorted(workloads(smoke))}")
+    if not smoke and not (CKPT / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "bench" / "make_checkpoint.py"), "--ckpt", str(CKPT)], check=True)
+    # This process never touches CUDA (the device's name comes from the workloads' processes).
+    repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else None
+    if repeat is not None and repeat < 1:
+        raise SystemExit(f"--repeat needs a positive count, got {repeat}")
+    results = {name: median_run(runs) for name, runs in run_rounds(names, repeat, smoke).items()}
+    gpu = next(iter(results.values())).get("gpu", "unknown")
+    out = {"gpu": gpu, "date": datetime.date.today().isoformat(), **results}
+    md = "\n".join([f"W4/W5, {gpu}, {out['date']}", "", *w4_table(out), *w5_table(out)]) + "\n"
     print(md)
     if not smoke:
-        write_results(out, md, gpu, out["date"], "workloads")
-
+        write_results(out, md, gpu, out["date"], "workloads" if names == DEFAULT_WORKLOADS else
+                      "workloads-" + "-".join(name.lower() for name in names))
 
 if __name__ == "__main__":
     main()
