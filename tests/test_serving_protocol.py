@@ -171,6 +171,13 @@ def test_single_stop_string_and_greedy():
     assert sp.stop == ("###",) and sp.is_greedy
 
 
+def test_a_negative_seed_is_its_unsigned_64_bit_pattern():
+    """OpenAI's seed is a signed 64-bit integer (vLLM accepts the same range): -1 seeds as 2**64 - 1, so two requests
+    with seed -1 sample alike and unlike seed 1."""
+    for seed, expected in ((-1, 2**64 - 1), (-(2**63), 2**63), (5, 5), (2**64 - 1, 2**64 - 1)):
+        assert parse_chat_request({**GOOD, "seed": seed}).to_sampling_params(8).seed == expected
+
+
 BAD_CASES = [
     # (changes to GOOD, param named, substring of the message)
     ({"temperature": "0.5"}, "temperature", "valid number"),
@@ -178,7 +185,7 @@ BAD_CASES = [
     ({"temperature": float("nan")}, "temperature", "finite"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"top_k": -2}, "top_k", "greater than or equal to -1"),
-    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"seed": -(2**63) - 1}, "seed", "greater than or equal to -9223372036854775808"),
     ({"seed": 2**64}, "seed", "less than or equal to"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"max_tokens": 1.5}, "max_tokens", "valid integer"),

@@ -295,6 +295,29 @@ class InputProcessor:
         self.bind_names(prompt)
         return prompt
 
+    def prepare_token_ids(self, token_ids: Sequence[int]) -> PreparedPrompt:
+        """A text-only prompt given as token ids (the completions API's pre-tokenized prompt). Ids outside the
+        tokenizer's vocabulary and media placeholders (there is no media to fill them) are an InputError."""
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise InputError("a token-id prompt must be a non-empty list of integers")
+        vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InputError(f"token ids must be in [0, {vocab}), the tokenizer's vocabulary")
+        if np.isin(ids, [self.special.image_pad, self.special.video_pad]).any():
+            raise InputError("a token-id prompt must not hold image or video placeholder tokens: there is no media "
+                             "to fill them")
+        n = int(ids.size)
+        if self._max_prompt_tokens is not None and n > self._max_prompt_tokens:
+            raise PromptTooLongError(f"the prompt has {n} tokens; the limit is {self._max_prompt_tokens}")
+        return PreparedPrompt(
+            token_ids=ids.astype(np.int64).tolist(),
+            mm_token_type_ids=torch.zeros(n, dtype=torch.int64),
+            positions=torch.arange(n, dtype=torch.int64).expand(3, n).clone(),
+            rope_delta=0,
+            media=(),
+        )
+
     def bind_names(self, *prompts: PreparedPrompt) -> None:
         """Bind the uuids the prompts' images were sent with (all or none; InputError if one now names another
         image: a request sent in between took it)."""

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI-compatible chat completions over the async engine.
+"""The FastAPI application: OpenAI-compatible chat and text completions, models, metrics and decisions over the
+async engine.
 
 Owns *hostile input -> 4xx, nothing lost*: every request body is size-checked, parsed and validated
 before anything is allocated; media are resolved and preprocessed in the worker pool with their own
@@ -30,6 +31,7 @@ from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
 from .async_engine import AsyncEngine, GenerationEvents, Overloaded, ShuttingDown
+from .completions import CompletionRenderer, CompletionRequest, parse_completion_request
 from .decide_protocol import DecideRequest, decide_response, parse_decide_request
 from .media_urls import MediaResolver
 from .metrics import ServingMetrics
@@ -119,10 +121,14 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> ModelList:
+        return ModelList(data=[_model_card(request.app.state.prism)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(model_id: str, request: Request) -> Response:
         state: ServerState = request.app.state.prism
-        card = ModelCard(id=state.settings.served_model_name, created=state.created,
-                         max_model_len=state.engine.max_model_len)
-        return ModelList(data=[card])
+        if model_id != state.settings.served_model_name:
+            return _error_response(state, _model_not_found(model_id, state))
+        return JSONResponse(_model_card(state).model_dump(mode="json"))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -143,31 +149,52 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             _check_context(chat, len(prompt.token_ids), state.engine.max_model_len)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return _error_response(state, error)
-        if chat.num_choices > state.async_engine.max_in_flight:  # never fits: not a 429 "retry later"
-            return _error_response(state, ProtocolError(
-                f"n={chat.num_choices} asks for more choices than the server runs at once "
-                f"({state.async_engine.max_in_flight})", param="n"))
         completion_id = new_completion_id()
-        choices = [_choice_params(params, i) for i in range(chat.num_choices)]
-        streams = []
-        try:
-            for i, choice_params in enumerate(choices):
-                streams.append(
-                    await _start(state, f"{completion_id}-{i}", prompt, choice_params, state.metrics.tracker(arrival))
-                )
-        except Exception as error:  # noqa: BLE001
-            for stream in streams:
-                await stream.aclose()
-            return _error_response(state, error)
+        submitted = await _start_choices(state, completion_id, [(prompt, params)] * chat.num_choices, arrival)
+        if isinstance(submitted, Response):
+            return submitted
+        token_bytes = state.token_bytes if chat.logprobs else None
         if chat.stream:
-            return StreamingResponse(
-                _sse(state, chat, completion_id, streams), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            out = ChatCompletionStream(chat.model, n=len(submitted), include_usage=chat.include_usage,
+                                       token_bytes=token_bytes, completion_id=completion_id, created=int(time.time()))
+            return _event_stream(_sse(out, submitted))
         try:
-            return await _until_disconnected(request, _collect(state, chat, completion_id, streams))
+            events = await _until_disconnected(request, _collect(submitted))
         except ClientGone:
             return Response(status_code=499)
+        return _json_or_error(lambda: build_response(completion_id, int(time.time()), chat.model, events, token_bytes))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        """The legacy text-completions API: raw prompts, no chat template (see serving/completions.py)."""
+        state: ServerState = request.app.state.prism
+        arrival = time.perf_counter()
+        try:
+            completion = parse_completion_request(await _read_body(request, state))
+            if completion.model != state.settings.served_model_name:
+                raise _model_not_found(completion.model, state)
+            prompts = await state.async_engine.run_in_media_pool(_completion_prompts, state, completion)
+            params = [completion.params_for(len(p.token_ids), state.engine.max_model_len) for p in prompts]
+        except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
+            return _error_response(state, error)
+        n = completion.num_choices
+        renderer = CompletionRenderer(
+            completion.model, [_echo(state, p, raw) if completion.echo else "" for p, raw in
+                               zip(prompts, completion.prompts, strict=True) for _ in range(n)],
+            n, include_usage=completion.include_usage,
+            token_bytes=state.token_bytes if completion.logprobs is not None else None)
+        submitted = await _start_choices(
+            state, renderer.id, [(prompt, p) for prompt, p in zip(prompts, params, strict=True) for _ in range(n)],
+            arrival, per_prompt=n)
+        if isinstance(submitted, Response):
+            return submitted
+        if completion.stream:
+            return _event_stream(_sse(renderer, submitted))
+        try:
+            events = await _until_disconnected(request, _collect(submitted))
+        except ClientGone:
+            return Response(status_code=499)
+        return _json_or_error(lambda: renderer.response(events))
 
     @app.post("/v1/decide", response_model=None)
     async def decide(request: Request) -> Response:
@@ -177,8 +204,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             body = await _read_body(request, state)
             decide_request, questions = parse_decide_request(body)
             if decide_request.model != state.settings.served_model_name:
-                raise _NotFound(f"the model {decide_request.model!r} does not exist; this server serves "
-                                f"{state.settings.served_model_name!r}")
+                raise _model_not_found(decide_request.model, state)
             material = await state.async_engine.run_in_media_pool(
                 state.resolver.resolve_messages, decide_request.material, "material"
             )
@@ -278,7 +304,8 @@ def _document_raw_bodies(app: FastAPI) -> None:
     schemas: publish the request models' JSON schemas as the request bodies in /openapi.json."""
     from fastapi.openapi.utils import get_openapi
 
-    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/decide": DecideRequest}
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+              "/v1/decide": DecideRequest}
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -315,7 +342,7 @@ async def _read_body(request: Request, state: ServerState) -> bytes:
 async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
     chat = parse_chat_request(await _read_body(request, state))
     if chat.model != state.settings.served_model_name:
-        raise _NotFound(f"the model {chat.model!r} does not exist; this server serves {state.settings.served_model_name!r}")
+        raise _model_not_found(chat.model, state)
     return chat
 
 
@@ -337,6 +364,27 @@ class _TooLarge(ValueError):
 class _NotFound(ValueError):
     status = 404
     param = "model"
+
+
+def _model_not_found(model: str, state: ServerState) -> _NotFound:
+    return _NotFound(f"the model {model!r} does not exist; this server serves {state.settings.served_model_name!r}")
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.settings.served_model_name, created=state.created,
+                     max_model_len=state.engine.max_model_len)
+
+
+def _completion_prompts(state: ServerState, completion: CompletionRequest) -> list:
+    """Each prompt of a completions request prepared (tokenized; token ids checked), off the event loop."""
+    inputs = state.engine.inputs
+    return [inputs.prepare_prompt(p) if isinstance(p, str) else inputs.prepare_token_ids(p)
+            for p in completion.prompts]
+
+
+def _echo(state: ServerState, prompt, raw: str | list[int]) -> str:
+    """The text an echoed prompt shows: the string as sent, or the token ids decoded (special tokens kept)."""
+    return raw if isinstance(raw, str) else state.engine.inputs.decode(prompt.token_ids, skip_special_tokens=False)
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -384,12 +432,35 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _sse(state: ServerState, chat: ChatCompletionRequest, completion_id: str, streams: list):
-    out = ChatCompletionStream(
-        chat.model, n=len(streams), include_usage=chat.include_usage,
-        token_bytes=state.token_bytes if chat.logprobs else None, completion_id=completion_id,
-        created=int(time.time()),
-    )
+async def _start_choices(state: ServerState, completion_id: str, choices: list, arrival: float,
+                         per_prompt: int | None = None) -> list[GenerationEvents] | Response:
+    """Submit each (prompt, params) choice as its own engine request (`completion_id-i`); the seeds of a prompt's
+    choices are its seed + 0, 1, ... (`per_prompt`: choices per prompt; default all one prompt's). All or none: a
+    refusal closes the ones already submitted and is returned as the error response."""
+    if len(choices) > state.async_engine.max_in_flight:  # never fits: not a 429 "retry later"
+        return _error_response(state, ProtocolError(
+            f"the request asks for {len(choices)} choices, more than the server runs at once "
+            f"({state.async_engine.max_in_flight})", param="n"))
+    per_prompt = per_prompt or len(choices)
+    streams = []
+    try:
+        for i, (prompt, params) in enumerate(choices):
+            streams.append(await _start(state, f"{completion_id}-{i}", prompt, _choice_params(params, i % per_prompt),
+                                        state.metrics.tracker(arrival)))
+    except Exception as error:  # noqa: BLE001
+        for stream in streams:
+            await stream.aclose()
+        return _error_response(state, error)
+    return streams
+
+
+def _event_stream(body) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse(out, streams: list):
+    """SSE bytes of one completion: `out` (ChatCompletionStream or CompletionRenderer) renders the events."""
     merged = _merge(streams)
     try:
         yield out.start()
@@ -397,7 +468,7 @@ async def _sse(state: ServerState, chat: ChatCompletionRequest, completion_id: s
             try:
                 data = out.on_output(index, event)
             except RequestFailedError as error:
-                yield ChatCompletionStream.error(error.status, str(error))
+                yield out.error(error.status, str(error))
                 return
             if data:
                 yield data
@@ -406,7 +477,8 @@ async def _sse(state: ServerState, chat: ChatCompletionRequest, completion_id: s
         await merged.aclose()  # a disconnected client lands here: its requests are aborted
 
 
-async def _collect(state: ServerState, chat: ChatCompletionRequest, completion_id: str, streams: list) -> Response:
+async def _collect(streams: list) -> list[list[RequestOutput]]:
+    """Every choice's events, in order."""
     events: list[list[RequestOutput]] = [[] for _ in streams]
     merged = _merge(streams)
     try:
@@ -414,10 +486,13 @@ async def _collect(state: ServerState, chat: ChatCompletionRequest, completion_i
             events[index].append(event)
     finally:
         await merged.aclose()  # cancelled (the client left): its requests are aborted
+    return events
+
+
+def _json_or_error(build) -> JSONResponse:
+    """The body `build()` makes, or the error of a choice the engine failed."""
     try:
-        response = build_response(
-            completion_id, int(time.time()), chat.model, events, state.token_bytes if chat.logprobs else None
-        )
+        response = build()
     except RequestFailedError as error:
         return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
     # OpenAI's nulls kept ("logprobs": null when none were asked, a token's "bytes": null): what clients parse.

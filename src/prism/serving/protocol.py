@@ -18,7 +18,7 @@ The response, chunk and error shapes are in `prism.serving.responses`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -204,7 +204,7 @@ class TextResponseFormat(_In):
     type: Literal["text"]
 
 
-class _FieldError(ValueError):
+class FieldError(ValueError):
     """Raised inside a model validator: carries the field it is about (the root loc does not)."""
 
     def __init__(self, message: str, param: str) -> None:
@@ -212,15 +212,21 @@ class _FieldError(ValueError):
         self.param = param
 
 
-class ChatCompletionRequest(_In):
-    """POST /v1/chat/completions body."""
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+# OpenAI's seed is a signed 64-bit integer: a negative seed means its two's complement (seed + 2**64).
+MIN_SEED = -(2**63)
+
+
+class SamplingFields(_In):
+    """The fields both completion endpoints share: the model, sampling, stopping, streaming, and the no-op fields the
+    official clients send."""
 
     model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # extension: 0 / -1 disable
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: (
         Annotated[
             Annotated[str, Tag("kind=str")] | Annotated[list[str], Tag("kind=list")],
@@ -233,27 +239,16 @@ class ChatCompletionRequest(_In):
         | None
     ) = None
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     ignore_eos: bool | None = None  # extension
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
     # Accepted so the official client's usual fields do not fail; they change nothing (or only their no-op value).
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, int] | None = None
-    modalities: list[Literal["text"]] | None = None
-    response_format: TextResponseFormat | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -287,11 +282,9 @@ class ChatCompletionRequest(_In):
         return value
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> ChatCompletionRequest:
+    def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise _FieldError("stream_options is only allowed when stream is true", "stream_options")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise _FieldError("top_logprobs requires logprobs to be true", "top_logprobs")
+            raise FieldError("stream_options is only allowed when stream is true", "stream_options")
         return self
 
     @property
@@ -302,6 +295,45 @@ class ChatCompletionRequest(_In):
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """OpenAI defaults (temperature 1, top_p 1); a negative seed as its unsigned 64-bit pattern."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=None if self.seed is None else self.seed % 2**64,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+            n=self.num_choices,
+        )
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Accepted and ignored, or only their no-op value (see the module docstring).
+    modalities: list[Literal["text"]] | None = None
+    response_format: TextResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs requires logprobs to be true", "top_logprobs")
+        return self
 
     def media_parts(self) -> list[MediaPart]:
         """Every image / video part of the request, in prompt order."""
@@ -314,21 +346,10 @@ class ChatCompletionRequest(_In):
         ]
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """OpenAI defaults (temperature 1, top_p 1); max_completion_tokens wins over max_tokens;
-        logprobs=true -> SamplingParams.logprobs = top_logprobs (0 = only the chosen token's)."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            seed=self.seed,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=bool(self.ignore_eos),
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            n=self.num_choices,
-        )
+        """max_completion_tokens wins over max_tokens; logprobs=true -> SamplingParams.logprobs = top_logprobs (0 =
+        only the chosen token's)."""
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens or default_max_tokens,
+                                    (self.top_logprobs or 0) if self.logprobs else None)
 
 
 def _param_path(loc: Sequence[int | str]) -> str | None:
@@ -348,7 +369,7 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     first = errors[0]
     ctx_error = (first.get("ctx") or {}).get("error")
     param = getattr(ctx_error, "param", None) or _param_path(first.get("loc", ()))
-    msg = str(ctx_error) if isinstance(ctx_error, _FieldError) else str(first.get("msg", "invalid value"))
+    msg = str(ctx_error) if isinstance(ctx_error, FieldError) else str(first.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         msg = "unknown or unsupported field"
@@ -360,12 +381,17 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
-def parse_chat_request(body: bytes | str | Mapping[str, Any]) -> ChatCompletionRequest:
-    """Validate a request body (raw JSON or a parsed dict); `ProtocolError` (400) naming the field if bad."""
+def parse_request(model: type[RequestModel], body: bytes | str | Mapping[str, Any]) -> RequestModel:
+    """Validate a request body (raw JSON or a parsed dict) into `model`; `ProtocolError` (400) naming the field if
+    bad."""
     try:
         if isinstance(body, (bytes, str)):
-            return ChatCompletionRequest.model_validate_json(body)
-        return ChatCompletionRequest.model_validate(body)
+            return model.model_validate_json(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         message, param = describe_validation_errors(exc.errors())
         raise ProtocolError(message, param) from None
+
+
+def parse_chat_request(body: bytes | str | Mapping[str, Any]) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, body)

@@ -25,7 +25,9 @@ class RequestFailedError(RuntimeError):
         self.status = status
 
 
-class _Out(BaseModel):
+class OutputModel(BaseModel):
+    """A response shape: the fields named in OMIT_IF_NONE are left out when None, the others sent as null."""
+
     model_config = ConfigDict(extra="forbid")
     OMIT_IF_NONE: ClassVar[frozenset[str]] = frozenset()
 
@@ -38,40 +40,40 @@ class _Out(BaseModel):
         return data
 
 
-class TopLogprob(_Out):
+class TopLogprob(OutputModel):
     token: str
     logprob: float
     bytes: list[int] | None
 
 
-class TokenLogprob(_Out):
+class TokenLogprob(OutputModel):
     token: str
     logprob: float
     bytes: list[int] | None
     top_logprobs: list[TopLogprob]
 
 
-class ChoiceLogprobs(_Out):
+class ChoiceLogprobs(OutputModel):
     content: list[TokenLogprob] | None
 
 
-class ResponseMessage(_Out):
+class ResponseMessage(OutputModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
 
 
-class Choice(_Out):
+class Choice(OutputModel):
     index: int
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
-class PromptTokensDetails(_Out):
+class PromptTokensDetails(OutputModel):
     cached_tokens: int = 0
 
 
-class Usage(_Out):
+class Usage(OutputModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -79,7 +81,7 @@ class Usage(_Out):
     OMIT_IF_NONE = frozenset({"prompt_tokens_details"})
 
 
-class ChatCompletionResponse(_Out):
+class ChatCompletionResponse(OutputModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -88,20 +90,20 @@ class ChatCompletionResponse(_Out):
     usage: Usage
 
 
-class DeltaMessage(_Out):
+class DeltaMessage(OutputModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     OMIT_IF_NONE = frozenset({"role", "content"})
 
 
-class ChunkChoice(_Out):
+class ChunkChoice(OutputModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletionChunk(_Out):
+class ChatCompletionChunk(OutputModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -118,7 +120,7 @@ class ChatCompletionChunkWithUsage(ChatCompletionChunk):
     OMIT_IF_NONE = frozenset()
 
 
-class ModelCard(_Out):
+class ModelCard(OutputModel):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -127,19 +129,19 @@ class ModelCard(_Out):
     OMIT_IF_NONE = frozenset({"max_model_len"})
 
 
-class ModelList(_Out):
+class ModelList(OutputModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class ErrorDetail(_Out):
+class ErrorDetail(OutputModel):
     message: str
     type: str
     param: str | None = None
     code: str | None = None
 
 
-class ErrorResponse(_Out):
+class ErrorResponse(OutputModel):
     error: ErrorDetail
 
 

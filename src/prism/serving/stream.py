@@ -61,7 +61,7 @@ def openai_finish_reason(
     raise RequestFailedError(error or "the request could not be served", status=500)
 
 
-def _finite_logprob(x: float) -> float:
+def finite_logprob(x: float) -> float:
     return x if math.isfinite(x) and x >= MIN_LOGPROB else MIN_LOGPROB
 
 
@@ -111,7 +111,7 @@ def token_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes) ->
     def top(token_id: int, logprob: float) -> TopLogprob:
         raw = token_bytes(token_id)
         return TopLogprob(
-            token=raw.decode("utf-8", "replace"), logprob=_finite_logprob(logprob), bytes=list(raw)
+            token=raw.decode("utf-8", "replace"), logprob=finite_logprob(logprob), bytes=list(raw)
         )
 
     out = []
@@ -156,6 +156,14 @@ def _logprobs_of(events: Sequence[RequestOutput], token_bytes: TokenBytes | None
     return ChoiceLogprobs(content=token_logprobs(entries, token_bytes))
 
 
+def final_events(choices: Sequence[Sequence[RequestOutput]]) -> list[RequestOutput]:
+    """Each choice's last event; ValueError if a choice has not finished."""
+    for index, events in enumerate(choices):
+        if not events or not events[-1].finished:
+            raise ValueError(f"choice {index} has not finished")
+    return [events[-1] for events in choices]
+
+
 def build_response(
     completion_id: str,
     created: int,
@@ -164,11 +172,8 @@ def build_response(
     token_bytes: TokenBytes | None = None,
 ) -> ChatCompletionResponse:
     """A non-streaming response from each choice's events in order (the last one finished)."""
-    out, finals = [], []
-    for index, events in enumerate(choices):
-        if not events or not events[-1].finished:
-            raise ValueError(f"choice {index} has not finished")
-        final = events[-1]
+    out, finals = [], final_events(choices)
+    for index, (events, final) in enumerate(zip(choices, finals, strict=True)):
         reason = openai_finish_reason(final.finish_reason, final.error)
         message = ResponseMessage(content="".join(ev.new_text for ev in events))
         out.append(
@@ -176,7 +181,6 @@ def build_response(
                 index=index, message=message, logprobs=_logprobs_of(events, token_bytes), finish_reason=reason
             )
         )
-        finals.append(final)
     return ChatCompletionResponse(
         id=completion_id, created=created, model=model, choices=out, usage=usage_from_outputs(finals)
     )

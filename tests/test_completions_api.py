@@ -1,0 +1,178 @@
+"""`POST /v1/completions` (the legacy text API) and `GET /v1/models/{id}`: the request's validation, then the real
+server on the tiny checkpoint through the official `openai` client: prompt forms, choice numbering, echo, legacy
+logprobs, streaming equal to the whole answer, usage, refusals, and no request left behind."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from prism.serving.completions import DEFAULT_MAX_TOKENS, parse_completion_request
+from prism.serving.protocol import ProtocolError
+from prism.serving.settings import ServerSettings
+from prism.testing.serving import requests_left_after, serve_in_thread
+
+MODEL = "prism-tiny"
+
+
+# ------------------------------------------------------------------------------------------ parsing
+@pytest.mark.parametrize("prompt, prompts", [
+    ("Hello", ["Hello"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_prompt_forms(prompt, prompts):
+    assert parse_completion_request({"model": MODEL, "prompt": prompt}).prompts == prompts
+
+
+@pytest.mark.parametrize("changes, param, words", [
+    ({"prompt": []}, "prompt", "non-empty list"),
+    ({"prompt": [1, "a"]}, "prompt", "list of such lists"),
+    ({"prompt": [-1]}, "prompt", "non-negative"),
+    ({"prompt": [True]}, "prompt", "token ids"),
+    ({"prompt": [[]]}, "prompt", "non-empty"),
+    ({"prompt": ""}, "prompt", "must not be empty"),
+    ({"prompt": ["x"] * 129}, "prompt", "at most 128"),
+    ({"suffix": "end"}, "suffix", "not supported"),
+    ({"best_of": 3}, "best_of", "equal to n"),
+    ({"echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"logprobs": True}, "logprobs", "valid integer"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ({"presence_penalty": 1}, "presence_penalty", "not implemented"),
+    ({"messages": []}, "messages", "unknown or unsupported field"),
+])
+def test_bad_fields_are_refused_with_their_name(changes, param, words):
+    with pytest.raises(ProtocolError) as caught:
+        parse_completion_request({"model": MODEL, "prompt": "Hi", **changes})
+    assert caught.value.param == param and words in caught.value.message, caught.value.message
+
+
+def test_max_tokens_default_and_context():
+    request = parse_completion_request({"model": MODEL, "prompt": "Hi", "seed": -2})
+    assert request.params_for(10, 1000).max_tokens == DEFAULT_MAX_TOKENS
+    assert request.params_for(995, 1000).max_tokens == 5, "the default is cut to what the context holds"
+    assert request.params_for(10, 1000).seed == 2**64 - 2
+    explicit = parse_completion_request({"model": MODEL, "prompt": "Hi", "max_tokens": 50})
+    with pytest.raises(ProtocolError, match="context is 1000 tokens"):
+        explicit.params_for(960, 1000)
+
+
+# ------------------------------------------------------------------------------------------- server
+@pytest.fixture(scope="module")
+def live():
+    server = serve_in_thread(ServerSettings())
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return OpenAI(base_url=live.url + "/v1", api_key="unused")
+
+
+def test_a_string_prompt_and_its_token_ids_complete_alike(live, client):
+    text = "The sky is"
+    ids = live.engine.inputs.encode(text)
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True})
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True})
+    assert by_text.object == "text_completion" and by_text.id.startswith("cmpl-")
+    assert by_text.choices[0].text == by_ids.choices[0].text and by_text.choices[0].finish_reason == "length"
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 6
+    # greedy: the engine's own answer to the same raw prompt, no chat template around it
+    prompt = live.engine.inputs.prepare_prompt(text)
+    assert prompt.token_ids == ids
+
+
+def test_default_max_tokens_is_sixteen(client):
+    out = client.completions.create(model=MODEL, prompt="Count:", temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == DEFAULT_MAX_TOKENS
+
+
+def test_choices_are_numbered_prompt_by_prompt(client):
+    out = client.completions.create(model=MODEL, prompt=["One", "Two words"], n=2, max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    greedy = [c.text for c in out.choices]
+    assert greedy[0] == greedy[1] and greedy[2] == greedy[3], "greedy choices of one prompt are equal"
+    alone = client.completions.create(model=MODEL, prompt="Two words", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert alone.choices[0].text == greedy[2]
+    assert out.usage.prompt_tokens == alone.usage.prompt_tokens + client.completions.create(
+        model=MODEL, prompt="One", max_tokens=1).usage.prompt_tokens, "each prompt counted once"
+    assert out.usage.completion_tokens == 4 * 3
+
+
+def test_echo_puts_the_prompt_first(live, client):
+    out = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert out.choices[0].text == "Echo me" + plain.choices[0].text
+    ids = live.engine.inputs.encode("<|im_start|>user")
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True)
+    assert by_ids.choices[0].text.startswith("<|im_start|>user"), "token ids echo as their text, specials kept"
+
+
+def test_legacy_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="Logprobs", max_tokens=5, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert token in top and top[token] == chosen and len(top) <= 3
+        assert chosen == max(top.values()), "greedy picks the most likely token"
+    assert lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens, strict=False))
+
+
+def test_streaming_equals_the_whole_answer(client):
+    kwargs = dict(model=MODEL, prompt=["Stream A", "Stream B"], n=2, max_tokens=5, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts, tokens, reasons = [""] * 4, [[] for _ in range(4)], [None] * 4
+    for chunk in chunks[:-1]:
+        assert chunk.object == "text_completion" and chunk.usage is None
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [c.text for c in whole.choices]
+    assert tokens == [c.logprobs.tokens for c in whole.choices]
+    assert reasons == ["length"] * 4
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_refusals(live):
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(live.url + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+
+    vocab = live.engine.inputs.tokenizer.get_vocab_size(with_added_tokens=True)
+    image_pad = live.engine.inputs.special.image_pad
+    for body, status, words in (
+        ({"model": "other", "prompt": "Hi"}, 404, "does not exist"),
+        ({"prompt": "A picture: <|vision_start|><|image_pad|><|vision_end|>"}, 400, "image placeholders"),
+        ({"prompt": [1, vocab]}, 400, "vocabulary"),
+        ({"prompt": [1, image_pad]}, 400, "placeholder"),
+        ({"prompt": "Hi", "max_tokens": live.engine.max_model_len}, 400, "context"),
+        ({"prompt": "Hi", "n": 2, "best_of": 1}, 400, "best_of"),
+    ):
+        response = post(body)
+        assert response.status_code == status, (body, response.text)
+        assert words in response.json()["error"]["message"], response.text
+    assert not requests_left_after(live.engine, 2)
+
+
+def test_model_by_id(live):
+    card = httpx.get(f"{live.url}/v1/models/{MODEL}", timeout=10)
+    assert card.status_code == 200 and card.json()["id"] == MODEL and card.json()["object"] == "model"
+    missing = httpx.get(f"{live.url}/v1/models/gpt-4o", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert OpenAI(base_url=live.url + "/v1", api_key="unused").models.retrieve(MODEL).id == MODEL
