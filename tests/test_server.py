@@ -394,6 +394,25 @@ def test_a_decide_at_a_tiny_temperature_reads_the_argmax(live):
     assert sorted(response.json()["answers"][0]["probabilities"].values()) == [0.0, 1.0]
 
 
+def _metric(live, name: str, label: str = "") -> float:
+    """The sum of a /metrics series' samples whose line holds `label`."""
+    return sum(float(line.split()[-1]) for line in httpx.get(live.url + "/metrics").text.splitlines()
+               if line.startswith(name) and label in line)
+
+
+def test_decides_have_metrics_of_their_own(live):
+    """A decide is timed from its arrival to its answer and counted by outcome, its questions counted; its engine
+    requests are not completions (session 27's review: decide traffic was in no latency series)."""
+    before = {key: _metric(live, *key) for key in (
+        ("prism:decide_requests_total", 'outcome="answered"'), ("prism:decide_questions_total",),
+        ("prism:decide_latency_seconds_count",), ("prism:request_success_total",))}
+    body = _decide_body([YES_NO, {"type": "choice", "text": "Which colour?", "options": ["red", "blue"]}])
+    response = httpx.post(live.url + "/v1/decide", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    after = {key: _metric(live, *key) for key in before}
+    assert [after[key] - before[key] for key in before] == [1, 2, 1, 0]
+
+
 def test_a_decide_larger_than_the_in_flight_limit_is_a_400_not_a_retry():
     """A decide forks one engine request per question: more than the server ever runs at once can never be
     admitted, so it is refused as such (400) instead of with 429 "retry later", even on an idle server."""
@@ -423,10 +442,13 @@ def test_a_non_streaming_client_that_leaves_stops_its_work(live, path):
     else:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 4000,
                 "ignore_eos": True}
+    abandoned = _metric(live, "prism:decide_requests_total", 'outcome="abandoned"')
     with pytest.raises(httpx.TimeoutException):
         httpx.post(live.url + path, json=body, timeout=1.0)
     left = requests_left_after(live.engine, 5)  # the poll (0.25 s), then an abort per request
     assert not left, f"still running after the client left: {left}"
+    if path == "/v1/decide":
+        assert _metric(live, "prism:decide_requests_total", 'outcome="abandoned"') == abandoned + 1
     ok = httpx.post(live.url + "/v1/decide", json=_decide_body([YES_NO]), timeout=60)
     assert ok.status_code == 200, ok.text
 

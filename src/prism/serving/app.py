@@ -200,6 +200,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
     async def decide(request: Request) -> Response:
         """One material, several questions, answers as probabilities (see serving/decide_protocol.py)."""
         state: ServerState = request.app.state.prism
+        arrival = time.perf_counter()
         try:
             body = await _read_body(request, state)
             decide_request, questions = parse_decide_request(body)
@@ -214,11 +215,14 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                                  state.engine.max_prompt_tokens)
             answers = await _until_disconnected(request, _run_plan(state, plan))
         except ClientGone:
+            state.metrics.decides.labels(outcome="abandoned").inc()
             return Response(status_code=499)
         except DecisionFailed as error:  # the engine failed a question: say which and why
+            state.metrics.decides.labels(outcome="failed").inc()
             return _error_response(state, RequestFailedError(str(error)))
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
             return _error_response(state, error)
+        state.metrics.decided(arrival, time.perf_counter(), len(answers))
         response = decide_response(decision_id, int(time.time()), decide_request.model, answers)
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 

@@ -3,6 +3,8 @@
 Latency histograms are observed from each request's event stream (on the event loop); cache and
 pool figures are read from the engine's own counters at scrape time, so they cost nothing per step.
 Prefix-cache queries and hits count tokens; media-cache queries and hits count images.
+Decides (`/v1/decide`) are not completions: they have no tokens to time, so they have series of their own (their
+latency from arrival to the answer, and their outcomes), and their engine requests are not in the completion series.
 """
 
 from __future__ import annotations
@@ -76,8 +78,20 @@ class ServingMetrics:
         self.finished = Counter("prism:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("prism:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("prism:generation_tokens", "Generated tokens.", registry=r)
+        self.decide_latency = Histogram("prism:decide_latency_seconds",
+                                        "Time from a decide's arrival to its answer, of decides answered.",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.decides = Counter("prism:decide_requests", "Decides that reached the engine, by outcome (answered, "
+                               "failed: the engine failed a question, abandoned: the client left).", ["outcome"],
+                               registry=r)
+        self.decide_questions = Counter("prism:decide_questions", "Questions of answered decides.", registry=r)
         self.rejected = Counter("prism:requests_rejected", "Requests refused before reaching the engine, by HTTP status.",
                                 ["status"], registry=r)
+
+    def decided(self, arrival: float, now: float, questions: int) -> None:
+        self.decide_latency.observe(now - arrival)
+        self.decides.labels(outcome="answered").inc()
+        self.decide_questions.inc(questions)
 
     def tracker(self, arrival: float) -> RequestTracker:
         return RequestTracker(self, arrival)
