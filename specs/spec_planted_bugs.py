@@ -8,17 +8,18 @@ a spec that cannot fail. Shrinking is off: finding the counterexample is all tha
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, run_state_machine_as_test
 
-from prism.kv import keys, prefix, transfers
+from prism.kv import keys, prefix, reclaim, transfers
 from prism.kv.manager import KVCacheManager, SequenceError
 from prism.kv.reclaim import CacheEntries
 from prism.ops import kv_write
-from specs import spec_prefix_identity, spec_transfer_plans
+from specs import spec_eviction_order, spec_prefix_identity, spec_transfer_plans
 from specs.spec_kv_cache import DeterministicKVCacheMachine, KVCacheMachine
 
 FIND_ONLY = settings(
@@ -218,6 +219,38 @@ def test_other_transfer_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(transfers, "execute_plan", copies_before_swap_out)
     _spec_fails(spec_transfer_plans.spec_one_plan_has_snapshot_semantics, "snapshot meaning")
+
+
+def test_a_plan_that_forgets_reads_of_written_slots_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The O(1) check of `TransferPlan.add` without its read-after-write half: a move reading a slot an earlier-run
+    move of the plan writes is let in."""
+    add = transfers.TransferPlan.add
+
+    def forgets_reads_of_written_slots(self, move):
+        written = self._write_rank.pop(move.src, None)
+        try:
+            add(self, move)
+        finally:
+            if written is not None:
+                self._write_rank.setdefault(move.src, written)
+
+    monkeypatch.setattr(transfers.TransferPlan, "add", forgets_reads_of_written_slots)
+    _spec_fails(spec_transfer_plans.spec_adding_a_move_checks_what_the_whole_plan_check_says, "the whole plan check")
+
+
+def test_eviction_that_does_not_rekey_sharing_entries_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`evict_until` with no re-keying of the entries that shared a page with an evicted one: their stale keys are
+    skipped and never replaced, so they are evicted late or not at all."""
+
+    class NoRekeying:
+        heapify, heappop = staticmethod(heapq.heapify), staticmethod(heapq.heappop)
+
+        @staticmethod
+        def heappush(heap, item) -> None:
+            pass
+
+    monkeypatch.setattr(reclaim, "heapq", NoRekeying)
+    _spec_fails(spec_eviction_order.spec_eviction_takes_the_policys_choice_at_every_step, "evictable entries|policy")
 
 
 def test_unframed_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,11 +7,15 @@ entry frees, which is what makes `can_allocate` exact. (The historical bug count
 missing pages shared by two idle entries, and refused requests that eviction could have served.)
 
 Eviction order: first the private tail pages of idle entries (a tail saves less than a page of prefill
-but costs a whole page), then whole entries by lowest benefit per page they alone hold, oldest use first.
+but costs a whole page), oldest use first, then whole entries by lowest benefit per page they alone hold, oldest use
+first (`eviction_key`). One `evict_until` costs O(pages the entries hold + evictions x log entries): an entry's key
+changes only when an entry sharing one of its pages is evicted, so only those are re-keyed (rescanning every entry
+per eviction took 0.27 s to empty 400 entries of 20 pages, growing with the square of the entries).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -73,21 +77,47 @@ class CacheEntries:
         return sum(1 for p in self.entry_refs if self.is_reclaimable(p))
 
     def evict_until(self, num_free: int) -> None:
-        """Evict in policy order until the pool has `num_free` free pages or nothing is left to evict."""
-        while self.pool.num_free < num_free:
-            if not self._drop_one_idle_tail() and not self._evict_one_entry():
+        """Evict in policy order until the pool has `num_free` free pages or nothing is left to evict.
+
+        Whether a page is reclaimable never changes here: an entry letting a page go lowers its refcount and its
+        entry references together. So the idle tails are the ones found first, in their order, and the entries'
+        keys change only through the pages they share with an evicted one."""
+        if self.pool.num_free >= num_free:
+            return
+        idle_tails = sorted((e for e in self.entries.values()
+                             if e.tail_page is not None and self.is_reclaimable(e.tail_page)),
+                            key=lambda e: (e.last_used, e.entry_id))
+        for entry in idle_tails:
+            if self.pool.num_free >= num_free:
                 return
+            if entry.tail_page is not None:  # (a shared tail page may be gone with an entry removed before)
+                self._drop_tail(entry)
+        heap = [key for entry in self.entries.values() if (key := self.eviction_key(entry)) is not None]
+        heapq.heapify(heap)
+        while self.pool.num_free < num_free and heap:
+            key = heapq.heappop(heap)
+            entry = self.entries.get(key[-1])
+            if entry is None or self.eviction_key(entry) != key:
+                continue  # evicted, or re-keyed since: its current key is in the heap
+            sharing = {h for p in entry.all_pages() for h in self._holders[p]} - {entry.entry_id}
+            self._remove(entry)
+            self.evictions += 1
+            for entry_id in sharing:
+                if (fresh := self.eviction_key(self.entries[entry_id])) is not None:
+                    heapq.heappush(heap, fresh)
+
+    def eviction_key(self, entry: CacheEntry) -> tuple[float, int, int] | None:
+        """(benefit per page it alone holds, last use, id): the entry with the lowest is evicted first. None: evicting
+        it would free nothing (every page it holds is also held by a request or a transfer)."""
+        pages = entry.all_pages()
+        if not any(self.is_reclaimable(p) for p in pages):
+            return None
+        alone = sum(1 for p in pages if self.pool.refcount[p] == 1 and self.entry_refs[p] == 1)
+        return (1 + entry.hits) * entry.num_tokens / max(alone, 1), entry.last_used, entry.entry_id
 
     def clear(self) -> None:
         for entry_id in list(self.entries):
             self._remove(self.entries[entry_id])
-
-    def _drop_one_idle_tail(self) -> bool:
-        tails = [e for e in self.entries.values() if e.tail_page is not None and self.is_reclaimable(e.tail_page)]
-        if not tails:
-            return False
-        self._drop_tail(min(tails, key=lambda e: (e.last_used, e.entry_id)))
-        return True
 
     def holds_only_as_tail(self, page: int) -> bool:
         """Every entry referencing `page` holds it as its partly filled tail (never as a keyed full page)."""
@@ -106,20 +136,6 @@ class CacheEntries:
         self._unref(entry, page)
         if not entry.pages:
             self._remove(entry)
-
-    def _evict_one_entry(self) -> bool:
-        candidates = []
-        for entry in self.entries.values():
-            alone = sum(1 for p in entry.all_pages() if self.pool.refcount[p] == 1 and self.entry_refs[p] == 1)
-            if any(self.is_reclaimable(p) for p in entry.all_pages()):
-                benefit = (1 + entry.hits) * entry.num_tokens
-                candidates.append((benefit / max(alone, 1), entry.last_used, entry.entry_id))
-        if not candidates:
-            return False
-        _, _, entry_id = min(candidates)
-        self._remove(self.entries[entry_id])
-        self.evictions += 1
-        return True
 
     def _remove(self, entry: CacheEntry) -> None:
         del self.entries[entry.entry_id]
