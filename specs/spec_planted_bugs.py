@@ -19,7 +19,7 @@ from prism.kv import keys, prefix, reclaim, transfers
 from prism.kv.manager import KVCacheManager, SequenceError
 from prism.kv.reclaim import CacheEntries
 from prism.ops import kv_write
-from specs import spec_eviction_order, spec_prefix_identity, spec_transfer_plans
+from specs import spec_eviction_order, spec_failed_steps, spec_prefix_identity, spec_transfer_plans
 from specs.spec_kv_cache import DeterministicKVCacheMachine, KVCacheMachine
 
 FIND_ONLY = settings(
@@ -251,6 +251,14 @@ def test_eviction_that_does_not_rekey_sharing_entries_is_caught(monkeypatch: pyt
 
     monkeypatch.setattr(reclaim, "heapq", NoRekeying)
     _spec_fails(spec_eviction_order.spec_eviction_takes_the_policys_choice_at_every_step, "evictable entries|policy")
+
+
+def test_a_lost_step_that_drops_its_plan_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (found by review, session 27): a step that failed while it was built never ran its plan's moves."""
+    from prism.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "run_plan_of_a_lost_step", lambda self, plan: None)
+    _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
 
 
 def test_unframed_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -201,12 +201,22 @@ class ModelRunner:
                 raise ValueError("rows fed device tokens must be the step's first, one token and one id each")
         plan = kv.take_plan()
         try:
-            payload = self.prepare(plan, slices, kv, media_ahead, pending)
+            try:
+                payload = self.prepare(plan, slices, kv, media_ahead, pending)
+            except BaseException:
+                self.run_plan_of_a_lost_step(plan)
+                raise
             if self.publish is not None:
                 self.publish(payload)
             return self.run(payload, token_ids if pending else None)
         finally:
             kv.finish_plan(plan)
+
+    def run_plan_of_a_lost_step(self, plan: TransferPlan) -> None:
+        """The moves of a step that failed before it ran. The manager counts them as done: a request the plan swaps
+        out is not one of the step's requests, so it is not failed with it, and would resume from CPU pages that
+        never received its KV (`specs/spec_failed_steps.py`)."""
+        execute_plan(plan, self.gpu_pool, self.cpu_pool)
 
     # -- rank 0: building the payload ------------------------------------------------------------
     def prepare(self, plan: TransferPlan, slices: list[ScheduledSlice], kv: KVCacheManager,

@@ -1,0 +1,90 @@
+"""Spec: a failed step loses only its own requests (REFERENCE §2, "nothing is lost"; invariant 5's executor half).
+
+The real engine on the tiny checkpoint, a small pool with swap preemption, a few greedy requests that outgrow it.
+One step fails while it is built (`ModelRunner.prepare` raises): the k-th step whose plan swaps pages out, or swaps
+them in, or any k-th step. The requests of that step fail; every other live request must come out of it with the
+KV it had (its pages' bytes, wherever the plan moved them), and the engine must go on: every request ends once,
+no page is leaked.
+
+The historical bug: the plan was taken from the KV manager before the step was built and its moves run only when
+the step ran, so a request the failed step had swapped out (not one of its requests) resumed from CPU pages that
+never received its KV.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from prism.engine.config import EngineConfig
+from prism.engine.engine import Engine
+from prism.engine.sampling import SamplingParams
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+TEXTS = ["Tell me a long story about the sea.", "Count slowly from one to a hundred.", "Name every colour.",
+         "Why is the sky blue?"]
+
+
+def kv_bytes(runner, seq) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The payload (and scales) of each page of a sequence, from whichever pool holds it."""
+    out = []
+    for pool_name, page in seq.pages:
+        pool = runner.gpu_pool if pool_name == "gpu" else runner.cpu_pool
+        out.append((pool.payload[:, :, page].clone(), None if pool.scales is None else pool.scales[:, :, page].clone()))
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(num_requests=st.integers(3, 4), max_tokens=st.integers(24, 48), fail_when=st.sampled_from(
+    ["swap_out", "swap_in", "any"]), k=st.integers(0, 1))
+def spec_a_failed_step_leaves_the_other_requests_kv_intact(num_requests, max_tokens, fail_when, k) -> None:
+    torch.manual_seed(0)
+    engine = Engine(ensure_tiny_checkpoint(), EngineConfig(
+        page_size=4, num_gpu_pages=24, num_cpu_pages=32, preemption="swap", max_num_seqs=4,
+        max_num_batched_tokens=64, check_invariants=True))
+    runner, kv = engine.runner, engine.kv
+    prepare = runner.prepare
+    seen = {"matching": 0}
+    failed_step: dict = {}
+
+    def fails_once(plan, slices, kv_, *args, **kwargs):
+        matches = fail_when == "any" or bool(getattr(plan, fail_when))
+        if matches and not failed_step:
+            seen["matching"] += 1
+            if seen["matching"] > k:
+                failed_step["requests"] = {s.request.request_id for s in slices}
+                failed_step["swapped"] = bool(plan.swap_out or plan.swap_in)
+                raise RuntimeError("a planted failure while the step is built")
+        return prepare(plan, slices, kv_, *args, **kwargs)
+
+    runner.prepare = fails_once
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"r{i}", [{"role": "user", "content": TEXTS[i]}], params)
+    ends: dict[str, int] = {}
+    checked = False
+    for _ in range(1000):
+        # each live request's KV before the step (its plan, taken while it is scheduled, moves pages)
+        before_step = {rid: kv_bytes(runner, seq) for rid, seq in kv.seqs.items()} if not checked else {}
+        for output in engine.step():
+            ends[output.request_id] = ends.get(output.request_id, 0) + output.finished
+        if failed_step and not checked:  # the step just failed: nothing has run on the pools since
+            checked = True
+            for rid, before in before_step.items():
+                if rid in failed_step["requests"] or rid not in kv.seqs:
+                    continue  # failed with the step, or preempted to recompute (its KV dropped)
+                after = kv_bytes(runner, kv.seqs[rid])
+                assert len(after) == len(before) and all(
+                    torch.equal(a[0], b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+                    for a, b in zip(after, before, strict=True)), \
+                    f"request {rid}, not in the failed step, lost its KV ({len(before)} pages)"
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(ends) == [f"r{i}" for i in range(num_requests)] and set(ends.values()) == {1}, ends
+    event("a step failed" if failed_step else "no step matched")
+    if failed_step.get("swapped"):
+        event("the failed step's plan moved pages")
+    assert not kv.seqs
+    kv.clear_cache()
+    assert kv.gpu.num_free == kv.gpu.num_pages and kv.cpu.num_free == kv.cpu.num_pages, "pages leaked"
