@@ -19,7 +19,13 @@ from prism.kv import keys, prefix, reclaim, transfers
 from prism.kv.manager import KVCacheManager, SequenceError
 from prism.kv.reclaim import CacheEntries
 from prism.ops import kv_write
-from specs import spec_eviction_order, spec_failed_steps, spec_prefix_identity, spec_transfer_plans
+from specs import (
+    spec_decision_material,
+    spec_eviction_order,
+    spec_failed_steps,
+    spec_prefix_identity,
+    spec_transfer_plans,
+)
 from specs.spec_kv_cache import DeterministicKVCacheMachine, KVCacheMachine
 
 FIND_ONLY = settings(
@@ -48,9 +54,11 @@ def _plant_launch(monkeypatch: pytest.MonkeyPatch, module, name: str, change) ->
     monkeypatch.setattr(module, name, PlantedLaunch())
 
 
-def _spec_fails(spec, match: str) -> None:
+def _spec_fails(spec, match: str, errors: type[BaseException] | tuple[type[BaseException], ...] = AssertionError
+                ) -> None:
     """Run a spec (a @given one with its own example budget, but no shrinking, one reported failure and the
-    derandomized examples of the CI profile, whatever profile is loaded); it must find a counterexample."""
+    derandomized examples of the CI profile, whatever profile is loaded); it must find a counterexample (`errors`:
+    what its failure may raise besides its own assertions, e.g. a component's own guard)."""
     own = getattr(spec, "_hypothesis_internal_use_settings", None)
     if own is not None:
         spec._hypothesis_internal_use_settings = settings(
@@ -58,7 +66,7 @@ def _spec_fails(spec, match: str) -> None:
             derandomize=True,
         )
     try:
-        with pytest.raises(AssertionError, match=match):
+        with pytest.raises(errors, match=match):
             spec()
     finally:
         if own is not None:
@@ -259,6 +267,37 @@ def test_a_lost_step_that_drops_its_plan_is_caught(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(ModelRunner, "run_plan_of_a_lost_step", lambda self, plan: None)
     _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
+
+
+def test_a_material_of_common_token_ids_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (session 27's review): a decision's material was its branches' common token ids, equal pad tokens
+    of different pictures included."""
+    import os
+
+    from prism.engine import engine as engine_module
+
+    def common_token_ids(branches):
+        prompts = [b.prompt.token_ids for b in branches]
+        return min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+
+    monkeypatch.setattr(engine_module, "material_length", common_token_ids)
+    # SequenceError: the KV manager's own guard (a fork's content must begin with its material's) caught it.
+    _spec_fails(spec_decision_material.spec_each_question_reads_what_it_reads_alone,
+                "another picture|does not begin with", (AssertionError, SequenceError))
+
+
+def test_a_fork_without_the_questions_own_media_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A question forked with its tokens appended but not its own picture's media span (session 28's first cut)."""
+    fork = KVCacheManager.fork
+
+    def fork_without_own_media(self, seq_id, child_id, content=None):
+        child = fork(self, seq_id, child_id)
+        if content is not None:
+            child.content.tokens.extend(content.tokens[len(child.content):])
+        return child
+
+    monkeypatch.setattr(KVCacheManager, "fork", fork_without_own_media)
+    _spec_fails(spec_decision_material.spec_each_question_reads_what_it_reads_alone, "names other media")
 
 
 def test_unframed_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -269,10 +269,37 @@ def test_a_thinking_reread_never_ends_its_reasoning_with_the_end_of_turn(monkeyp
     assert not any(r and r[-1] in llm.engine.inputs.eos_token_ids for r in seen), "a re-read ended its reasoning with EOS"
 
 
-def test_branches_over_different_pictures_of_one_size_are_refused():
+def answers(llm: LLM, decision_id: str, branches: list[Branch]) -> dict[str, list[float]]:
+    """Each branch's readout, asked as one decision, and the decision's forked material (its token count; 0 when the
+    branches share none)."""
+    llm.engine.add_decision(decision_id, branches)
+    out, material = {}, 0
+    while llm.engine.has_unfinished_requests():
+        for event in llm.engine.step():
+            if event.request_id.endswith("/material"):
+                material = event.prompt_tokens
+            elif event.finished:
+                assert event.error is None, event.error
+                out[event.request_id] = event.readout
+    return {**out, "material tokens": material}
+
+
+def alone_branch(branch: Branch) -> list[float]:
+    """The readout of the same prompt as a readout request of its own, on a fresh engine (no cache)."""
+    fresh = new_llm()
+    fresh.engine.add_readout_request("alone", branch.prompt, branch.candidates, branch.temperature)
+    while fresh.engine.has_unfinished_requests():
+        for event in fresh.engine.step():
+            if event.finished:
+                return event.readout
+    raise AssertionError("no readout")
+
+
+def test_branches_over_different_pictures_of_one_size_share_no_image():
     """Review (session 27): `add_decision` found the material as the branches' common token ids, and an image's pad
     tokens are the same for any picture of its size: branches over different pictures would have read the first
-    branch's image KV. Refused now; each question asked over its own picture is a readout of its own."""
+    branch's image KV. The material now ends before the first image the branches do not all hold: here each
+    question is answered about its own picture."""
     llm = new_llm()
     inputs = llm.engine.inputs
     q = QUESTIONS[1]
@@ -281,9 +308,39 @@ def test_branches_over_different_pictures_of_one_size_are_refused():
         {"type": "image", "image": pictures[k]}, {"type": "text", "text": "Look."}]}, {"role": "user", "content": q.render()}]),
         candidate_token_ids(q, inputs.encode)) for k in (0, 1)]
     assert branches[0].prompt.token_ids == branches[1].prompt.token_ids, "the setup needs two pictures of one size"
-    with pytest.raises(RequestError, match="images differ"):
-        llm.engine.add_decision("two-pictures", branches)
-    assert not llm.engine.requests
+    got = answers(llm, "two-pictures", branches)
+    assert got["material tokens"] <= branches[0].prompt.media[0].start
+    for b in branches:
+        assert got[b.request_id] == pytest.approx(alone_branch(b), abs=1e-5)
+    assert got["pic0"] != pytest.approx(got["pic1"], abs=1e-3), "the two pictures should read differently"
+
+
+def test_a_question_with_a_picture_of_its_own_forks_from_the_material_before_it():
+    """A question may show a picture of its own after the material (here: the same size for both questions, so their
+    pad tokens are equal): the material is the part before it, each question computes its picture, and its KV's
+    content names that picture (so no page of it can be shared with the other question's)."""
+    llm = new_llm()
+    inputs = llm.engine.inputs
+    q = QUESTIONS[1]
+    pictures = random_images([(32, 32), (32, 32)], seed=9)
+    seen_content = {}
+    fork = llm.engine.kv.fork
+
+    def recording_fork(parent, child, content=None):
+        seq = fork(parent, child, content)
+        seen_content[child] = [m.digest for m in seq.content.media]
+        return seq
+
+    llm.engine.kv.fork = recording_fork
+    branches = [Branch(f"own{k}", inputs.prepare_chat([*MATERIAL, {"role": "user", "content": [
+        {"type": "text", "text": "And this one:"}, {"type": "image", "image": pictures[k]}, {"type": "text", "text": q.render()}]}]),
+        candidate_token_ids(q, inputs.encode)) for k in (0, 1)]
+    got = answers(llm, "own-pictures", branches)
+    own_start = branches[0].prompt.media[-1].start
+    assert 0 < got["material tokens"] <= own_start, "the material is the part before the questions' own pictures"
+    for b in branches:
+        assert seen_content[b.request_id] == [m.digest for m in b.prompt.media], "the fork's content lacks its picture"
+        assert got[b.request_id] == pytest.approx(alone_branch(b), abs=1e-5)
 
 
 def test_a_decision_whose_material_id_is_taken_is_refused_before_it_binds_anything():

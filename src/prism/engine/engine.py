@@ -22,7 +22,6 @@ the same request, stream and KV state at the same points; the pieces that stand 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import weakref
@@ -44,7 +43,15 @@ from .detokenize import TextStream
 from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
 from .rank import build_rank_runner
-from .request import Branch, FinishReason, Request, RequestOutput, RequestState, TokenLogprobs
+from .request import (
+    Branch,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestState,
+    TokenLogprobs,
+    material_length,
+)
 from .sampler import make_generator, sample, take_rows, token_logprobs
 from .sampling import SamplingParams
 from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
@@ -509,15 +516,7 @@ class Engine:
             if self._id_in_use(b.request_id) or uses[b.request_id] > 1:
                 raise RequestError(f"request id {b.request_id!r} is already in use")
             self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
-        prompts = [b.prompt.token_ids for b in branches]
-        # The shared material: the common prefix, leaving every branch at least its last token to compute.
-        shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
-        if shared < max((m.end for m in branches[0].prompt.media), default=0):
-            raise RequestError("the questions must follow the whole material (its media included)")
-        # Equal token ids are not one material: an image's pad tokens are the same for any picture of its size.
-        material_media = [tuple(sp for sp in b.prompt.media_spans() if sp.start < shared) for b in branches]
-        if any(media != material_media[0] for media in material_media):
-            raise RequestError("the questions must share one material: their images differ")
+        shared = material_length(branches)
         self.inputs.bind_names(*(b.prompt for b in branches))  # accepted: their image uuids name their images now
         if len(branches) == 1 or shared == 0:
             for b in branches:
@@ -533,11 +532,10 @@ class Engine:
         """The material is computed: fork each branch from it, then let the material go (its pages stay
         referenced by the branches, and by the prefix cache)."""
         assert material.branches is not None
-        shared = len(material.prompt.token_ids)
         for b in material.branches:
             del self._unspawned[b.request_id]
-            self.kv.fork(material.request_id, b.request_id)
-            self.kv.append_tokens(b.request_id, b.prompt.token_ids[shared:])
+            # The question's own tokens and media (an image of its own after the material) are its KV's content.
+            self.kv.fork(material.request_id, b.request_id, b.prompt.kv_content())
             branch = Request(b.request_id, b.prompt, SamplingParams(max_tokens=1), material.arrival_order)
             branch.readout_candidates = b.candidates
             branch.readout_temperature = b.temperature

@@ -12,6 +12,7 @@ there, so exactly one terminal event is produced.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -193,3 +194,21 @@ class Request:
         if len(self.prompt.token_ids) + len(self.output_token_ids) >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def material_length(branches: list[Branch]) -> int:
+    """How many leading tokens a decision's branches share as their material: their common token ids, leaving each
+    at least its last token to compute, cut before the first media item that not every branch holds the same and
+    whole inside it. Equal token ids are not equal pictures (an image's pad tokens are the same for any picture of
+    its size: the material must not give one branch another's image), and a question's own image, after the
+    material, is computed with the question."""
+    prompts = [b.prompt.token_ids for b in branches]
+    shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+    items = [{(m.start, m.end, m.span_digests) for m in b.prompt.media} for b in branches]
+    common = set.intersection(*items)
+    while True:
+        cut = min((start for held in items for start, end, digests in held
+                   if start < shared and (end > shared or (start, end, digests) not in common)), default=None)
+        if cut is None:
+            return shared
+        shared = cut

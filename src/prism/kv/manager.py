@@ -349,8 +349,10 @@ class KVCacheManager:
             self.index.forget_page(page)
 
     # -- forks and swapping ----------------------------------------------------------------------
-    def fork(self, seq_id: SeqId, child_id: SeqId) -> SeqKV:
-        """A child sharing the computed pages of `seq_id` (copy-on-write happens in `reserve`).
+    def fork(self, seq_id: SeqId, child_id: SeqId, content: SeqContent | None = None) -> SeqKV:
+        """A child sharing the computed pages of `seq_id` (copy-on-write happens in `reserve`). `content`: the
+        child's whole content when it goes on past the parent's (a decision's question after its material: tokens
+        and media of its own), which must begin with the parent's content; default, the parent's.
 
         Pages reserved but not yet computed stay the parent's alone: the parent may already be
         scheduled to write them."""
@@ -359,11 +361,16 @@ class KVCacheManager:
             raise SequenceError(f"sequence {child_id} already exists")
         if not seq.is_resident:
             raise SequenceError(f"sequence {seq_id} is swapped out")
+        n = len(seq.content)
+        if content is not None and (content.tokens[:n] != seq.content.tokens
+                                    or tuple(m for m in content.media if m.start < n) != seq.content.media):
+            raise SequenceError(f"the content of {child_id} does not begin with the content of {seq_id}")
         self._refuse_pending_writes(seq)
         shared = seq.pages[: self._pages_for(seq.num_computed)]
         child = SeqKV(
             child_id,
-            SeqContent(list(seq.content.tokens), seq.content.media),
+            SeqContent(list(seq.content.tokens), seq.content.media) if content is None
+            else SeqContent(list(content.tokens), content.media),
             list(shared),
             seq.num_computed,
             list(seq.keys),
