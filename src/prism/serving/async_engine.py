@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..engine.engine import Engine, RequestError
 from ..engine.request import Branch, FinishReason, RequestOutput
@@ -40,13 +40,23 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class EventObserver(Protocol):
+    """Sees a request's events as they are read (the latency metrics' `RequestTracker`)."""
+
+    def __call__(self, event: RequestOutput, now: float) -> None:
+        """Each event, when it is read."""
+
+    def abandoned(self, now: float) -> None:
+        """The request ends unread (its client left): its terminal event will never be read."""
+
+
 class GenerationEvents:
     """An accepted request's events, up to and including its terminal one. `aclose()` aborts the request unless its
     terminal event was read: also when it was never iterated (a class, not a generator, so that closing one that
     never started still aborts)."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream,
-                 observe: Callable[[RequestOutput, float], None] | None) -> None:
+                 observe: EventObserver | None) -> None:
         self._engine = engine
         self.request_id = request_id
         self._stream = stream
@@ -81,9 +91,8 @@ class GenerationEvents:
 
     def _abandoned(self) -> None:
         """Tell the observer (the metrics) that the request ends unread: its terminal event never reaches it."""
-        abandoned = getattr(self._observe, "abandoned", None)
-        if abandoned is not None:
-            abandoned(time.perf_counter())
+        if self._observe is not None:
+            self._observe.abandoned(time.perf_counter())
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,7 @@ class AsyncEngine:
         request_id: str,
         prompt: Any,
         params: SamplingParams,
-        observe: Callable[[RequestOutput, float], None] | None = None,
+        observe: EventObserver | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a prepared prompt; yield its events up to and including the terminal one (`start_generation`,
         consumed). Raises (before yielding) what `start_generation` raises. If the consumer stops early (client
@@ -156,7 +165,7 @@ class AsyncEngine:
         request_id: str,
         prompt: Any,
         params: SamplingParams,
-        observe: Callable[[RequestOutput, float], None] | None = None,
+        observe: EventObserver | None = None,
     ) -> GenerationEvents:
         """Submit a prepared prompt; returns as soon as the engine accepted it (not at its first token), with its
         events to come. `observe(event, now)` sees each event first (latency metrics). Raises RequestError /
