@@ -689,6 +689,19 @@ def test_skinny_gemm_rows_read_as_one_are_caught(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_a_swap_ab_launch_storing_rows_as_columns_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wide band's swap-AB launch computes y^T: its store must put output column c of step row m at y[m, c].
+    Planted: its launches given an output row stride of 1 (the transposed tile written as if it were y's rows)."""
+    from prism.ops import skinny_gemm
+    from specs import spec_skinny_gemm
+
+    _plant_launch(monkeypatch, skinny_gemm, "_skinny_gemm_kernel",
+                  lambda args, kw: ((*args[:10], 1, *args[11:]), kw) if kw.get("SWAP_AB") else (args, kw))  # stride_ym
+    _spec_fails(spec_skinny_gemm.spec_each_row_gets_its_own_product_whatever_is_beside_it,
+                "rows mixed up|changed with its companions")
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 def test_skinny_gemm_split_sums_dropping_a_split_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The few-rows GEMM split along K: the sums add every split's partial. Planted: the last split's left out (the
     split count taken as the tiles' count of splits, less one)."""

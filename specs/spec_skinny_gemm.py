@@ -1,5 +1,5 @@
 """Spec of the few-rows GEMM (`prism.ops.skinny_gemm`), which decode steps of 2 .. 16 rows run on the GPU (and of
-17 .. 32 rows, its narrow band, for O and down).
+17 .. 32 rows: its narrow band for O and down, its wide band, a swap-AB launch, for QKV and gate/up).
 
 Invariant: each row of the step gets its own product, `F.linear`'s (gate/up: `silu_and_mul` of it), whatever rows
 are beside it, and however many programs share its K (fp32 partials added in split order; `SPLIT_K`, and
@@ -35,8 +35,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 # Small tiles on the CPU (the interpreter's time grows with the tile), the engine's on the GPU; a narrow band's limit
 # that the drawn layer sizes cross (at most 2 x 70 outputs), so that both split knobs rule some launches
-KNOBS = ({"BLOCK_N": 16, "BLOCK_K": 32, "SILU_BLOCK_N": 16, "SILU_BLOCK_K": 32, "NARROW_MAX_TILES": 4}
-         if DEV == "cpu" else {"NARROW_MAX_TILES": 1})
+KNOBS = ({"BLOCK_N": 16, "BLOCK_K": 32, "SILU_BLOCK_N": 16, "SILU_BLOCK_K": 32, "NARROW_MAX_TILES": 4,
+          "WIDE_BLOCK_N": 16, "WIDE_BLOCK_K": 32, "WIDE_SILU_BLOCK_K": 32} if DEV == "cpu" else {"NARROW_MAX_TILES": 1})
 # K long enough for several of the tiles (the engine's 256-column ones on the GPU), so that splits happen
 MAX_K = 200 if DEV == "cpu" else 1200
 SPLITS = st.sampled_from([1, 2, 3, 8])  # programs along K (fewer when K has fewer tiles)
@@ -44,9 +44,10 @@ ROWS = 32
 
 
 def _with_knobs(fn, splits: tuple[int, int] = (1, 1)):
-    """fn() with the test tiles, SPLIT_K and NARROW_SPLIT_K = `splits`, and the narrow band at 17 .. 32 rows."""
+    """fn() with the test tiles, SPLIT_K and NARROW_SPLIT_K = `splits`, and the narrow and wide bands at 17 .. 32
+    rows."""
     with module_knobs(skinny_gemm, {**KNOBS, "SPLIT_K": splits[0], "NARROW_SPLIT_K": splits[1], "MAX_ROWS": 16,
-                                    "NARROW_MAX_ROWS": ROWS}):
+                                    "NARROW_MAX_ROWS": ROWS, "WIDE_MAX_ROWS": ROWS}):
         return fn()
 
 

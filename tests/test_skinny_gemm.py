@@ -96,7 +96,7 @@ def test_the_narrow_band_takes_narrow_layers_only_and_splits_them(monkeypatch):
     QKV (96 tiles), gate/up and more rows keep cuBLAS. Below it every launch, split SPLIT_K ways."""
     monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: True)
     for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "NARROW_MAX_TILES": 64, "BLOCK_N": 64,
-                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1}.items():
+                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1, "WIDE_MAX_ROWS": 0}.items():
         monkeypatch.setattr(skinny_gemm, knob, value)
 
     def takes(rows, n, silu=False):
@@ -176,6 +176,7 @@ def test_linear_takes_the_skinny_gemm_for_a_few_rows_when_on(monkeypatch):
         torch.testing.assert_close(gemv.linear(x[rows], w, b), F.linear(x[rows], w, b))
     assert calls == []
     monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)
+    monkeypatch.setattr(skinny_gemm, "WIDE_MAX_ROWS", 0)
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 8)
     for rows in (1, 2, 8, 9):
         want = F.linear(x[rows].float(), w.float(), b.float())
@@ -222,9 +223,51 @@ def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypat
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_the_wide_band_takes_what_the_narrow_band_leaves(monkeypatch):
+    """Steps of MAX_ROWS + 1 .. WIDE_MAX_ROWS rows: the launches the narrow band does not take (the 8B's QKV, 96
+    tiles; gate/up with its activation) run the swap-AB kernel, K unsplit; O and down stay in the narrow band."""
+    monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: True)
+    for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "NARROW_MAX_TILES": 64, "BLOCK_N": 64,
+                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1, "WIDE_MAX_ROWS": 32}.items():
+        monkeypatch.setattr(skinny_gemm, knob, value)
+
+    def takes(rows, n, silu=False):
+        x, w = torch.zeros(rows, 8, dtype=torch.bfloat16), torch.zeros(2 * n if silu else n, 8, dtype=torch.bfloat16)
+        return skinny_gemm.takes_skinny_gemm(x, w, silu)
+
+    assert [takes(rows, 6144) for rows in (16, 17, 32, 33)] == [True, True, True, False]  # QKV
+    assert [takes(rows, 12288, silu=True) for rows in (16, 17, 32, 33)] == [True, True, True, False]  # gate/up
+    assert [skinny_gemm.in_wide_band(rows, 6144, False) for rows in (16, 17, 32)] == [False, True, True]
+    assert not skinny_gemm.in_wide_band(20, 4096, False), "O and down belong to the narrow band"
+    assert skinny_gemm.asked_splits(20, 6144, False) == 1 and skinny_gemm.asked_splits(20, 4096, False) == 2
+    monkeypatch.setattr(skinny_gemm, "WIDE_MAX_ROWS", 24)
+    assert [takes(rows, 6144) for rows in (24, 25)] == [True, False]
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off: both bands too
+    assert not any(takes(rows, 6144) for rows in (2, 17, 24))
+
+
+@needs_triton
+@pytest.mark.parametrize("m,n,k", [(17, 40, 70), (32, 64, 100), (20, 33, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_swap_ab_kernel_matches_linear(m, n, k, dtype, monkeypatch):
+    """The wide band's swap-AB launch (small tiles, tails along every axis), plain and with the activation."""
+    for knob, value in {"MAX_ROWS": 16, "WIDE_MAX_ROWS": 32, "NARROW_MAX_TILES": 1, "BLOCK_N": 16,
+                        "WIDE_BLOCK_N": 16, "WIDE_BLOCK_K": 32, "WIDE_SILU_BLOCK_K": 32}.items():
+        monkeypatch.setattr(skinny_gemm, knob, value)
+    assert skinny_gemm.in_wide_band(m, n, False) and skinny_gemm.in_wide_band(m, n, True)
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(DEV)
+    torch.testing.assert_close(skinny_gemm.skinny_gemm(x, w).float(), F.linear(x.float(), w.float()),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    w2 = (torch.randn(2 * n, k, generator=g) * 0.05).to(dtype).to(DEV)
+    torch.testing.assert_close(skinny_gemm.skinny_gemm_silu_and_mul(x, w2).float(),
+                               silu_and_mul_reference(F.linear(x.float(), w2.float())), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [2, 8, 32, 64])
+@pytest.mark.parametrize("rows", [2, 8, 20, 32, 64])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 12288)])  # the 8B's QKV, O and down
 def test_skinny_gemm_matches_linear_8b_shapes_bf16(rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(n + k + rows)

@@ -12,7 +12,8 @@ giving each program a few whole weight rows to stream; this is the same shape of
 M side of tensor-core tiles (`tl.dot`), so one weight tile serves every row of the step.
 
 Status: on for 2 .. 16 rows (`MAX_ROWS`, measured below), and at 17 .. 32 rows for the narrow layers (O and down,
-`NARROW_*`) with K split over two programs per output tile; the rest keep cuBLAS. Every layer that goes through
+`NARROW_*`) with K split over two programs per output tile, and for the others (QKV, gate/up: `WIDE_*`) as a swap-AB
+GEMM, the weight's rows on the MMA's M side. Every layer that goes through
 `gemv.linear` / `gemv.silu_and_mul_linear` takes it at those row counts (`DecodeLinear` with `batch1_gemv` set,
 `TextMLP`'s gate/up, tensor parallelism's row-parallel layers), so short prefills and the small packed graphs do
 too. A split launch adds its fp32 partials in split order in a second launch (adding them in the GEMM's last
@@ -65,6 +66,18 @@ SPLIT_K = 1
 NARROW_MAX_ROWS = 32
 NARROW_MAX_TILES = 64
 NARROW_SPLIT_K = 2
+# The wide band: steps of MAX_ROWS + 1 .. WIDE_MAX_ROWS rows take the kernel for the launches the narrow band leaves
+# (the 8B's QKV, and gate/up with its activation), as a swap-AB GEMM: WIDE_BLOCK_N weight rows per program on the
+# tensor-core MMA's M side (64, the least of Hopper's warpgroup MMA), the step's rows on its N side; K is not split.
+# At 17-32 rows the other orientation pads the step's rows to that M (or leaves the warpgroup MMA), which is why
+# these launches lost to cuBLAS. H200 sweep at 32 rows (session 27, `bench/gemv_stream.py`,
+# `-session27-gemv-stream-m32.txt`), us against cuBLAS: QKV 15.45 / 16.40 (64 x 256 tiles, 4 stages), gate/up
+# without its activation 50.88 / 51.58 (64 x 128, 3 stages); with it, the activation's own launch after cuBLAS goes.
+WIDE_MAX_ROWS = 32
+WIDE_BLOCK_N = 64
+WIDE_BLOCK_K = 256
+WIDE_SILU_BLOCK_K = 128
+WIDE_NUM_STAGES = 4
 # The pipeline's stages are cut so that their tiles (x's rows and the weight's, each stage) fit this many bytes of
 # shared memory (the H200 has 227 KB per block): at 64 rows in fp32 four stages would not compile.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -85,11 +98,13 @@ if HAVE_TRITON:
     def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_w, stride_ym,
                             INTER, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             NUM_STAGES: tl.constexpr, SILU: tl.constexpr, SPLIT_K: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            PRECISION: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr = False):
         # y[:, cols] = x . W[cols, :]^T for this program's BLOCK_N output columns; SILU: y[:, i] = silu(x . W[i])
         # * (x . W[INTER + i]), each product rounded to the activation dtype, then the silu, then their product.
         # SPLIT_K > 1: program (tile, split) sums K columns [split, split + 1) * K_PER_SPLIT (a multiple of BLOCK_K)
         # and stores its fp32 partials at part_ptr [SPLIT_K, 1 + SILU, M, N] for `_split_sums_kernel`.
+        # SWAP_AB (one split only): the same sums as y^T[cols, :] = W[cols, :] . x^T, the weight's rows on the MMA's
+        # M side (the wide band's tiles).
         wait_for_predecessors(PDL)
         dtype = y_ptr.dtype.element_ty
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,22 +118,35 @@ if HAVE_TRITON:
         x_rows = x_ptr + m[:, None].to(tl.int64) * stride_xm
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
         up_rows = w_ptr + (cols + INTER)[:, None].to(tl.int64) * stride_w
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
             kmask = k0 + k < k_hi
             x = tl.load(x_rows + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if SILU:
                 up = tl.load(up_rows + (k0 + k)[None, :], mask=wmask, other=0.0)
-                acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
-        omask = mmask[:, None] & cmask[None, :]
-        if SPLIT_K == 1:
+                if SWAP_AB:
+                    acc_up = tl.dot(up, tl.trans(x), acc_up, input_precision=PRECISION)
+                else:
+                    acc_up = tl.dot(x, tl.trans(up), acc_up, input_precision=PRECISION)
+        if SWAP_AB:
+            tl.store(y_ptr + m[None, :].to(tl.int64) * stride_ym + cols[:, None],
+                     _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=cmask[:, None] & mmask[None, :])
+        elif SPLIT_K == 1:
             tl.store(y_ptr + m[:, None].to(tl.int64) * stride_ym + cols[None, :],
-                     _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=omask)
+                     _rounded_output(acc, acc_up, dtype, SILU).to(dtype), mask=mmask[:, None] & cmask[None, :])
         else:
+            omask = mmask[:, None] & cmask[None, :]
             parts = 2 if SILU else 1
             at = ((split * parts) * M + m[:, None]).to(tl.int64) * N + cols[None, :]
             tl.store(part_ptr + at, acc, mask=omask)
@@ -148,14 +176,18 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_ym + col, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def tiles(rows: int, silu: bool, element_size: int) -> tuple[int, int, int, int]:
+def tiles(rows: int, silu: bool, element_size: int, wide: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, pipeline stages) of a launch: the rows padded to a power of two of at least 16
-    (`tl.dot`'s least M), the module's tiles, and `NUM_STAGES` cut so that every stage's tiles (x's rows and one
-    or two weight tiles) fit `SHARED_MEMORY_BUDGET`."""
+    (`tl.dot`'s least M), the module's tiles (`wide`: the wide band's), and the stages cut so that every stage's
+    tiles (x's rows and one or two weight tiles) fit `SHARED_MEMORY_BUDGET`."""
     block_m = max(16, triton.next_power_of_2(rows))
-    block_n, block_k = (SILU_BLOCK_N, SILU_BLOCK_K) if silu else (BLOCK_N, BLOCK_K)
+    if wide:
+        block_n, block_k, stages = WIDE_BLOCK_N, WIDE_SILU_BLOCK_K if silu else WIDE_BLOCK_K, WIDE_NUM_STAGES
+    else:
+        block_n, block_k = (SILU_BLOCK_N, SILU_BLOCK_K) if silu else (BLOCK_N, BLOCK_K)
+        stages = NUM_STAGES
     stage_bytes = (block_m + (2 if silu else 1) * block_n) * block_k * element_size
-    return block_m, block_n, block_k, max(1, min(NUM_STAGES, SHARED_MEMORY_BUDGET // stage_bytes))
+    return block_m, block_n, block_k, max(1, min(stages, SHARED_MEMORY_BUDGET // stage_bytes))
 
 
 def _positive_int(name: str, value) -> int:
@@ -172,17 +204,25 @@ def in_narrow_band(rows: int, n: int, silu: bool) -> bool:
             and -(-n // max(BLOCK_N, 1)) <= NARROW_MAX_TILES)
 
 
+def in_wide_band(rows: int, n: int, silu: bool) -> bool:
+    """Whether a launch is in the wide band: MAX_ROWS + 1 .. WIDE_MAX_ROWS rows (none when either is 0), and not in
+    the narrow band (which takes it first). (Plain Python, as `in_narrow_band`.)"""
+    return 0 < MAX_ROWS < rows <= WIDE_MAX_ROWS and not in_narrow_band(rows, n, silu)
+
+
 def asked_splits(rows: int, n: int, silu: bool) -> int:
-    """The splits of K a launch asks for: `NARROW_SPLIT_K` in the narrow band, else `SPLIT_K`. (A K of fewer tiles
-    takes fewer: no split is empty.)"""
+    """The splits of K a launch asks for: `NARROW_SPLIT_K` in the narrow band, one in the wide band, else `SPLIT_K`.
+    (A K of fewer tiles takes fewer: no split is empty.)"""
+    if in_wide_band(rows, n, silu):
+        return 1
     if in_narrow_band(rows, n, silu):
         return _positive_int("NARROW_SPLIT_K", NARROW_SPLIT_K)
     return _positive_int("SPLIT_K", SPLIT_K)
 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu: bool = False) -> bool:
-    """Whether `linear(x, weight)` (`silu`: `silu_and_mul_linear`) runs this kernel: 2 .. MAX_ROWS rows or the
-    narrow band, on a Triton device, in the weight's dtype, both with unit stride along K."""
+    """Whether `linear(x, weight)` (`silu`: `silu_and_mul_linear`) runs this kernel: 2 .. MAX_ROWS rows, the narrow
+    band or the wide band, on a Triton device, in the weight's dtype, both with unit stride along K."""
     if not (x.dim() == 2 and weight.dim() == 2):
         return False
     if not (x.dtype == weight.dtype and x.dtype in _DTYPES and x.device == weight.device
@@ -190,7 +230,7 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, silu: bool = False)
             and _want_triton(x.device, None)):
         return False
     rows, n = x.shape[0], weight.shape[0] // 2 if silu else weight.shape[0]
-    return 2 <= rows <= MAX_ROWS or in_narrow_band(rows, n, silu)
+    return 2 <= rows <= MAX_ROWS or in_narrow_band(rows, n, silu) or in_wide_band(rows, n, silu)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -205,7 +245,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
     if k == 0:  # empty sums, as F.linear gives them (and silu(0) * 0)
         return torch.zeros(rows, n, dtype=x.dtype, device=x.device)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, stages = tiles(rows, silu, x.element_size())
+    wide = in_wide_band(rows, n, silu)
+    block_m, block_n, block_k, stages = tiles(rows, silu, x.element_size(), wide)
     out_tiles = triton.cdiv(n, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, asked_splits(rows, n, silu)), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # a short K takes fewer splits than asked: none is empty
@@ -215,7 +256,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
         _skinny_gemm_kernel[(out_tiles, splits)](
             x, weight, y, parts, rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
             n if silu else 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, SILU=silu,
-            SPLIT_K=splits, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
+            SPLIT_K=splits, SWAP_AB=wide, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no TF32 rounding
             num_warps=NUM_WARPS, **launch_options(x.device))
         if splits > 1:
             block = 1024
@@ -245,8 +286,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`silu_and_mul(F.linear(x, weight))` for [gate | up] weight rows; 2 .. MAX_ROWS rows on a Triton device go
-    through `skinny_gemm_silu_and_mul` (the narrow band takes no activation)."""
+    """`silu_and_mul(F.linear(x, weight))` for [gate | up] weight rows; 2 .. MAX_ROWS rows and the wide band on a
+    Triton device go through `skinny_gemm_silu_and_mul` (the narrow band takes no activation)."""
     if takes_skinny_gemm(x, weight, silu=True):
         return skinny_gemm_silu_and_mul(x, weight)
     return silu_and_mul(F.linear(x, weight))
