@@ -37,3 +37,20 @@ def spec_every_image_fits_the_step(height, aspect, budget) -> None:
     own, own_size = tokens(QWEN3_VL, height, width)
     if own <= budget:
         assert size == own_size, f"{height}x{width} fit the step ({own} tokens) but was resized to {size}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(height=st.integers(1, 4000), aspect=st.floats(0.01, 100.0), budget=st.integers(1, 300))
+def spec_every_image_fits_even_a_small_step(height, aspect, budget) -> None:
+    """Review (session 28): below the tokens of `min_pixels`, or at an extreme aspect, smart resize's rounding up left
+    images above the budget (a 64x64 image at 50 tokens; 32x6400 at 100 became 141 tokens), and they were refused.
+    Now whole factors come off the longer side until the image fits; an image that fit is still left alone."""
+    width = max(1, min(40000, round(height * aspect)))
+    if max(height, width) / min(height, width) > 150:
+        return  # past smart resize's own aspect limit (200): refused, not resized
+    budgeted = QWEN3_VL.within_tokens(budget)
+    got, size = tokens(budgeted, height, width)
+    assert 1 <= got <= budget, f"{height}x{width} became {size}: {got} tokens, the step has {budget}"
+    own, own_size = tokens(QWEN3_VL, height, width)
+    if own <= budget:
+        assert size == own_size, f"{height}x{width} fit the step ({own} tokens) but was resized to {size}"

@@ -975,6 +975,25 @@ def test_images_over_the_step_budget_are_caught(monkeypatch: pytest.MonkeyPatch)
     _spec_fails(spec_image_token_budget.spec_every_image_fits_the_step, "more than the step")
 
 
+def test_small_budgets_left_above_by_rounding_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 28): the budget's second smart resize rounds each side up, so a small or thin image
+    could stay above a small step's budget. Planted: `target_size` without taking whole factors off after it."""
+    from prism.media.image import smart_resize
+    from specs import spec_image_token_budget
+
+    def two_smart_resizes(height, width, config):
+        h, w = smart_resize(height, width, factor=config.factor, min_pixels=config.min_pixels,
+                            max_pixels=config.max_pixels)
+        budget = None if config.step_tokens is None else config.step_tokens * config.factor**2
+        if budget is not None and h * w > budget:
+            h, w = smart_resize(height, width, factor=config.factor, min_pixels=min(config.min_pixels, budget),
+                                max_pixels=budget)
+        return h, w
+
+    monkeypatch.setattr(spec_image_token_budget, "target_size", two_smart_resizes)
+    _spec_fails(spec_image_token_budget.spec_every_image_fits_even_a_small_step, "the step has")
+
+
 def test_names_bound_before_the_engine_accepts_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by review (session 27): a chat request's image uuids were bound while its prompt was prepared, so a
     request the engine or the server then refused (too long, max_tokens, a conflict between its own parts) named

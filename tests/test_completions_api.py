@@ -4,6 +4,8 @@ logprobs, streaming equal to the whole answer, usage, refusals, and no request l
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -176,3 +178,58 @@ def test_model_by_id(live):
     missing = httpx.get(f"{live.url}/v1/models/gpt-4o", timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert OpenAI(base_url=live.url + "/v1", api_key="unused").models.retrieve(MODEL).id == MODEL
+
+
+def test_text_offset_indexes_the_text_across_split_characters_and_skipped_specials():
+    """Review (session 28): offsets were the running sum of each token's own text, so a character split over two
+    byte tokens counted twice and a special token the text leaves out counted its whole name."""
+    from prism.engine.request import RequestOutput, TokenLogprobs
+    from prism.serving.completions import LegacyLogprobs
+
+    pieces = {1: "é".encode()[:1], 2: "é".encode()[1:], 3: b"ab", 4: b"<|im_end|>", 5: b"c"}
+    logprobs = LegacyLogprobs(pieces.__getitem__, offset=3, skipped={4})  # after an echoed prompt of 3 characters
+    event = RequestOutput("r", [1, 2, 3, 4, 5], "éabc", False,
+                          logprobs=[TokenLogprobs(t, -1.0, []) for t in (1, 2, 3, 4, 5)])
+    out = logprobs.of(event)
+    text = "abc" + "éabc"
+    assert out.text_offset == [3, 3, 4, 6, 6]
+    assert [text[o] for o in out.text_offset] == ["é", "é", "a", "c", "c"]
+
+
+def test_prompt_limits_are_checked_before_anything_else():
+    """Review (session 28): a 59 MB body of token ids was checked id by id before its length; a 57 MB string was
+    tokenized (112 s holding the GIL) before its length was known to be too much."""
+    with pytest.raises(ProtocolError, match="prompt 0 has 1001 token ids; the limit is 1000"):
+        parse_completion_request({"model": MODEL, "prompt": [1] * 1001}, max_prompt_tokens=1000)
+    with pytest.raises(ProtocolError, match="prompt 1 has 5000 characters"):
+        parse_completion_request({"model": MODEL, "prompt": ["ok", "x" * 5000]}, 1000, max_prompt_chars=4000)
+    assert parse_completion_request({"model": MODEL, "prompt": [[1] * 1000]}, 1000, 4000).prompts == [[1] * 1000]
+
+
+def test_long_prompts_are_refused_quickly_and_name_their_prompt(live):
+    inputs = live.engine.inputs
+    started = time.perf_counter()
+    too_many = httpx.post(live.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "word " * (inputs.max_prompt_chars // 5 + 1)})
+    assert too_many.status_code == 400 and "characters" in too_many.json()["error"]["message"], too_many.text
+    assert time.perf_counter() - started < 10, "refused only after tokenizing"
+    second = httpx.post(live.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": ["fine", "<|vision_start|><|image_pad|><|vision_end|>"]})
+    assert second.status_code == 400 and second.json()["error"]["param"] == "prompt", second.text
+    assert second.json()["error"]["message"].startswith("prompt 1: "), second.text
+
+
+def test_a_prompt_is_counted_once_in_the_metrics_however_many_choices(live, client):
+    def prompt_tokens() -> float:
+        return sum(float(line.split()[-1]) for line in httpx.get(live.url + "/metrics").text.splitlines()
+                   if line.startswith("prism:prompt_tokens_total"))
+
+    before = prompt_tokens()
+    out = client.completions.create(model=MODEL, prompt=["One", "Two words"], n=3, max_tokens=1)
+    deadline = time.time() + 10
+    while prompt_tokens() < before + out.usage.prompt_tokens and time.time() < deadline:
+        time.sleep(0.05)
+    assert prompt_tokens() - before == out.usage.prompt_tokens
+    rejected = httpx.get(live.url + "/metrics").text.count('status="404"')
+    assert httpx.get(live.url + "/v1/models/unknown").status_code == 404
+    assert httpx.get(live.url + "/metrics").text.count('status="404"') == rejected, "a lookup is not a refusal"

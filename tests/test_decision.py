@@ -165,10 +165,12 @@ def test_a_branch_past_max_model_len_is_refused_before_anything_runs():
     """Every branch prompt is checked as a request's prompt is (here one is 304 tokens against a max_model_len of
     256): the decide is refused with nothing left behind, where the branch used to be forked unchecked and then
     wait for ever for pages no pool of that length could give it, holding the engine."""
+    from prism.engine.chat import InputError
     from prism.engine.engine import RequestError
 
     llm = new_llm(max_model_len=256)
-    with pytest.raises(RequestError, match="304 tokens; max_model_len is 256"):
+    # (the input processor now refuses it while the branch prompt is prepared, the engine's check behind it)
+    with pytest.raises((InputError, RequestError), match="304 tokens.*max_model_len.*256"):
         llm.decide(MATERIAL, [QUESTIONS[1], LONG])
     assert not llm.engine.requests and not llm.engine.kv.seqs and not llm.engine.has_unfinished_requests()
     (answer,) = llm.decide(MATERIAL, [QUESTIONS[1]])  # the engine serves on

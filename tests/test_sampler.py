@@ -349,3 +349,18 @@ def test_bad_inputs_raise():
         sample(torch.zeros(1, 4), [p], [123])  # type: ignore[list-item]
     with pytest.raises(SamplerError, match="empty"):
         sample(torch.zeros(1, 0), [p])
+
+
+def test_seeds_that_differ_only_above_32_bits_sample_differently():
+    """Review (session 28): a CPU generator keeps a seed's low 32 bits, so seed 1 and seed 2**32 + 1 (and, over HTTP,
+    -1 and 2**32 - 1) gave the same tokens. Seeds below 2**32 keep their stream."""
+    from prism.engine.sampler import generator_seed, make_generator
+
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=make_generator(SamplingParams(temperature=1.0, seed=seed))).tolist()
+
+    assert draws(5) == torch.rand(4, generator=torch.Generator().manual_seed(5)).tolist()
+    for a, b in ((1, 1 + 2**32), (2**63 - 1, 2**64 - 1), (2**32 - 1, 2**64 - 1)):
+        assert draws(a) != draws(b), (a, b)
+    assert all(0 <= generator_seed(s) < 2**32 for s in (0, 2**32, 2**64 - 1))
+    assert draws(2**40) == draws(2**40), "still a seed: the same one draws the same"

@@ -468,7 +468,7 @@ def test_error_bodies():
     }
     assert error_body(404, "no such model")["error"] == {
         "message": "no such model",
-        "type": "not_found_error",
+        "type": "invalid_request_error",
         "param": None,
         "code": "model_not_found",
     }

@@ -111,7 +111,9 @@ class Engine:
         model, layout = self.runner.model, self.runner.layout
         # An image is encoded in one step: one larger than a step's tokens is downscaled to fit (`within_tokens`).
         self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes,
-                                     max_image_tokens=self.config.max_num_batched_tokens)
+                                     max_image_tokens=self.config.max_num_batched_tokens,
+                                     max_text_tokens=self.max_prompt_tokens,
+                                     prompt_limit_reason=self._prompt_limit_reason())
         namespace = f"{model_id}|weights={model.dtype}|kv={layout.kv_dtype}"
         self.kv = KVCacheManager(
             layout.num_pages,
@@ -193,6 +195,12 @@ class Engine:
         if self.config.enable_chunked_prefill:
             return self.max_model_len - 1
         return min(self.max_model_len - 1, self.config.max_num_batched_tokens)
+
+    def _prompt_limit_reason(self) -> str:
+        if self.max_prompt_tokens < self.max_model_len - 1:
+            return (f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked prefill off: a prompt "
+                    "is computed in one step")
+        return f"max_model_len={self.max_model_len}, less the first token generated"
 
     def _check_prompt(self, prompt: PreparedPrompt, what: str = "the prompt") -> None:
         """RequestError unless the engine can always finish `prompt`: what `add_request` checks, and

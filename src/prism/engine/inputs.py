@@ -112,7 +112,10 @@ class InputProcessor:
     model_id namespaces media digests and cache keys (default: the resolved checkpoint path). `cache` is a
     shared `PreprocessCache` (offline, in-process and HTTP paths may share one); `cache_bytes` instead
     makes a private one of that size (0 or None: no cache). `limits` bounds decoding.
-    `max_prompt_tokens` (optional) refuses longer expanded prompts with `PromptTooLongError`.
+    `max_prompt_tokens` (optional) refuses longer expanded prompts with `PromptTooLongError` (`prompt_limit_reason`:
+    what the limit comes from, for its message). `max_text_tokens` (default: `max_prompt_tokens`) refuses, before
+    tokenizing, texts too long to tokenize within that many tokens (`max_prompt_chars`); the engine passes its
+    limit there and checks prompts' tokens itself.
     `absorb_video_vision_tokens` selects the original Qwen3-VL video layout (see media.placeholders).
     """
 
@@ -127,6 +130,8 @@ class InputProcessor:
         max_prompt_tokens: int | None = None,
         absorb_video_vision_tokens: bool = False,
         max_image_tokens: int | None = None,
+        prompt_limit_reason: str = "",
+        max_text_tokens: int | None = None,
     ) -> None:
         root = Path(model_dir)
         if not root.is_dir():
@@ -193,6 +198,7 @@ class InputProcessor:
             ChatTemplate(source, special_token_strings(tok_config)) if source is not None else None
         )
         self._eos = read_eos_token_ids(root, tok_config, self._tokenizer)
+        self._longest_token_chars = max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
         if cache is not None and cache_bytes is not None:
             raise InputError("pass either a shared cache or cache_bytes, not both")
         if cache is None and cache_bytes:
@@ -201,6 +207,9 @@ class InputProcessor:
         self.image_names = ImageNames()  # image uuids -> the cache keys of the images they name
         self._limits = limits
         self._max_prompt_tokens = max_prompt_tokens
+        self._max_text_tokens = max_text_tokens if max_text_tokens is not None else max_prompt_tokens
+        self._reason = f" ({prompt_limit_reason})" if prompt_limit_reason else ""
+        self._limit = f"the limit is {max_prompt_tokens}{self._reason}"
         self._absorb = absorb_video_vision_tokens
         self._image_ns = json.dumps([self.model_id, self.image_config.fingerprint(), "rgb8"])
         self._bytes_ns = media_namespace(self.model_id, self.image_config)  # prepare_image's, for encoded bytes
@@ -225,10 +234,22 @@ class InputProcessor:
         return None if self._chat_template is None else self._chat_template.source
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in it are matched (the template writes them as text)."""
+        """Token ids of `text`; special-token strings in it are matched (the template writes them as text).
+        Through `encode_batch`, which lets other threads run while it works (`encode` holds the GIL: a 6 MB prompt
+        stalled the server's event loop and engine thread for ~6 s)."""
         if not isinstance(text, str):
             raise InputError(f"text must be a string, got {type(text).__name__}")
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a prompt's text cannot tokenize within `max_prompt_tokens` (None: no limit): each
+        token covers at most the vocabulary's longest entry, with a margin of 4 for normalization that merges
+        characters. Longer texts are refused before they are tokenized (a 57 MB prompt took 112 s and 6 GB to
+        refuse after tokenizing)."""
+        if self._max_text_tokens is None:
+            return None
+        return 4 * self._max_text_tokens * self._longest_token_chars
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -309,7 +330,7 @@ class InputProcessor:
                              "to fill them")
         n = int(ids.size)
         if self._max_prompt_tokens is not None and n > self._max_prompt_tokens:
-            raise PromptTooLongError(f"the prompt has {n} tokens; the limit is {self._max_prompt_tokens}")
+            raise PromptTooLongError(f"the prompt has {n} tokens; {self._limit}")
         return PreparedPrompt(
             token_ids=ids.astype(np.int64).tolist(),
             mm_token_type_ids=torch.zeros(n, dtype=torch.int64),
@@ -335,6 +356,9 @@ class InputProcessor:
         media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
         on_image: Callable[[PreparedImage], None] | None = None,
     ) -> PreparedPrompt:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(f"the prompt has {len(text)} characters: more than {self._max_text_tokens} "
+                                     f"tokens, the limit{self._reason}")
         ids = np.asarray(self.encode(text), dtype=np.int64)
         if ids.size == 0:
             raise InputError("the prompt is empty")
@@ -369,8 +393,7 @@ class InputProcessor:
         if self._max_prompt_tokens is not None and n > self._max_prompt_tokens:
             media_tokens = sum(s.length for s in expanded.spans)
             raise PromptTooLongError(
-                f"the prompt expands to {n} tokens ({media_tokens} of them media pads); "
-                f"the limit is {self._max_prompt_tokens}"
+                f"the prompt expands to {n} tokens ({media_tokens} of them media pads); {self._limit}"
             )
         positions, rope_delta = mrope_positions_from_spans(
             n,

@@ -16,6 +16,7 @@ whatever temperature / top-k / top-p did to the sampling distribution.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,11 +51,22 @@ class SampleResult:
     top_logprobs: torch.Tensor | None
 
 
+def generator_seed(seed: int) -> int:
+    """The seed a request's generator is given for its `seed` (0 .. 2**64 - 1). A CPU generator (mt19937) keeps only
+    a seed's low 32 bits, so seeds that differ above them sampled alike (1 and 2**32 + 1; -1 and 2**32 - 1 over
+    HTTP). Seeds below 2**32 are kept; larger ones are hashed to 32 bits (two seeds still coincide with chance
+    2**-32, which 32 bits of generator state cannot avoid)."""
+    if seed < 2**32:
+        return seed
+    return int.from_bytes(hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=4).digest(), "little")
+
+
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The generator of a request: seeded from `params.seed`, or None (the global RNG) without a seed."""
+    """The generator of a request: seeded from `params.seed` (`generator_seed`), or None (the global RNG) without
+    one."""
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    return torch.Generator(device=device).manual_seed(generator_seed(params.seed))
 
 
 def sample(

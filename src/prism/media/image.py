@@ -136,14 +136,26 @@ def smart_resize(
 
 def target_size(height: int, width: int, config: ImageProcessorConfig) -> tuple[int, int]:
     """The (height, width) an image is resized to: smart resize under the processor's settings; where that makes
-    more than `config.step_tokens` LM tokens, smart resize again with max_pixels at that budget (so an image that
-    fits is resized exactly as the checkpoint's settings resize it)."""
+    more than `config.step_tokens` LM tokens, smart resize again with max_pixels at that budget, then whole factors
+    off the longer side while it is still above it (so an image that fits is resized exactly as the checkpoint's
+    settings resize it, and one that does not fits)."""
     h, w = smart_resize(height, width, factor=config.factor, min_pixels=config.min_pixels,
                         max_pixels=config.max_pixels)
     budget = None if config.step_tokens is None else config.step_tokens * config.factor**2
     if budget is not None and h * w > budget:
         h, w = smart_resize(height, width, factor=config.factor, min_pixels=min(config.min_pixels, budget),
                             max_pixels=budget)
+        # smart resize rounds each side to the factor and keeps at least one factor a side: at a small budget
+        # (a 64x64 image at 50 tokens) or an extreme aspect it can still land above it. Take whole factors off the
+        # longer side until it fits.
+        f = config.factor
+        rows, cols = h // f, w // f
+        while rows * cols > config.step_tokens and max(rows, cols) > 1:
+            if rows >= cols:
+                rows -= 1
+            else:
+                cols -= 1
+        h, w = rows * f, cols * f
     return h, w
 
 

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decision.plan import DecisionFailed, Generations, Outcome, Readouts, advance, plan_decision
+from ..engine.chat import InputError
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.request import RequestOutput
@@ -66,6 +67,9 @@ class ServerState:
         self.metrics = ServingMetrics(engine)
         self.resolver = MediaResolver(settings)
         self.token_bytes = byte_level_token_bytes(engine.inputs.tokenizer)
+        # The special tokens a completion's text leaves out (its detokenizer skips them): `text_offset` counts none.
+        self.special_token_ids = frozenset(
+            i for i, token in engine.inputs.tokenizer.get_added_tokens_decoder().items() if token.special)
         self.created = int(time.time())
 
 
@@ -126,8 +130,9 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str, request: Request) -> Response:
         state: ServerState = request.app.state.prism
-        if model_id != state.settings.served_model_name:
-            return _error_response(state, _model_not_found(model_id, state))
+        if model_id != state.settings.served_model_name:  # a lookup, not a refused request: not in the metrics
+            error = _model_not_found(model_id, state)
+            return JSONResponse(error_body(error.status, str(error), error.param), status_code=error.status)
         return JSONResponse(_model_card(state).model_dump(mode="json"))
 
     @app.get("/metrics")
@@ -170,19 +175,22 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         state: ServerState = request.app.state.prism
         arrival = time.perf_counter()
         try:
-            completion = parse_completion_request(await _read_body(request, state))
+            inputs = state.engine.inputs
+            completion = parse_completion_request(await _read_body(request, state), state.engine.max_prompt_tokens,
+                                                  inputs.max_prompt_chars)
             if completion.model != state.settings.served_model_name:
                 raise _model_not_found(completion.model, state)
             prompts = await state.async_engine.run_in_media_pool(_completion_prompts, state, completion)
             params = [completion.params_for(len(p.token_ids), state.engine.max_model_len) for p in prompts]
+            echoes = (await state.async_engine.run_in_media_pool(_echoes, state, prompts, completion.prompts)
+                      if completion.echo else [""] * len(prompts))
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return _error_response(state, error)
         n = completion.num_choices
         renderer = CompletionRenderer(
-            completion.model, [_echo(state, p, raw) if completion.echo else "" for p, raw in
-                               zip(prompts, completion.prompts, strict=True) for _ in range(n)],
-            n, include_usage=completion.include_usage,
-            token_bytes=state.token_bytes if completion.logprobs is not None else None)
+            completion.model, [echo for echo in echoes for _ in range(n)], n, include_usage=completion.include_usage,
+            token_bytes=state.token_bytes if completion.logprobs is not None else None,
+            skipped_tokens=state.special_token_ids)
         submitted = await _start_choices(
             state, renderer.id, [(prompt, p) for prompt, p in zip(prompts, params, strict=True) for _ in range(n)],
             arrival, per_prompt=n)
@@ -380,15 +388,22 @@ def _model_card(state: ServerState) -> ModelCard:
 
 
 def _completion_prompts(state: ServerState, completion: CompletionRequest) -> list:
-    """Each prompt of a completions request prepared (tokenized; token ids checked), off the event loop."""
-    inputs = state.engine.inputs
-    return [inputs.prepare_prompt(p) if isinstance(p, str) else inputs.prepare_token_ids(p)
-            for p in completion.prompts]
+    """Each prompt of a completions request prepared (tokenized; token ids checked), off the event loop. A refused
+    one is named (`param` "prompt", its index in the message when there are several)."""
+    inputs, prompts = state.engine.inputs, completion.prompts
+    prepared = []
+    for i, p in enumerate(prompts):
+        try:
+            prepared.append(inputs.prepare_prompt(p) if isinstance(p, str) else inputs.prepare_token_ids(p))
+        except InputError as error:
+            raise ProtocolError(f"prompt {i}: {error}" if len(prompts) > 1 else str(error), param="prompt") from error
+    return prepared
 
 
-def _echo(state: ServerState, prompt, raw: str | list[int]) -> str:
-    """The text an echoed prompt shows: the string as sent, or the token ids decoded (special tokens kept)."""
-    return raw if isinstance(raw, str) else state.engine.inputs.decode(prompt.token_ids, skip_special_tokens=False)
+def _echoes(state: ServerState, prompts: list, raws: list) -> list[str]:
+    """The text each echoed prompt shows: the string as sent, or its token ids decoded (special tokens kept)."""
+    return [raw if isinstance(raw, str) else state.engine.inputs.decode(prompt.token_ids, skip_special_tokens=False)
+            for prompt, raw in zip(prompts, raws, strict=True)]
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -449,8 +464,10 @@ async def _start_choices(state: ServerState, completion_id: str, choices: list, 
     streams = []
     try:
         for i, (prompt, params) in enumerate(choices):
+            # a prompt's tokens are counted once, with its first choice (as usage counts them)
+            tracker = state.metrics.tracker(arrival, count_prompt=i % per_prompt == 0)
             streams.append(await _start(state, f"{completion_id}-{i}", prompt, _choice_params(params, i % per_prompt),
-                                        state.metrics.tracker(arrival)))
+                                        tracker))
     except Exception as error:  # noqa: BLE001
         for stream in streams:
             await stream.aclose()

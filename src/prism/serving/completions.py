@@ -7,7 +7,8 @@ Owns, for this endpoint, "a request either validates or is a 4xx naming the fiel
 - `max_tokens` defaults to 16 (OpenAI's default), cut to what the context holds; an explicit one it cannot hold is a
   400, as in the chat endpoint;
 - logprobs in the legacy layout: `tokens`, `token_logprobs`, `top_logprobs` (the k most likely tokens and the
-  chosen one, by their text) and `text_offset` (each token's character offset in the choice's text);
+  chosen one, by their text: tokens of equal text are one entry, as in OpenAI's and vLLM's) and `text_offset`
+  (each token's character offset in the choice's text: `LegacyLogprobs`);
 - `echo` puts the prompt's text before each choice's. Refused with a message: `echo` with logprobs (it needs the
   prompt's own logprobs, which the engine does not compute), `suffix`, and a `best_of` other than n.
 Sampling fields, their defaults and the no-op fields are `protocol.SamplingFields`, shared with chat.
@@ -15,12 +16,13 @@ Sampling fields, their defaults and the no-op fields are `protocol.SamplingField
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..engine.request import RequestOutput
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
@@ -60,12 +62,23 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _check_prompt(cls, value: Any) -> list[str | list[int]]:
+    def _check_prompt(cls, value: Any, info: ValidationInfo) -> list[str | list[int]]:
+        """Sizes first (`info.context`: the server's `max_prompt_tokens` and `max_prompt_chars`), before any
+        per-element check: a body of 31 M token ids took 10 s of the event loop to refuse."""
+        limits = info.context or {}
+        max_tokens, max_chars = limits.get("max_prompt_tokens"), limits.get("max_prompt_chars")
+        several = isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
+        items = value if several else [value]  # a string, or one prompt's token ids
+        if len(items) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(items)}")
+        for i, p in enumerate(items):
+            if max_tokens is not None and isinstance(p, list) and len(p) > max_tokens:
+                raise ValueError(f"prompt {i} has {len(p)} token ids; the limit is {max_tokens}")
+            if max_chars is not None and isinstance(p, str) and len(p) > max_chars:
+                raise ValueError(f"prompt {i} has {len(p)} characters: more than {max_tokens} tokens, the limit")
         prompts = _prompt_list(value)
-        if len(prompts) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(prompts)}")
         if any(p == "" for p in prompts):
             raise ValueError("a prompt must not be empty")
         return prompts
@@ -94,8 +107,12 @@ class CompletionRequest(SamplingFields):
         return self.sampling_params(self.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, room)), self.logprobs)
 
 
-def parse_completion_request(body: bytes | str | dict[str, Any]) -> CompletionRequest:
-    return parse_request(CompletionRequest, body)
+def parse_completion_request(body: bytes | str | dict[str, Any], max_prompt_tokens: int | None = None,
+                             max_prompt_chars: int | None = None) -> CompletionRequest:
+    """The body as a `CompletionRequest`; prompts past the limits (when given) are refused before anything else
+    about them is checked."""
+    return parse_request(CompletionRequest, body,
+                         {"max_prompt_tokens": max_prompt_tokens, "max_prompt_chars": max_prompt_chars})
 
 
 # ----------------------------------------------------------------------------------------- responses
@@ -143,11 +160,16 @@ def completion_usage(finals: Sequence[RequestOutput], n: int) -> Usage:
 
 
 class LegacyLogprobs:
-    """Accumulates one choice's logprobs in the legacy layout; `offset` is where its next token's text starts."""
+    """Accumulates one choice's logprobs in the legacy layout. `text_offset`: where each token starts in the choice's
+    text, in characters: the tokens' bytes decoded in order (a character split over tokens counts where it
+    completes, so a token inside it has the offset of that character), the special tokens the text leaves out
+    counting none. (Past a stop string, inside the last token, the offsets go beyond the cut text.)"""
 
-    def __init__(self, token_bytes: TokenBytes, offset: int) -> None:
+    def __init__(self, token_bytes: TokenBytes, offset: int, skipped: Collection[int] = ()) -> None:
         self.token_bytes = token_bytes
         self.offset = offset
+        self.skipped = skipped
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def _text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", "replace")
@@ -162,7 +184,8 @@ class LegacyLogprobs:
             top.setdefault(text, finite_logprob(entry.logprob))  # the chosen token is always listed
             tops.append(top)
             offsets.append(self.offset)
-            self.offset += len(text)
+            if entry.token_id not in self.skipped:
+                self.offset += len(self._utf8.decode(self.token_bytes(entry.token_id)))
         return CompletionLogprobs(tokens=tokens, token_logprobs=chosen, top_logprobs=tops, text_offset=offsets)
 
 
@@ -176,17 +199,20 @@ def _merged(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
 class CompletionRenderer:
     """Engine events of one completion (`len(echoes)` choices) -> the response body, or its SSE bytes:
     `start()`, `on_output(index, event)` per event, `finish()` (usage chunk if asked, [DONE]) or `error()`.
-    `echoes[i]`: the text choice i starts with (its prompt's under `echo`, else "")."""
+    `echoes[i]`: the text choice i starts with (its prompt's under `echo`, else ""). `skipped_tokens`: the special
+    tokens a choice's text leaves out (for `text_offset`)."""
 
     def __init__(self, model: str, echoes: Sequence[str], n: int, *, include_usage: bool = False,
-                 token_bytes: TokenBytes | None = None, completion_id: str | None = None) -> None:
+                 token_bytes: TokenBytes | None = None, skipped_tokens: Collection[int] = (),
+                 completion_id: str | None = None) -> None:
         self.id = completion_id or new_completion_id()
         self.created = int(time.time())
         self.model = model
         self.n = n
         self.include_usage = include_usage
         self.echoes = list(echoes)
-        self._logprobs = [LegacyLogprobs(token_bytes, len(e)) for e in echoes] if token_bytes else None
+        self._logprobs = ([LegacyLogprobs(token_bytes, len(e), skipped_tokens) for e in echoes] if token_bytes
+                          else None)
         self._finals: list[RequestOutput | None] = [None] * len(echoes)
 
     @property

@@ -76,7 +76,8 @@ class ServingMetrics:
         self.e2e = Histogram("prism:e2e_request_latency_seconds", "Time from arrival to the terminal event.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("prism:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("prism:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prompt_tokens = Counter("prism:prompt_tokens", "Prompt tokens of finished requests (a prompt once, however "
+                                     "many choices).", registry=r)
         self.generation_tokens = Counter("prism:generation_tokens", "Generated tokens.", registry=r)
         self.decide_latency = Histogram("prism:decide_latency_seconds",
                                         "Time from a decide's arrival to its answer, of decides answered.",
@@ -93,16 +94,18 @@ class ServingMetrics:
         self.decides.labels(outcome="answered").inc()
         self.decide_questions.inc(questions)
 
-    def tracker(self, arrival: float) -> RequestTracker:
-        return RequestTracker(self, arrival)
+    def tracker(self, arrival: float, count_prompt: bool = True) -> RequestTracker:
+        return RequestTracker(self, arrival, count_prompt)
 
 
 class RequestTracker:
-    """Observes one request's events: TTFT at the first token, ITL between tokens, E2E at the end."""
+    """Observes one request's events: TTFT at the first token, ITL between tokens, E2E at the end. `count_prompt`:
+    whether its prompt tokens are counted (a completion's other choices of one prompt: no, as usage counts them)."""
 
-    def __init__(self, metrics: ServingMetrics, arrival: float) -> None:
+    def __init__(self, metrics: ServingMetrics, arrival: float, count_prompt: bool = True) -> None:
         self.metrics = metrics
         self.arrival = arrival
+        self.count_prompt = count_prompt
         self.last_token: float | None = None
 
     def __call__(self, event: RequestOutput, now: float) -> None:
@@ -116,7 +119,8 @@ class RequestTracker:
             m.generation_tokens.inc(len(event.new_token_ids))
         if event.finished:
             m.e2e.observe(now - self.arrival)
-            m.prompt_tokens.inc(event.prompt_tokens)
+            if self.count_prompt:
+                m.prompt_tokens.inc(event.prompt_tokens)
             m.finished.labels(finished_reason=event.finish_reason.value if event.finish_reason else "unknown").inc()
 
     def abandoned(self, now: float) -> None:

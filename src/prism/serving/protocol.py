@@ -381,13 +381,14 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
-def parse_request(model: type[RequestModel], body: bytes | str | Mapping[str, Any]) -> RequestModel:
-    """Validate a request body (raw JSON or a parsed dict) into `model`; `ProtocolError` (400) naming the field if
-    bad."""
+def parse_request(model: type[RequestModel], body: bytes | str | Mapping[str, Any],
+                  context: Mapping[str, Any] | None = None) -> RequestModel:
+    """Validate a request body (raw JSON or a parsed dict) into `model` (`context`: what its validators may read);
+    `ProtocolError` (400) naming the field if bad."""
     try:
         if isinstance(body, (bytes, str)):
-            return model.model_validate_json(body)
-        return model.model_validate(body)
+            return model.model_validate_json(body, context=context)
+        return model.model_validate(body, context=context)
     except ValidationError as exc:
         message, param = describe_validation_errors(exc.errors())
         raise ProtocolError(message, param) from None

@@ -148,7 +148,7 @@ class ErrorResponse(OutputModel):
 _ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
     403: ("permission_error", "forbidden"),
-    404: ("not_found_error", "model_not_found"),
+    404: ("invalid_request_error", "model_not_found"),  # as OpenAI types an unknown model
     413: ("invalid_request_error", "request_too_large"),
     422: ("invalid_request_error", "unprocessable_entity"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
