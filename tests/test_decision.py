@@ -365,3 +365,23 @@ def test_a_decision_whose_material_id_is_taken_is_refused_before_it_binds_anythi
     assert llm.engine.inputs.image_names.resolve("decide-pic") is None, "a refused decision bound its uuid"
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
+
+
+def test_questions_and_thinking_of_the_wrong_type_are_refused_with_what_is_accepted():
+    """Review (session 28): a question given as a dict or a string, or `thinking` as a dict, failed with an
+    AttributeError inside the plan; `ThinkingConfig(max_tokens="8")` with a TypeError."""
+    from prism.decision.thinking import ThinkingConfig
+
+    llm = new_llm()
+    for questions, thinking, words in (
+        ([{"type": "yes_no", "text": "Rain?"}], None, "question 0 is a dict"),
+        (["Rain?"], None, "question 0 is a str"),
+        ([QUESTIONS[1]], {"gate": 0.5}, "thinking is a dict"),
+    ):
+        with pytest.raises(QuestionError, match=words):
+            llm.decide(MATERIAL, questions, thinking)
+    for kwargs, words in (({"max_tokens": "8"}, "max_tokens"), ({"gate": 2}, "gate"), ({"temperature": -1}, "temperature"),
+                          ({"seed": 1.5}, "seed")):
+        with pytest.raises(ValueError, match=words):
+            ThinkingConfig(**kwargs)
+    assert not llm.engine.requests

@@ -100,3 +100,29 @@ def test_a_stream_finalized_inside_a_step_fails_no_request(llm):
         gc.enable()
     assert collected and events[-1].finish_reason.value == "length" and events[-1].error is None, events[-1]
     settled(llm)
+
+
+def test_prompts_and_params_of_the_wrong_shape_are_refused_with_what_is_accepted(llm):
+    """Review (session 28): `generate(message)` (one dict) generated its keys "role" and "content" as two prompts,
+    and other shapes (a tuple of messages, None, an int, params as a dict) failed deep in the engine with an
+    AttributeError."""
+    from prism.engine.engine import RequestError
+
+    message = {"role": "user", "content": "Describe the weather"}
+    three = SamplingParams(max_tokens=3)
+    for prompts, params, words in (
+        (message, three, "one chat message is not a prompt"),
+        ([(message,)], three, "a prompt is a PreparedPrompt"),
+        ([[message, "text"]], three, "list of dicts"),
+        (None, three, "an iterable of prompts"),
+        (7, three, "an iterable of prompts"),
+        ([[message]], {"max_tokens": 3}, "must be a SamplingParams"),
+        ([[message]], SamplingParams(max_tokens=3, stop_token_ids=(10**9,)), "below the vocabulary size"),
+    ):
+        with pytest.raises(RequestError, match=words):
+            llm.generate(prompts, params)
+        assert not llm.engine.requests, "a refused call leaves nothing running"
+    with pytest.raises(RequestError, match="a prompt is a PreparedPrompt"):
+        llm.stream(b"bytes", three)
+    (done,) = llm.generate(([message] for _ in range(1)), three)  # any iterable of prompts
+    assert done.finish_reason is not None and done.error is None

@@ -364,3 +364,16 @@ def test_seeds_that_differ_only_above_32_bits_sample_differently():
         assert draws(a) != draws(b), (a, b)
     assert all(0 <= generator_seed(s) < 2**32 for s in (0, 2**32, 2**64 - 1))
     assert draws(2**40) == draws(2**40), "still a seed: the same one draws the same"
+
+
+def test_numpy_scalars_are_the_numbers_they_are():
+    """Review (session 28): `SamplingParams(max_tokens=np.int64(5))` was refused as "must be an integer >= 1, got
+    np.int64(5)"; numpy's integers and floats now count as Python's (booleans still do not)."""
+    import numpy as np
+
+    p = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.int32(3), seed=np.uint64(7),
+                       logprobs=np.int8(2), stop_token_ids=(np.int64(4),))
+    assert (p.max_tokens, p.top_k, p.seed, p.logprobs, p.stop_token_ids) == (5, 3, 7, 2, (4,))
+    assert type(p.max_tokens) is int and type(p.temperature) is float and p.temperature == 0.5
+    with pytest.raises(SamplingParamsError, match="max_tokens"):
+        SamplingParams(max_tokens=np.bool_(True))

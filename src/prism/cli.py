@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--media-root", help="allow local image files under this directory")
     serve.add_argument("--allow-remote-media", action="store_true", help="allow http(s) image URLs")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug",
+                                                                "trace"))
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -37,8 +38,22 @@ def main(argv: list[str] | None = None) -> None:
             env[variable] = flag
     if args.allow_remote_media:
         env["PRISM_ALLOW_REMOTE_MEDIA"] = "1"
-    logging.basicConfig(level=args.log_level.upper())
-    uvicorn.run(create_app(ServerSettings.from_env(env)), host=args.host, port=args.port, log_level=args.log_level)
+    try:  # a bad --model or --config is the command line's error, before anything loads
+        settings = ServerSettings.from_env(env)
+    except ValueError as error:
+        serve.error(str(error))
+    logging.basicConfig(level=logging.DEBUG if args.log_level == "trace" else args.log_level.upper())
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {port}")
+    return port
 
 
 if __name__ == "__main__":

@@ -67,6 +67,12 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     fits."""
     if not questions:
         raise QuestionError("a decide needs at least one question")
+    for i, q in enumerate(questions):
+        if not isinstance(q, Question):
+            raise QuestionError(f"question {i} is a {type(q).__name__}: questions are "
+                                "prism.decision.questions.Question objects")
+    if thinking is not None and not isinstance(thinking, ThinkingConfig):
+        raise QuestionError(f"thinking is a {type(thinking).__name__}: pass a prism.decision.thinking.ThinkingConfig")
     media_memo: dict = {}  # the material's images are hashed and looked up once, not once per question
 
     def branch(request_id: str, question: Question) -> Branch:
@@ -86,7 +92,8 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     for i, q in enumerate(questions):
         subs = grouped(q) if q.kind == "choice" and len(q.options) > MAX_OPTIONS else [q]
         if len(subs) > MAX_OPTIONS:
-            raise ValueError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups of {MAX_OPTIONS}")
+            raise QuestionError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups of "
+                                f"{MAX_OPTIONS}")
         asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
     round1 = []
     for request_id, i, sub in asked:

@@ -27,10 +27,17 @@ class ThinkingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.gate <= 1.0:
-            raise ValueError(f"the thinking gate must be in [0, 1], got {self.gate}")
-        if self.max_tokens < 1:
-            raise ValueError(f"thinking max_tokens must be >= 1, got {self.max_tokens}")
+        def number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not number(self.gate) or not 0.0 <= self.gate <= 1.0:
+            raise ValueError(f"the thinking gate must be a number in [0, 1], got {self.gate!r}")
+        if not number(self.max_tokens) or self.max_tokens != int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"thinking max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not number(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"thinking temperature must be a number >= 0, got {self.temperature!r}")
+        if not number(self.seed) or self.seed != int(self.seed):
+            raise ValueError(f"thinking seed must be an integer, got {self.seed!r}")
 
 
 def question_seed(config: ThinkingConfig, question: Question) -> int:

@@ -160,7 +160,19 @@ class Engine:
         """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
         if self._id_in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        vocab = self.runner.model.config.text.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
+                               f"{[t for t in params.stop_token_ids if t >= vocab]}")
+        if isinstance(prompt, dict) or (isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt)):
+            raise RequestError("a prompt's chat messages are a list of dicts ({'role': ..., 'content': ...}): one "
+                               "conversation is [message, ...]")
+        if not isinstance(prompt, (PreparedPrompt, str, list)):
+            raise RequestError(f"a prompt is a PreparedPrompt, a string or a list of chat messages, got "
+                               f"{type(prompt).__name__}")
         if params.n != 1:  # not silently one: a caller asking for n sequences must not get one
             raise RequestError(f"n={params.n}: an engine request is one sequence; ask for n choices as n requests "
                                "(the server does: each choice its own request, a seeded one with seed + i)")

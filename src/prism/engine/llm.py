@@ -20,7 +20,7 @@ from ..decision.plan import Generations, Outcome, Readouts, advance, plan_decisi
 from ..decision.questions import Answer, Question
 from ..decision.thinking import ThinkingConfig
 from .config import EngineConfig
-from .engine import Engine
+from .engine import Engine, RequestError
 from .inputs import PreparedPrompt
 from .request import FinishReason, RequestOutput, TokenLogprobs
 from .sampling import SamplingParams
@@ -58,9 +58,17 @@ class LLM:
     ) -> list[Completion]:
         """Run all prompts to completion with continuous batching; results in prompt order. A prompt the engine
         refuses refuses the whole call: the prompts added before it are aborted."""
+        if isinstance(prompts, dict):  # its keys would be taken as prompts
+            raise RequestError("one chat message is not a prompt: pass a conversation as a list of messages "
+                               "([message, ...]), or several as a list of those")
         if isinstance(prompts, (str, PreparedPrompt)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise RequestError(f"prompts must be a prompt or an iterable of prompts, got {type(prompts).__name__}"
+                               ) from None
+        params_list = [params] * len(prompts) if params is None or isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         ids: list[str] = []

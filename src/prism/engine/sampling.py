@@ -17,7 +17,10 @@ Conventions:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
+
+import numpy as np
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -65,10 +68,17 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if _is_real(self.temperature):
-            object.__setattr__(self, "temperature", float(self.temperature))
-        if _is_real(self.top_p):
-            object.__setattr__(self, "top_p", float(self.top_p))
+        # numpy's scalars (np.int64(5), np.float32(0.7)) as the Python numbers they are, not refused as non-numbers
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "n"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.stop_token_ids, tuple) and all(isinstance(t, numbers.Integral) for t in self.stop_token_ids):
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, name, float(value))
         self.validate()
 
     def validate(self) -> SamplingParams:
