@@ -444,7 +444,7 @@ def _user(*parts):
         ),
         (_user({"type": "video", "video": [np.zeros((32, 32, 3), np.uint8)] * 4}), "needs 'fps'"),
         (_user({"type": "video", "fps": 2.0}), "no 'video' frames"),
-        (_user({"type": "video", "video": b"mp4 bytes", "fps": 2.0}), "decoded frames"),
+        (_user({"type": "video", "video": b"mp4 bytes", "fps": 2.0}), "not one encoded file"),
         (_user({"type": "video", "video": [], "fps": 2.0}), "no frames"),
         (_user({"type": "video", "video": [np.zeros((32, 32, 3), np.uint8)] * 4, "fps": -1}), "fps"),
         (_user({"type": "image", "image": "a/path.png"}), "must be bytes"),

@@ -126,3 +126,31 @@ def test_prompts_and_params_of_the_wrong_shape_are_refused_with_what_is_accepted
         llm.stream(b"bytes", three)
     (done,) = llm.generate(([message] for _ in range(1)), three)  # any iterable of prompts
     assert done.finish_reason is not None and done.error is None
+
+
+def test_video_frames_as_encoded_images_and_in_the_servers_form(llm):
+    """Review (session 28): offline, video frames given as PNG bytes were refused with "video frame 0 must be
+    bytes, a PIL image or a uint8 array, got bytes", and the server's part form ({"video": {"frames", "fps"}}) with
+    "video part needs 'fps'". Both read as the same frames given as PIL images."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def png(seed: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(out, "PNG")
+        return out.getvalue()
+
+    encoded = [png(i) for i in range(4)]
+    decoded = [Image.open(io.BytesIO(f)).convert("RGB") for f in encoded]
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+
+    def ask(part: dict) -> tuple[list[int], int]:
+        (out,) = llm.generate([[{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]], greedy)
+        assert out.error is None, out.error
+        return out.token_ids, out.prompt_tokens
+
+    want = ask({"type": "video", "video": decoded, "fps": 2.0})
+    assert ask({"type": "video", "video": encoded, "fps": 2.0}) == want
+    assert ask({"type": "video", "video": {"frames": encoded, "fps": 2.0}}) == want

@@ -9,7 +9,8 @@ and the tokenizer-side files that shape text (chat template, named special token
   as their body, and the tokenizer's named special tokens (bos_token, eos_token, ...) as variables.
 - Message parts: `{"type": "text", "text"}`, `{"type": "image", "image": bytes | PIL | uint8 HxWx3}`,
   `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}` (data URLs only: remote URLs
-  and paths are refused here) and `{"type": "video", "video": frames, "fps": source frame rate}` with an
+  and paths are refused here) and `{"type": "video", "video": frames, "fps": source frame rate}` (or the server's
+  `{"type": "video", "video": {"frames": frames, "fps": rate}}`; frames as encoded images, PIL images or arrays) with an
   optional `num_frames` (sample exactly that many frames instead of the processor's fps). An image part may
   carry a `uuid` (vLLM's convention): the client's name for that image. Sent once with its data, the image can
   then be named by its uuid alone (`"image": None` / `"image_url": None`), which skips decoding and hashing it.
@@ -308,10 +309,16 @@ def _image_url_part(part: Mapping[str, Any], where: str, max_bytes: int) -> Imag
 def _video_part(part: Mapping[str, Any], where: str) -> VideoInput:
     _check_keys(part, _VIDEO_KEYS, where)
     frames = part.get("video")
+    if isinstance(frames, Mapping):  # the server's form, {"video": {"frames": [...], "fps": ...}}, taken too
+        if set(frames) - {"frames", "fps"} or "fps" in part:
+            raise InputError(f"{where}: a video given as {{'frames': [...], 'fps': ...}} takes no other keys")
+        part = {**part, "fps": frames.get("fps")}
+        frames = frames.get("frames")
     if frames is None:
         raise InputError(f"{where}: video part has no 'video' frames")
     if isinstance(frames, (str, bytes, bytearray, memoryview)):
-        raise InputError(f"{where}: video must be decoded frames (a list or a uint8 array), not encoded data")
+        raise InputError(f"{where}: video must be a list of frames (images as bytes, PIL images or uint8 arrays) "
+                         "or a uint8 array, not one encoded file")
     fps = part.get("fps")
     if fps is None:
         raise InputError(f"{where}: video part needs 'fps' (the frame rate of the given frames)")

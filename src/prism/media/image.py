@@ -198,7 +198,10 @@ def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DE
 def to_rgb_image(
     image: Image.Image | np.ndarray, limits: DecodeLimits = DEFAULT_LIMITS, what: str = "image"
 ) -> Image.Image:
-    """An RGB PIL image from a PIL image (any mode) or a uint8 [H, W, 3] array; size limits checked."""
+    """An RGB PIL image from encoded bytes (decoded under `limits`), a PIL image (any mode) or a uint8 [H, W, 3]
+    array; size limits checked."""
+    if isinstance(image, (bytes, bytearray, memoryview)):  # (a video's frames given as PNG / JPEG files)
+        return decode_image(image, limits)
     if isinstance(image, Image.Image):
         limits.check_size(*image.size, what=what)
         return image if image.mode == "RGB" else image.convert("RGB")
