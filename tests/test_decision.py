@@ -380,8 +380,9 @@ def test_questions_and_thinking_of_the_wrong_type_are_refused_with_what_is_accep
     ):
         with pytest.raises(QuestionError, match=words):
             llm.decide(MATERIAL, questions, thinking)
-    for kwargs, words in (({"max_tokens": "8"}, "max_tokens"), ({"gate": 2}, "gate"), ({"temperature": -1}, "temperature"),
-                          ({"seed": 1.5}, "seed")):
+    for kwargs, words in (({"max_tokens": "8"}, "max_tokens"), ({"max_tokens": 64.0}, "max_tokens"), ({"gate": 2}, "gate"),
+                          ({"temperature": -1}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+                          ({"seed": 1.5}, "seed"), ({"seed": 1.0}, "seed")):
         with pytest.raises(ValueError, match=words):
             ThinkingConfig(**kwargs)
     assert not llm.engine.requests

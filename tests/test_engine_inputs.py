@@ -699,3 +699,23 @@ def test_new_images_go_to_the_media_threads_as_a_few_tasks_in_prompt_order(proc,
                                                             {"type": "text", "text": "?"}]}])
     assert [m.digest for m in prompt.media] == alone
     assert [len(a[0]) for a in submitted] == [2, 2, 3]  # consecutive images, every one in exactly one task
+
+
+def test_a_text_past_the_limit_is_refused_after_tokenizing_its_head_only():
+    """Review (session 28): a text past `max_prompt_chars` is refused without tokenizing, but that bound (the
+    vocabulary's longest entry a token) let 16 M characters through at a 32K context; a long text's head, cut at
+    whitespace, is tokenized first and refuses it when it alone is past the limit. A text within the limit is
+    tokenized whole, as before."""
+    from prism.engine.inputs import InputProcessor, PromptTooLongError
+
+    inputs = InputProcessor(ensure_tiny_checkpoint(), max_text_tokens=1000)
+    encoded: list[int] = []
+    encode = inputs.encode
+    inputs.encode = lambda text: encoded.append(len(text)) or encode(text)
+    with pytest.raises(PromptTooLongError, match="its first .* already more than 1000 tokens"):
+        inputs.prepare_prompt("hello world " * 8_000)  # 96,000 characters (within max_prompt_chars), ~16,000 tokens
+    assert encoded and max(encoded) <= 8 * (1000 + 16), f"tokenized {encoded} characters to refuse it"
+    encoded.clear()
+    dense = "a" * 30_000  # long, but its head (one word, no whitespace to cut at) proves nothing: tokenized whole
+    inputs.prepare_prompt(dense)
+    assert encoded[-1] == len(dense)

@@ -9,6 +9,8 @@ uses a per-request generator, so sibling questions and batch companions cannot c
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass
 
 from ..engine.inputs import PreparedPrompt
@@ -27,17 +29,22 @@ class ThinkingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def number(x) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def integer(x) -> bool:
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
-        if not number(self.gate) or not 0.0 <= self.gate <= 1.0:
+        def finite(x) -> bool:
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not finite(self.gate) or not 0.0 <= self.gate <= 1.0:
             raise ValueError(f"the thinking gate must be a number in [0, 1], got {self.gate!r}")
-        if not number(self.max_tokens) or self.max_tokens != int(self.max_tokens) or self.max_tokens < 1:
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"thinking max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not number(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"thinking temperature must be a number >= 0, got {self.temperature!r}")
-        if not number(self.seed) or self.seed != int(self.seed):
+        if not finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"thinking temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not integer(self.seed):
             raise ValueError(f"thinking seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))  # (numpy's integers as Python's)
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 def question_seed(config: ThinkingConfig, question: Question) -> int:

@@ -81,6 +81,10 @@ _MEDIA_THREADS = max(1, min(8, os.cpu_count() or 1))
 # worker starts ~0.2-0.4 ms after its task is queued on the H200's host, so 8 one-image tasks waited for wake-ups.
 # W1's preparation (8 new images, three rounds): 8 tasks 5.9-6.3 ms, 4 tasks 4.8-5.4, 2 tasks 6.0-7.2.
 _MEDIA_TASKS = min(4, _MEDIA_THREADS)
+# A long text's head is tokenized first to refuse it early (`InputProcessor._refuse_texts_past_the_limit`): this many
+# characters a token of the limit, and a margin of tokens for the word the cut falls in.
+_HEAD_CHARS_PER_TOKEN = 8
+_HEAD_MARGIN = 16
 _SPAN_SCHEME = b"prism.video-span.v3"
 _FRAMES_SCHEME = b"prism.video-frames.v3"
 
@@ -241,6 +245,24 @@ class InputProcessor:
             raise InputError(f"text must be a string, got {type(text).__name__}")
         return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def _refuse_texts_past_the_limit(self, text: str) -> None:
+        """PromptTooLongError, before tokenizing the whole text, for one that cannot fit `max_text_tokens`: past
+        `max_prompt_chars`; or, for a long one, when a head of it cut at whitespace already has more tokens (a
+        margin of `_HEAD_MARGIN` tokens for the head's last word), so that at most `_HEAD_CHARS_PER_TOKEN` characters a
+        token are tokenized to refuse it (Qwen's longest entry has 128 characters: the first bound alone let 16 M
+        characters through at a 32K context)."""
+        limit = self._max_text_tokens
+        if limit is None:
+            return
+        too_long = f"more than {limit} tokens, the limit{self._reason}"
+        if len(text) > self.max_prompt_chars:
+            raise PromptTooLongError(f"the prompt has {len(text)} characters: {too_long}")
+        head_chars = _HEAD_CHARS_PER_TOKEN * (limit + _HEAD_MARGIN)
+        if len(text) > 2 * head_chars:
+            cut = max(text.rfind(" ", 0, head_chars), text.rfind("\n", 0, head_chars))
+            if cut > head_chars // 2 and len(self.encode(text[:cut])) > limit + _HEAD_MARGIN:
+                raise PromptTooLongError(f"the prompt has {len(text)} characters, its first {cut} already {too_long}")
+
     @property
     def max_prompt_chars(self) -> int | None:
         """Characters beyond which a prompt's text cannot tokenize within `max_prompt_tokens` (None: no limit): each
@@ -356,9 +378,7 @@ class InputProcessor:
         media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
         on_image: Callable[[PreparedImage], None] | None = None,
     ) -> PreparedPrompt:
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
-            raise PromptTooLongError(f"the prompt has {len(text)} characters: more than {self._max_text_tokens} "
-                                     f"tokens, the limit{self._reason}")
+        self._refuse_texts_past_the_limit(text)
         ids = np.asarray(self.encode(text), dtype=np.int64)
         if ids.size == 0:
             raise InputError("the prompt is empty")

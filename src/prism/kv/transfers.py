@@ -45,9 +45,28 @@ class TransferPlan:
     pinned: list[Slot] = field(default_factory=list)  # pages the plan touches, referenced until it has run
     # What `add` checks a new move against, kept as moves are added so that a plan of n moves is built in O(n)
     # (rechecking the whole plan per move took 3.7 s for one 2,048-page swap): the latest rank each slot is read
-    # at, and the rank each slot is written at.
-    _read_rank: dict[Slot, int] = field(default_factory=dict, repr=False, compare=False)
-    _write_rank: dict[Slot, int] = field(default_factory=dict, repr=False, compare=False)
+    # at, and the rank each slot is written at, for the first `_checked` moves. Derived from the move lists, never
+    # given or copied (`dataclasses.replace` makes a plan without them) nor pickled (a follower rank only runs the
+    # plan): `add` rebuilds them when the lists hold moves it has not seen.
+    _read_rank: dict[Slot, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _write_rank: dict[Slot, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _checked: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_read_rank={}, _write_rank={}, _checked=0)
+        return state
+
+    def _num_moves(self) -> int:
+        return len(self.swap_in) + len(self.swap_out) + len(self.copy_prefix) + len(self.copy_on_write)
+
+    def _rebuild_check_state(self) -> None:
+        self._read_rank, self._write_rank = {}, {}
+        for move in self.moves():
+            rank = _RANK[move.kind]
+            self._read_rank[move.src] = max(self._read_rank.get(move.src, -1), rank)
+            self._write_rank[move.dst] = rank
+        self._checked = self._num_moves()
 
     def is_empty(self) -> bool:
         return not (self.swap_in or self.swap_out or self.copy_prefix or self.copy_on_write)
@@ -70,6 +89,9 @@ class TransferPlan:
         rank = _RANK.get(move.kind)
         if rank is None:
             raise ValueError(f"unknown move kind {move.kind!r}")
+        if self._checked != self._num_moves():  # moves given to the constructor, or a copy's
+            check_snapshot_semantics(self.moves())
+            self._rebuild_check_state()
         if move.kind == "copy_prefix" and move.rows is None:
             raise ValueError("a copy_prefix move needs its rows")
         if move.dst in self._write_rank:
@@ -82,6 +104,7 @@ class TransferPlan:
                                f"{move.kind} reads at or after it")
         self._read_rank[move.src] = max(self._read_rank.get(move.src, -1), rank)
         self._write_rank[move.dst] = rank
+        self._checked += 1
         if move.kind == "swap_in":
             self.swap_in.append((move.src[1], move.dst[1]))
         elif move.kind == "swap_out":
