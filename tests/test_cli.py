@@ -13,7 +13,7 @@ from prism import cli
     (["serve", "--port", "99999"], "a port is in [0, 65535]"),
     (["serve", "--port", "http"], "a port is an integer"),
     (["serve", "--log-level", "foo"], "invalid choice"),
-    (["serve", "--model", "/no/such/model"], "is not a directory"),
+    (["serve", "--model", "/no/such/model"], "--model '/no/such/model' is not a directory"),
     (["serve", "--config", "/no/such/config.json"], "is not a file"),
 ])
 def test_bad_flags_are_command_line_errors(argv, words, capsys, monkeypatch):

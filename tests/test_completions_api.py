@@ -169,6 +169,7 @@ def test_refusals(live):
         response = post(body)
         assert response.status_code == status, (body, response.text)
         assert words in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["code"] == ("model_not_found" if status == 404 else None), response.text
     assert not requests_left_after(live.engine, 2)
 
 

@@ -466,12 +466,13 @@ def test_error_bodies():
     assert error_body(400, "bad", "temperature") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "temperature", "code": None}
     }
-    assert error_body(404, "no such model")["error"] == {
+    assert error_body(404, "no such model", "model", "model_not_found")["error"] == {
         "message": "no such model",
         "type": "invalid_request_error",
-        "param": None,
+        "param": "model",
         "code": "model_not_found",
     }
+    assert error_body(404, "GET /nothing: Not Found")["error"]["code"] is None, "an unknown path is no model"
     assert error_body(413, "big")["error"]["code"] == "request_too_large"
     assert error_body(429, "busy")["error"]["code"] == "rate_limit_exceeded"
     assert error_body(503, "down")["error"]["type"] == "server_error"

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         env["PRISM_ALLOW_REMOTE_MEDIA"] = "1"
     try:  # a bad --model or --config is the command line's error, before anything loads
         settings = ServerSettings.from_env(env)
-    except ValueError as error:
-        serve.error(str(error))
+    except ValueError as error:  # (its message names the variable the flag set: name the flag)
+        serve.error(str(error).replace("PRISM_MODEL=", "--model ").replace("PRISM_CONFIG=", "--config "))
     logging.basicConfig(level=logging.DEBUG if args.log_level == "trace" else args.log_level.upper())
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
 

@@ -123,7 +123,7 @@ class EngineConfig:
     # on the CPU, but it puts the graph paths' input construction through the whole engine (tests and specs).
     graph_rows_without_cuda: bool = False
     # Reuse a cached partial page (copy its rows into a private page) only if it saves at least this many tokens
-    # of prefill: a copy costs more host time (~0.6 ms on the H200 host) than a few tokens in a prefill. None: an
+    # of prefill: a copy costs more host time (~0.2 ms on the H200 host since session 16) than a few tokens in a prefill. None: an
     # eighth of a page (32 tokens at 256-token pages: W1's cold prompts shared 4 tokens of chat template; 2 at 16).
     # A shorter tail is still copied where the whole pages before it end inside an image (`KVCacheManager.lookup`).
     min_tail_copy_tokens: int | None = None

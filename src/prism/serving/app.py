@@ -132,7 +132,8 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         state: ServerState = request.app.state.prism
         if model_id != state.settings.served_model_name:  # a lookup, not a refused request: not in the metrics
             error = _model_not_found(model_id, state)
-            return JSONResponse(error_body(error.status, str(error), error.param), status_code=error.status)
+            return JSONResponse(error_body(error.status, str(error), error.param, error.code),
+                                status_code=error.status)
         return JSONResponse(_model_card(state).model_dump(mode="json"))
 
     @app.get("/metrics")
@@ -376,6 +377,7 @@ class _TooLarge(ValueError):
 class _NotFound(ValueError):
     status = 404
     param = "model"
+    code = "model_not_found"
 
 
 def _model_not_found(model: str, state: ServerState) -> _NotFound:
