@@ -300,6 +300,57 @@ def test_a_fork_without_the_questions_own_media_is_caught(monkeypatch: pytest.Mo
     _spec_fails(spec_decision_material.spec_each_question_reads_what_it_reads_alone, "names other media")
 
 
+def test_deferring_to_a_stopped_prefill_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefills a waiting request may wait for are the ones running now. Planted (found by a review of the
+    specs): they are remembered across steps and forgotten only once their prompt is done, so one aborted mid-prompt
+    still holds back the requests sharing its image, for ever."""
+    from prism.engine import scheduler as scheduler_module
+    from specs import spec_scheduler_liveness
+
+    prefilling = scheduler_module.Scheduler._prefilling
+
+    def remembered(self):
+        now = prefilling(self)
+        if now is None:
+            return None
+        seen = self.__dict__.setdefault("_planted_seen", {})
+        seen.update((r.request_id, (r, c)) for r, c in now)
+        for r in self.running:  # its prompt done: forgotten
+            seq = self.kv.seqs.get(r.request_id)
+            if seq is not None and seq.num_computed >= r.num_prompt_tokens:
+                seen.pop(r.request_id, None)
+        live = {r.request_id for r, _ in now}
+        return now + [v for k, v in seen.items() if k not in live]
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_prefilling", remembered)
+    with pytest.raises(AssertionError, match="no progress"):
+        spec_scheduler_liveness.spec_a_request_deferred_behind_a_cancelled_prefill_goes_ahead()
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_gate_up_reading_its_gate_rows_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few-rows GEMM's gate/up launch: output i is silu(x . gate_i) * (x . up_i). Planted (found by a review of
+    the specs: no check covered the activation's values): the up rows read at the gate rows (INTER launched as 0)."""
+    from prism.ops import skinny_gemm
+    from specs import spec_skinny_gemm
+
+    _plant_launch(monkeypatch, skinny_gemm, "_skinny_gemm_kernel",
+                  lambda args, kw: ((*args[:11], 0, *args[12:]), kw) if kw.get("SILU") else (args, kw))  # INTER
+    _spec_fails(spec_skinny_gemm.spec_skinny_gemm_equals_linear, "gate/up not close")
+
+
+def test_a_key_over_the_tokens_repr_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page key must depend on the token values only. Planted: tokens serialized by `repr`, which spells a numpy
+    token array (or numpy scalars) otherwise than the same ids as Python ints."""
+
+    def repr_page_key(parent, tokens, media):
+        return keys._hash(parent + repr(list(tokens)).encode() + b"".join(r.digest for r in media))
+
+    monkeypatch.setattr(spec_prefix_identity, "page_key", repr_page_key)
+    _spec_fails(spec_prefix_identity.spec_same_page_same_key, "another key")
+
+
 def test_unframed_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A key over an unframed serialization (digits of token ids run together) collides."""
 
@@ -340,6 +391,22 @@ def _hit_equals_miss_fails(spec_name: str, match: str) -> None:
         _spec_fails(getattr(spec_hit_equals_miss, spec_name), match)
     finally:
         spec_hit_equals_miss.engine.cache_clear()
+
+
+def test_partial_hits_with_a_tail_copy_one_row_short_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial hits (each prompt its own images, some shared): a hit's partly filled tail page is copied into a
+    private page, all its cached rows. Planted (found by a review of the specs: the partial specs had no planted
+    check): the copy one row short."""
+    from prism.engine import runner
+
+    execute = runner.execute_plan
+
+    def execute_one_row_short(plan, gpu, cpu):
+        short = [(src, dst, rows - 1) for src, dst, rows in plan.copy_prefix]
+        execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
+
+    monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
+    _hit_equals_miss_fails("spec_partial_hits_give_the_logits_of_misses", "a prefix hit changed")
 
 
 def test_equal_priority_deadlock_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -627,6 +694,22 @@ def test_pending_token_appended_instead_of_filled_is_caught(monkeypatch: pytest.
     monkeypatch.setattr(KVCacheManager, "fill_pending", appended)
     with pytest.raises((AssertionError, SequenceError), match="not what the host read|has not read yet"):
         run_state_machine_as_test(AsyncSchedulingMachine, settings=settings(
+            max_examples=40, stateful_step_count=20, deadline=None, phases=[Phase.generate], database=None,
+            derandomize=True))
+
+
+def test_appended_device_tokens_are_caught_with_admissions_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same planted bug as above, against the machine whose steps are scheduled ahead while requests are
+    admitted (`AsyncAdmissionsMachine`: it had no planted check, found by a review of the specs)."""
+    from prism.kv.manager import KVCacheManager
+    from specs.spec_async_scheduling import AsyncAdmissionsMachine
+
+    def appended(self, seq_id, token):
+        self.append_tokens(seq_id, [token])
+
+    monkeypatch.setattr(KVCacheManager, "fill_pending", appended)
+    with pytest.raises((AssertionError, SequenceError), match="not what the host read|has not read yet"):
+        run_state_machine_as_test(AsyncAdmissionsMachine, settings=settings(
             max_examples=40, stateful_step_count=20, deadline=None, phases=[Phase.generate], database=None,
             derandomize=True))
 

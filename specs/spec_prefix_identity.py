@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +41,15 @@ def spec_page_keys_are_injective(a, b) -> None:
 
 @given(a=page_contents())
 def spec_same_page_same_key(a) -> None:
-    assert page_key(*a) == page_key(*a)
+    """A page's key is a function of its content alone, not of the objects carrying it: the same page given as a
+    list, as numpy integers (what a prompt's token array holds), with its media runs rebuilt, gets the same key.
+    (It compared a key with itself, which no plausible bug fails: review of the specs, session 28.)"""
+    parent, tokens, media = a
+    rebuilt = tuple(MediaRun(*run) for run in media)
+    want = page_key(parent, tokens, media)
+    assert page_key(bytes(parent), list(tokens), list(rebuilt)) == want, "another container, another key"
+    assert page_key(parent, np.asarray(tokens, dtype=np.int64), rebuilt) == want, "numpy ints, another key"
+    assert page_key(parent, [np.int32(t) for t in tokens], media) == want, "numpy scalars, another key"
 
 
 def _publish_many(index: PrefixIndex, pages: list[tuple[int, ...]], root: bytes) -> None:

@@ -257,6 +257,18 @@ def spec_every_request_terminates_while_shared_prefills_are_deferred(shared, dat
         page_aligned_hits=deterministic, defer=defer)
 
 
+# A request deferred behind another's prefill of the same image, which is then cancelled mid-prompt: the deferred
+# one must go ahead, not wait for a prefill that has stopped. The drawn spec above reached such a case in 3 of its 100
+# examples and missed a scheduler that kept deferring to stopped prefills (found by a review of the specs, session 28).
+_P = FakePrompt([1, 2, 3] + [9] * 10 + [1, 2, 3, 4] * 5 + [2, 2], (MediaSpan(3, 10, b"\x01" * 16),))
+DEFERRED_BEHIND_A_CANCELLED_PREFILL = ([(_P, 2), (FakePrompt(_P.token_ids[:-1] + [4], _P.spans), 2)], [0, 1], {2: 0})
+
+
+def spec_a_request_deferred_behind_a_cancelled_prefill_goes_ahead() -> None:
+    requests, arrivals, cancels = DEFERRED_BEHIND_A_CANCELLED_PREFILL
+    run(requests, arrivals, cancels, "recompute", pool_pages=16, budget=10, defer=4)
+
+
 # The counterexample this spec found: a 15-token prompt leaves its pages cached; a 29-token prompt on an
 # 8-page pool hits them, but the hit pins 4 pages and its tail copy needs a fifth fresh one, so admission
 # with the hit never fits although the prompt fits cold. Kept as a fixed example.
