@@ -278,3 +278,37 @@ def test_a_step_on_device_tokens_lost_after_its_payload_went_out_stops_every_ran
         assert llm.engine._followers.closed
     finally:
         llm.engine.shutdown()
+
+
+def test_a_rank_0_failure_inside_a_step_stops_every_rank_without_waiting_out_the_timeout():
+    """Review (session 28): after a step's payload went out, rank 0's failure told the followers to stop with a
+    message none could take (each was inside the lost step's collectives): rank 0 raised only when
+    `distributed_timeout_s` (300 s by default) ran out. The followers are now terminated. After it, and after a
+    shutdown, a new request is refused with a clear error."""
+    import time
+
+    from prism.engine.engine import RequestError
+
+    torch.set_num_threads(1)
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32,
+              **dict(COMMON, distributed_timeout_s=300))  # the default
+    runner = llm.engine.runner
+    run = runner.run
+
+    def fails_after_the_payload(payload, token_ids=None):
+        if payload.forwards:
+            raise RuntimeError("planted: lost after the payload went out")
+        return run(payload, token_ids)
+
+    runner.run = fails_after_the_payload
+    started = time.perf_counter()
+    try:
+        with pytest.raises(TensorParallelFailure, match="planted: lost after the payload went out"):
+            llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
+        assert time.perf_counter() - started < 60, "rank 0 waited for the followers' collectives to time out"
+        assert all(not p.is_alive() for p in llm.engine._followers.processes)
+        with pytest.raises(RequestError, match="build a new engine"):
+            llm.generate(["Again"], SamplingParams.greedy(max_tokens=2))
+        assert not llm.engine.requests
+    finally:
+        llm.engine.shutdown()

@@ -99,9 +99,10 @@ class Engine:
         except Exception as error:
             if self._followers is None:
                 raise
-            failure = self._followers.failure(error)
-            self._followers.close()
-            if isinstance(error, ValueError):  # a configuration problem every rank agreed on (capacity)
+            failure = self._followers.failure(error, during="start")
+            agreed = isinstance(error, ValueError)  # a configuration problem every rank agreed on (capacity)
+            self._followers.close(graceful=agreed)  # else the followers may wait inside a collective: stopped
+            if agreed:
                 raise
             raise failure from error
         if self._followers is not None:
@@ -158,6 +159,9 @@ class Engine:
         self, request_id: str, prompt: PreparedPrompt | str | list[dict], params: SamplingParams | None = None
     ) -> Request:
         """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
+        if self._followers is not None and self._followers.closed:
+            raise RequestError("this engine's tensor-parallel ranks were stopped (it was shut down, or a step failed):"
+                               " build a new engine")
         if self._id_in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
@@ -298,7 +302,7 @@ class Engine:
         step's requests and the engine goes on."""
         if self._followers is not None:
             failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)
-            self._followers.close()
+            self._followers.close(graceful=False)
             raise failure from error
 
     def _stamp_first_scheduled(self, slices) -> None:

@@ -504,6 +504,8 @@ class ModelRunner:
             if self.background is not None and torch.cuda.current_stream(self.device) != self.background.stream:
                 self.background.after_main_vision()  # the side stream's next encoding waits for this one
         for m, value in zip(missing, encoded, strict=True):
+            # The cache keeps what it counts: an item's features as views would keep its whole encoding batch alive.
+            value = tuple(t if t._base is None else t.clone() for t in value)
             features[m.digest] = value
             nbytes = value[0].numel() * value[0].element_size() + value[1].numel() * value[1].element_size()
             self.encoder_cache.put(CacheKey(m.digest, "vision"), value, nbytes)

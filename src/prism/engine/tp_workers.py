@@ -77,29 +77,39 @@ class Followers:
 
     def send(self, payload: StepPayload) -> None:
         """Each follower gets the step as it needs it (only the pixels of the items it encodes)."""
+        if self.closed:
+            raise TensorParallelFailure("this engine's tensor-parallel ranks were stopped (the engine was shut down, "
+                                        "or a step failed): build a new engine")
         world = self.group.world_size
         try:
             self.channel.send(lambda rank: payload.for_rank(rank, world))
         except Exception as error:
             raise self.failure(error) from error
 
-    def failure(self, error: BaseException) -> TensorParallelFailure:
-        """A clear error for a collective that failed on rank 0, naming followers that exited."""
+    def failure(self, error: BaseException, during: str = "step") -> TensorParallelFailure:
+        """A clear error for a collective that failed on rank 0 (`during` a step, or the engine's start), naming
+        followers that exited."""
         dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes, 1)
                 if p.exitcode is not None]
         why = "; ".join(dead) if dead else "all followers still running"
-        return TensorParallelFailure(f"tensor-parallel step failed on rank 0 ({why}): {type(error).__name__}: {error}")
+        return TensorParallelFailure(f"tensor-parallel {during} failed on rank 0 ({why}): {type(error).__name__}: "
+                                     f"{error}")
 
-    def close(self, timeout_s: float = 30.0) -> bool:
+    def close(self, timeout_s: float = 30.0, graceful: bool = True) -> bool:
         """Tell the followers to stop, leave the group, wait for them. Idempotent. False if leaving the group
-        did not finish in time (`leave_group`)."""
+        did not finish in time (`leave_group`). `graceful=False` (rank 0 failed, at start or inside a step): the
+        followers are terminated instead, since one inside the lost step's collectives would not take the stop
+        message until `distributed_timeout_s` (300 s by default) ran out."""
         if self.closed:
             return True
         self.closed = True
         left = False
         try:
             try:
-                if all(p.exitcode is None for p in self.processes):
+                if not graceful:
+                    for p in self.processes:
+                        p.terminate()
+                elif all(p.exitcode is None for p in self.processes):
                     self.channel.send(lambda rank: None)
             except Exception:  # a follower is already gone: nothing left to tell
                 log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
