@@ -187,3 +187,10 @@ def test_shared_pages_is_the_common_prefix_of_two_key_chains(a: list[int], b: li
     while common < min(len(a), len(b)) and a[common] == b[common]:
         common += 1
     assert shared_pages(keys_a, keys_b) == min(common // page_size, len(keys_a), len(keys_b))
+
+
+def test_a_max_model_len_below_two_is_refused():
+    """Review (session 28): `max_model_len: 1` started a server that refused every request."""
+    with pytest.raises(ConfigError, match="at least 2"):
+        EngineConfig(max_model_len=1)
+    assert EngineConfig(max_model_len=2).max_model_len == 2

@@ -579,3 +579,15 @@ def test_the_server_shuts_down_the_engine_it_built(monkeypatch):
     assert httpx.get(server.url + "/v1/models").status_code == 200
     server.stop()
     assert calls == [False]
+
+
+def test_a_stopped_engine_fails_health_and_answers_503(live, monkeypatch):
+    """Review (session 28): after a tensor-parallel rank died, /health still said ok and every request was a 400
+    blaming the client. A stopped engine now fails /health (a supervisor restarts the server) and each request is
+    a 503."""
+    monkeypatch.setattr(type(live.engine), "is_stopped", property(lambda self: True))
+    health = httpx.get(live.url + "/health", timeout=10)
+    assert health.status_code == 503 and "restart" in health.text
+    response = httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert response.status_code == 503 and "build a new engine" in response.json()["error"]["message"], response.text

@@ -287,7 +287,7 @@ def test_a_rank_0_failure_inside_a_step_stops_every_rank_without_waiting_out_the
     shutdown, a new request is refused with a clear error."""
     import time
 
-    from prism.engine.engine import RequestError
+    from prism.engine.engine import EngineStopped
 
     torch.set_num_threads(1)
     llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32,
@@ -307,7 +307,8 @@ def test_a_rank_0_failure_inside_a_step_stops_every_rank_without_waiting_out_the
             llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
         assert time.perf_counter() - started < 60, "rank 0 waited for the followers' collectives to time out"
         assert all(not p.is_alive() for p in llm.engine._followers.processes)
-        with pytest.raises(RequestError, match="build a new engine"):
+        assert llm.engine.is_stopped
+        with pytest.raises(EngineStopped, match="build a new engine"):
             llm.generate(["Again"], SamplingParams.greedy(max_tokens=2))
         assert not llm.engine.requests
     finally:

@@ -176,6 +176,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer or null, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be at least 2 (a prompt token and a generated one), got "
+                              f"{self.max_model_len}")
         for f in dataclasses.fields(self):  # a JSON "false" string would otherwise switch a feature on
             if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")

@@ -61,6 +61,12 @@ from .tp_workers import Followers, TensorParallelFailure, launch_followers
 log = logging.getLogger(__name__)
 
 
+class EngineStopped(RuntimeError):
+    """The engine can serve no more requests (its tensor-parallel ranks were stopped): a server answers 503."""
+
+    status = 503
+
+
 class RequestError(ValueError):
     """A request that cannot be accepted (bad id, empty or too long prompt...)."""
 
@@ -143,6 +149,11 @@ class Engine:
         log.info("engine ready: %s, KV %s x %d pages of %d tokens, tensor parallel %d", self.model_dir,
                  layout.kv_dtype, layout.num_pages, layout.page_size, group.world_size)
 
+    @property
+    def is_stopped(self) -> bool:
+        """Whether the engine can serve no more (its tensor-parallel ranks were stopped: a shutdown, or a lost step)."""
+        return self._followers is not None and self._followers.closed
+
     def shutdown(self) -> bool:
         """Stop the tensor-parallel follower ranks (a no-op with one rank). The engine is unusable after. False
         if this rank's leaving its group did not finish in time (logged)."""
@@ -159,9 +170,9 @@ class Engine:
         self, request_id: str, prompt: PreparedPrompt | str | list[dict], params: SamplingParams | None = None
     ) -> Request:
         """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
-        if self._followers is not None and self._followers.closed:
-            raise RequestError("this engine's tensor-parallel ranks were stopped (it was shut down, or a step failed):"
-                               " build a new engine")
+        if self.is_stopped:
+            raise EngineStopped("this engine's tensor-parallel ranks were stopped (it was shut down, or a step "
+                                "failed): build a new engine")
         if self._id_in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
@@ -288,7 +299,7 @@ class Engine:
                 logits = self.runner.execute(out.slices, self.kv, out.media_ahead)
             except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
                 self._stop_every_rank_under_tp(error)  # ... unless the ranks may now disagree
-                log.exception("step failed")
+                log.exception("step failed; failing its requests %s", [s.request.request_id for s in out.slices])
                 # The request whose media were encoded ahead fails with the step: its media may be the cause,
                 # and its own prefill must not fail another step's requests the same way.
                 self._fail([s.request for s in out.slices] + out.media_ahead_requests, error)

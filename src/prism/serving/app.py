@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..decision.plan import DecisionFailed, Generations, Outcome, Readouts, advance, plan_decision
 from ..engine.chat import InputError
 from ..engine.config import EngineConfig
-from ..engine.engine import Engine
+from ..engine.engine import Engine, EngineStopped
 from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
@@ -120,7 +120,12 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        """200 "ok" while the engine serves; 503 once it cannot (its tensor-parallel ranks stopped), so that a
+        supervisor restarts the server."""
+        state: ServerState = request.app.state.prism
+        if state.engine.is_stopped:
+            return PlainTextResponse("the engine stopped: restart the server", status_code=503)
         return PlainTextResponse("ok")
 
     @app.get("/v1/models", response_model=ModelList)
@@ -525,7 +530,7 @@ def _json_or_error(build) -> JSONResponse:
 def _error_response(state: ServerState, error: Exception) -> JSONResponse:
     if isinstance(error, Overloaded):
         status, body = 429, error_body(429, str(error))
-    elif isinstance(error, ShuttingDown):
+    elif isinstance(error, (ShuttingDown, EngineStopped)):
         status, body = 503, error_body(503, str(error))
     elif isinstance(error, ImageTooLargeError):  # includes decompression bombs
         status, body = 413, error_body(413, str(error))
