@@ -591,3 +591,47 @@ def test_a_stopped_engine_fails_health_and_answers_503(live, monkeypatch):
     response = httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert response.status_code == 503 and "build a new engine" in response.json()["error"]["message"], response.text
+
+
+def test_exit_signals_abort_the_requests_before_the_servers_own_handler():
+    """Review (session 28): on SIGTERM uvicorn waits for open responses, and a stream may run for the whole context
+    (four streams had not ended 295 s after the signal). The app's handler, installed over uvicorn's, first stops
+    accepting and aborts every request, then calls it."""
+    import signal
+
+    from prism.serving.app import abort_requests_on_exit_signals
+
+    calls = []
+
+    class FakeEngine:
+        def begin_shutdown(self):
+            calls.append("begin_shutdown")
+
+    original = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append("server's handler"))
+    try:
+        restore = abort_requests_on_exit_signals(FakeEngine())
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == ["begin_shutdown", "server's handler"]
+        restore()
+        signal.raise_signal(signal.SIGTERM)
+        assert calls[-1] == "server's handler" and calls.count("begin_shutdown") == 1, "restore put it back"
+    finally:
+        signal.signal(signal.SIGTERM, original)
+
+
+def test_a_shutdown_ends_every_stream_with_an_error_event_and_refuses_new_requests():
+    server = LiveServer(ServerSettings())
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 4000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.app.state.prism.async_engine.begin_shutdown()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+        refused = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={**body, "stream": False})
+        assert refused.status_code == 503, refused.text
+    finally:
+        server.stop()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -95,10 +97,12 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         state = ServerState(resolved, engine or await asyncio.to_thread(build_engine, resolved))
         state.async_engine.start()
         app.state.prism = state
+        restore_signals = abort_requests_on_exit_signals(state.async_engine)
         log.info("serving %s", resolved.served_model_name)
         try:
             yield
         finally:
+            restore_signals()
             stopped = await asyncio.to_thread(state.async_engine.shutdown)
             if engine is None and stopped:  # built here, so stopped here: tensor-parallel followers leave cleanly
                 await asyncio.to_thread(state.engine.shutdown)
@@ -241,6 +245,35 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
     return app
+
+
+def abort_requests_on_exit_signals(async_engine: AsyncEngine) -> Callable[[], None]:
+    """On SIGINT / SIGTERM, stop accepting and abort every request before the server's own handler runs (uvicorn's
+    graceful shutdown waits for open responses to end, and a stream may run for the whole context: a SIGTERM with
+    four streams in flight had not ended after 295 s). Each stream then ends with an error event and [DONE], new
+    requests get a 503, and the shutdown goes on. Installed over the handlers in place (uvicorn's, which it sets
+    before the app starts) when the server runs in the main thread; returns what puts them back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # (a server in a thread installs no handlers either)
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue
+
+        def handler(signum, frame, previous=previous) -> None:
+            async_engine.begin_shutdown()
+            previous(signum, frame)
+
+        signal.signal(sig, handler)
+        installed.append((sig, previous, handler))
+
+    def restore() -> None:
+        for sig, previous, handler in installed:
+            if signal.getsignal(sig) is handler:  # (uvicorn may have put its own back already)
+                signal.signal(sig, previous)
+
+    return restore
 
 
 async def _run_plan(state: ServerState, plan) -> list:

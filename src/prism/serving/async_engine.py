@@ -124,12 +124,18 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    def begin_shutdown(self) -> None:
+        """Stop accepting and abort every request in flight (each gets its terminal event), without waiting. Safe
+        from a signal handler; idempotent."""
+        if not self._stopping:
+            self._stopping = True
+            self._commands.put(("stop",))
+        self._wakeup.set()
+
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Stop accepting, abort every request in flight (each gets its terminal event), stop the thread. False
         if the thread did not stop within `timeout` (a step still running: the engine is not to be torn down)."""
-        self._stopping = True
-        self._commands.put(("stop",))
-        self._wakeup.set()
+        self.begin_shutdown()
         stopped = self._stopped.wait(timeout)
         self._media_pool.shutdown(wait=False, cancel_futures=True)
         return stopped
