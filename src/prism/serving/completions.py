@@ -27,8 +27,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..engine.request import RequestOutput
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from .protocol import FieldError, ProtocolError, SamplingFields, parse_request
-from .responses import SSE_DONE, OutputModel, PromptTokensDetails, Usage, error_body, sse
-from .stream import TokenBytes, final_events, finite_logprob, openai_finish_reason
+from .responses import SSE_DONE, OutputModel, Usage, error_body, sse
+from .stream import TokenBytes, final_events, finite_logprob, openai_finish_reason, usage_from_outputs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_PROMPTS = 128  # prompts in one request (each is one engine request per choice)
@@ -150,15 +150,6 @@ def new_completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-def completion_usage(finals: Sequence[RequestOutput], n: int) -> Usage:
-    """Each prompt (and its cache hits) counted once, as its first choice saw it; completion tokens of every choice."""
-    firsts = finals[::n]
-    prompt = sum(f.prompt_tokens for f in firsts)
-    completion = sum(f.completion_tokens for f in finals)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(f.cached_tokens for f in firsts)))
-
-
 class LegacyLogprobs:
     """Accumulates one choice's logprobs in the legacy layout. `text_offset`: where each token starts in the choice's
     text, in characters: the tokens' bytes decoded in order (a character split over tokens counts where it
@@ -245,7 +236,7 @@ class CompletionRenderer:
         usage = b""
         if self.include_usage:
             usage = sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                           usage=completion_usage(finals, self.n)))
+                                           usage=usage_from_outputs(finals, self.n)))
         return usage + SSE_DONE
 
     @staticmethod
@@ -263,4 +254,4 @@ class CompletionRenderer:
             text = self.echoes[index] + "".join(e.new_text for e in events)
             out.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=out,
-                                  usage=completion_usage(finals, self.n))
+                                  usage=usage_from_outputs(finals, self.n))

@@ -137,14 +137,15 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     )
 
 
-def usage_from_outputs(finals: Sequence[RequestOutput]) -> Usage:
-    """Usage of one completion from the last event of each choice: the prompt (and its cache hits) once,
-    as choice 0 saw it; completion tokens summed over the choices."""
+def usage_from_outputs(finals: Sequence[RequestOutput], per_prompt: int | None = None) -> Usage:
+    """Usage of one completion from the last event of each choice: each prompt (and its cache hits) once, as its
+    first choice saw it; completion tokens summed over the choices. `per_prompt`: choices per prompt, in prompt
+    order (a text completion of several prompts); default, all of one prompt."""
     if not finals:
         raise ValueError("usage needs the final event of at least one choice")
-    return make_usage(
-        finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens
-    )
+    firsts = finals[:: per_prompt or len(finals)]
+    return make_usage(sum(f.prompt_tokens for f in firsts), sum(f.completion_tokens for f in finals),
+                      sum(f.cached_tokens for f in firsts))
 
 
 def _logprobs_of(events: Sequence[RequestOutput], token_bytes: TokenBytes | None) -> ChoiceLogprobs | None:
