@@ -27,8 +27,15 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..engine.request import RequestOutput
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from .protocol import FieldError, ProtocolError, SamplingFields, parse_request
-from .responses import SSE_DONE, OutputModel, Usage, error_body, sse
-from .stream import TokenBytes, final_events, finite_logprob, openai_finish_reason, usage_from_outputs
+from .responses import SSE_DONE, OutputModel, Usage, sse
+from .stream import (
+    ChatCompletionStream,
+    TokenBytes,
+    final_events,
+    finite_logprob,
+    openai_finish_reason,
+    usage_from_outputs,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_PROMPTS = 128  # prompts in one request (each is one engine request per choice)
@@ -168,7 +175,8 @@ class LegacyLogprobs:
     def of(self, event: RequestOutput) -> CompletionLogprobs:
         tokens, chosen, tops, offsets = [], [], [], []
         for entry in event.logprobs or ():
-            text = self._text(entry.token_id)
+            raw = self.token_bytes(entry.token_id)
+            text = raw.decode("utf-8", "replace")
             tokens.append(text)
             chosen.append(finite_logprob(entry.logprob))
             top = {self._text(t): finite_logprob(lp) for t, lp in entry.top}
@@ -176,7 +184,7 @@ class LegacyLogprobs:
             tops.append(top)
             offsets.append(self.offset)
             if entry.token_id not in self.skipped:
-                self.offset += len(self._utf8.decode(self.token_bytes(entry.token_id)))
+                self.offset += len(self._utf8.decode(raw))
         return CompletionLogprobs(tokens=tokens, token_logprobs=chosen, top_logprobs=tops, text_offset=offsets)
 
 
@@ -239,9 +247,7 @@ class CompletionRenderer:
                                            usage=usage_from_outputs(finals, self.n)))
         return usage + SSE_DONE
 
-    @staticmethod
-    def error(status: int, message: str) -> bytes:
-        return sse(error_body(status, message)) + SSE_DONE
+    error = staticmethod(ChatCompletionStream.error)  # the same error event then [DONE]
 
     def response(self, choices: Sequence[Sequence[RequestOutput]]) -> CompletionResponse:
         """The non-streaming body from each choice's events in order (the last one finished)."""
