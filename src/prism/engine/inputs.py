@@ -18,6 +18,7 @@ run on worker threads concurrently.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -202,7 +203,6 @@ class InputProcessor:
             ChatTemplate(source, special_token_strings(tok_config)) if source is not None else None
         )
         self._eos = read_eos_token_ids(root, tok_config, self._tokenizer)
-        self._longest_token_chars = max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
         if cache is not None and cache_bytes is not None:
             raise InputError("pass either a shared cache or cache_bytes, not both")
         if cache is None and cache_bytes:
@@ -263,9 +263,15 @@ class InputProcessor:
             if cut > head_chars // 2 and len(self.encode(text[:cut])) > limit + _HEAD_MARGIN:
                 raise PromptTooLongError(f"the prompt has {len(text)} characters, its first {cut} already {too_long}")
 
+    @functools.cached_property
+    def _longest_token_chars(self) -> int:
+        """The vocabulary's longest entry (looked up once, when a text limit is first checked: it walks the whole
+        vocabulary)."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     @property
     def max_prompt_chars(self) -> int | None:
-        """Characters beyond which a prompt's text cannot tokenize within `max_prompt_tokens` (None: no limit): each
+        """Characters beyond which a prompt's text cannot tokenize within `max_text_tokens` (None: no limit): each
         token covers at most the vocabulary's longest entry, with a margin of 4 for normalization that merges
         characters. Longer texts are refused before they are tokenized (a 57 MB prompt took 112 s and 6 GB to
         refuse after tokenizing)."""
