@@ -70,6 +70,10 @@ class CacheEntries:
         refs = self.entry_refs.get(page, 0)
         return refs > 0 and self.pool.refcount[page] == refs
 
+    def _held_by_one_entry_alone(self, page: int) -> bool:
+        """One entry references `page` and nothing else does: evicting that entry frees it."""
+        return self.entry_refs.get(page, 0) == 1 and self.pool.refcount[page] == 1
+
     def reclaimable_pages(self) -> set[int]:
         return {p for p in self.entry_refs if self.is_reclaimable(p)}
 
@@ -80,8 +84,8 @@ class CacheEntries:
         """Evict in policy order until the pool has `num_free` free pages or nothing is left to evict.
 
         Whether a page is reclaimable never changes here: an entry letting a page go lowers its refcount and its
-        entry references together. So the idle tails are the ones found first, in their order, and the entries'
-        keys change only through the pages they share with an evicted one."""
+        entry references together. So the idle tails are the ones found first, in their order, and an entry's key
+        changes only when an eviction leaves it alone on one of its pages."""
         if self.pool.num_free >= num_free:
             return
         idle_tails = sorted((e for e in self.entries.values()
@@ -103,8 +107,7 @@ class CacheEntries:
             self.evictions += 1
             # An entry's key changes only when one of its pages becomes its alone: held now by that one entry and
             # nothing else (re-keying every entry that shared a page was quadratic again under a page all share).
-            alone_now = {next(iter(self._holders[p])) for p in entry.all_pages()
-                         if self.entry_refs.get(p) == 1 and self.pool.refcount[p] == 1}
+            alone_now = {next(iter(self._holders[p])) for p in entry.all_pages() if self._held_by_one_entry_alone(p)}
             for entry_id in alone_now:
                 if (fresh := self.eviction_key(self.entries[entry_id])) is not None:
                     heapq.heappush(heap, fresh)
@@ -115,7 +118,7 @@ class CacheEntries:
         pages = entry.all_pages()
         if not any(self.is_reclaimable(p) for p in pages):
             return None
-        alone = sum(1 for p in pages if self.pool.refcount[p] == 1 and self.entry_refs[p] == 1)
+        alone = sum(1 for p in pages if self._held_by_one_entry_alone(p))
         return (1 + entry.hits) * entry.num_tokens / max(alone, 1), entry.last_used, entry.entry_id
 
     def clear(self) -> None:
