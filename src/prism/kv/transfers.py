@@ -61,12 +61,15 @@ class TransferPlan:
         return len(self.swap_in) + len(self.swap_out) + len(self.copy_prefix) + len(self.copy_on_write)
 
     def _rebuild_check_state(self) -> None:
-        self._read_rank, self._write_rank = {}, {}
+        self._read_rank, self._write_rank, self._checked = {}, {}, 0
         for move in self.moves():
-            rank = _RANK[move.kind]
-            self._read_rank[move.src] = max(self._read_rank.get(move.src, -1), rank)
-            self._write_rank[move.dst] = rank
-        self._checked = self._num_moves()
+            self._record(move, _RANK[move.kind])
+
+    def _record(self, move: Move, rank: int) -> None:
+        """What later moves are checked against: `move` reads its source and writes its target at `rank`."""
+        self._read_rank[move.src] = max(self._read_rank.get(move.src, -1), rank)
+        self._write_rank[move.dst] = rank
+        self._checked += 1
 
     def is_empty(self) -> bool:
         return not (self.swap_in or self.swap_out or self.copy_prefix or self.copy_on_write)
@@ -102,9 +105,7 @@ class TransferPlan:
         if rank >= self._write_rank.get(move.src, len(EXECUTION_ORDER)):
             raise PlanConflict(f"{EXECUTION_ORDER[self._write_rank[move.src]]} writes {move.src}, which "
                                f"{move.kind} reads at or after it")
-        self._read_rank[move.src] = max(self._read_rank.get(move.src, -1), rank)
-        self._write_rank[move.dst] = rank
-        self._checked += 1
+        self._record(move, rank)
         if move.kind == "swap_in":
             self.swap_in.append((move.src[1], move.dst[1]))
         elif move.kind == "swap_out":
