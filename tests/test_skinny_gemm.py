@@ -90,28 +90,36 @@ def test_split_k_takes_no_empty_split_and_launches_the_sums(monkeypatch):
         skinny_gemm.skinny_gemm(x, w)
 
 
+def _bands(monkeypatch, wide_max_rows: int) -> None:
+    """The engine's band knobs (2-16 rows; the narrow band to 32 rows, 64 tiles of 64, K split in two), the wide
+    band to `wide_max_rows`, on a device taken as Triton's."""
+    monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: True)
+    for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "NARROW_MAX_TILES": 64, "BLOCK_N": 64,
+                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1, "WIDE_MAX_ROWS": wide_max_rows}.items():
+        monkeypatch.setattr(skinny_gemm, knob, value)
+
+
+def _takes(rows: int, n: int, silu: bool = False) -> bool:
+    """Whether a launch of `rows` rows and `n` outputs (gate/up: `n` of each) takes the kernel."""
+    x, w = torch.zeros(rows, 8, dtype=torch.bfloat16), torch.zeros(2 * n if silu else n, 8, dtype=torch.bfloat16)
+    return skinny_gemm.takes_skinny_gemm(x, w, silu)
+
+
 def test_the_narrow_band_takes_narrow_layers_only_and_splits_them(monkeypatch):
     """Steps of MAX_ROWS + 1 .. NARROW_MAX_ROWS rows: the kernel for launches of at most NARROW_MAX_TILES output
     tiles and no activation (the 8B's O and down: 4,096 outputs, 64 tiles of 64), K split NARROW_SPLIT_K ways;
     QKV (96 tiles), gate/up and more rows keep cuBLAS. Below it every launch, split SPLIT_K ways."""
-    monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: True)
-    for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "NARROW_MAX_TILES": 64, "BLOCK_N": 64,
-                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1, "WIDE_MAX_ROWS": 0}.items():
-        monkeypatch.setattr(skinny_gemm, knob, value)
+    _bands(monkeypatch, wide_max_rows=0)
 
-    def takes(rows, n, silu=False):
-        x, w = torch.zeros(rows, 8, dtype=torch.bfloat16), torch.zeros(2 * n if silu else n, 8, dtype=torch.bfloat16)
-        return skinny_gemm.takes_skinny_gemm(x, w, silu)
-
-    assert [takes(rows, 4096) for rows in (1, 2, 16, 17, 32, 33)] == [False, True, True, True, True, False]
-    assert [takes(rows, 6144) for rows in (16, 17, 32)] == [True, False, False]  # QKV: 96 tiles
-    assert [takes(rows, 4096, silu=True) for rows in (16, 17)] == [True, False]  # gate/up
+    assert [_takes(rows, 4096) for rows in (1, 2, 16, 17, 32, 33)] == [False, True, True, True, True, False]
+    assert [_takes(rows, 6144) for rows in (16, 17, 32)] == [True, False, False]  # QKV: 96 tiles
+    assert [_takes(rows, 4096, silu=True) for rows in (16, 17)] == [True, False]  # gate/up
     assert [skinny_gemm.asked_splits(rows, 4096, False) for rows in (16, 17, 32)] == [1, 2, 2]
     monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 0)  # the band off, 2 .. MAX_ROWS on
-    assert [takes(rows, 4096) for rows in (2, 16, 17, 32)] == [True, True, False, False]
+    assert [_takes(rows, 4096) for rows in (2, 16, 17, 32)] == [True, True, False, False]
     monkeypatch.setattr(skinny_gemm, "NARROW_MAX_ROWS", 32)
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off, the band too (its rows start past MAX_ROWS)
-    assert not any(takes(rows, 4096) for rows in (2, 17, 32))
+    assert not any(_takes(rows, 4096) for rows in (2, 17, 32))
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 16)
     monkeypatch.setattr(skinny_gemm, "NARROW_SPLIT_K", 0)
     with pytest.raises(ValueError, match="NARROW_SPLIT_K"):
@@ -226,24 +234,17 @@ def test_a_decoder_step_of_a_few_rows_is_the_same_with_the_skinny_gemm(monkeypat
 def test_the_wide_band_takes_what_the_narrow_band_leaves(monkeypatch):
     """Steps of MAX_ROWS + 1 .. WIDE_MAX_ROWS rows: the launches the narrow band does not take (the 8B's QKV, 96
     tiles; gate/up with its activation) run the swap-AB kernel, K unsplit; O and down stay in the narrow band."""
-    monkeypatch.setattr(skinny_gemm, "_want_triton", lambda device, use: True)
-    for knob, value in {"MAX_ROWS": 16, "NARROW_MAX_ROWS": 32, "NARROW_MAX_TILES": 64, "BLOCK_N": 64,
-                        "NARROW_SPLIT_K": 2, "SPLIT_K": 1, "WIDE_MAX_ROWS": 32}.items():
-        monkeypatch.setattr(skinny_gemm, knob, value)
+    _bands(monkeypatch, wide_max_rows=32)
 
-    def takes(rows, n, silu=False):
-        x, w = torch.zeros(rows, 8, dtype=torch.bfloat16), torch.zeros(2 * n if silu else n, 8, dtype=torch.bfloat16)
-        return skinny_gemm.takes_skinny_gemm(x, w, silu)
-
-    assert [takes(rows, 6144) for rows in (16, 17, 32, 33)] == [True, True, True, False]  # QKV
-    assert [takes(rows, 12288, silu=True) for rows in (16, 17, 32, 33)] == [True, True, True, False]  # gate/up
+    assert [_takes(rows, 6144) for rows in (16, 17, 32, 33)] == [True, True, True, False]  # QKV
+    assert [_takes(rows, 12288, silu=True) for rows in (16, 17, 32, 33)] == [True, True, True, False]  # gate/up
     assert [skinny_gemm.in_wide_band(rows, 6144, False) for rows in (16, 17, 32)] == [False, True, True]
     assert not skinny_gemm.in_wide_band(20, 4096, False), "O and down belong to the narrow band"
     assert skinny_gemm.asked_splits(20, 6144, False) == 1 and skinny_gemm.asked_splits(20, 4096, False) == 2
     monkeypatch.setattr(skinny_gemm, "WIDE_MAX_ROWS", 24)
-    assert [takes(rows, 6144) for rows in (24, 25)] == [True, False]
+    assert [_takes(rows, 6144) for rows in (24, 25)] == [True, False]
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # off: both bands too
-    assert not any(takes(rows, 6144) for rows in (2, 17, 24))
+    assert not any(_takes(rows, 6144) for rows in (2, 17, 24))
 
 
 @needs_triton
