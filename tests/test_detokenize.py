@@ -289,6 +289,20 @@ def test_stream_stop_string_split_inside_a_token_sequence():
     assert all("2" not in d for d in deltas)  # the start of the stop string was held, never streamed
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("stop, text", [(FFFD, "ok "), ("k " + FFFD, "o"), ("zzz", "ok " + FFFD)])
+def test_a_stop_string_completed_by_the_flush_cuts_and_stops(name, stop, text):
+    """The caller's budget ends the stream one byte short of "쀍": the held bytes flush as U+FFFD, which completes
+    the stop string; the text is cut before it and the stream stops on it, as one completed mid-stream."""
+    tok = _get(name)
+    body = tok.encode("ok 쀍").ids[:-1]
+    s = TextStream(tok, SamplingParams(stop=(stop,)))
+    out, used = _push_all(s, body)
+    assert used == len(body) and not s.finished and out + s.flush() == s.text == text
+    stopped = stop != "zzz"
+    assert (s.finish_reason, s.stop_reason) == (("stop", stop) if stopped else (None, None))
+
+
 def test_stream_eos_stop_ids_and_length():
     tok = _get("qwen")
     im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")

@@ -154,3 +154,23 @@ def test_video_frames_as_encoded_images_and_in_the_servers_form(llm):
     want = ask({"type": "video", "video": decoded, "fps": 2.0})
     assert ask({"type": "video", "video": encoded, "fps": 2.0}) == want
     assert ask({"type": "video", "video": {"frames": encoded, "fps": 2.0}}) == want
+
+
+@pytest.mark.parametrize("stop, text", [("\ufffd", "ok "), ("k \ufffd", "o"), ("zzz", "ok \ufffd")])
+def test_a_stop_string_completed_by_the_last_flush_stops_as_one_completed_mid_stream(llm, stop, text):
+    """The budget ends the request inside a character ("쀍" one byte short): the stream held it back, and its flush
+    gives the U+FFFD that completes the stop string. It must end as a stop string completed mid-stream ends: the text
+    cut before it, finish reason "stop", the offline result and the stream alike (it ended with "length")."""
+    from prism.engine.request import FinishReason
+    from prism.testing.scripted_tokens import scripted_tokens
+
+    tok = llm.engine.inputs.tokenizer
+    body = tok.encode("ok 쀍").ids[:-1]
+    params = SamplingParams(max_tokens=len(body), temperature=0.0, ignore_eos=True, stop=(stop,))
+    want = FinishReason.LENGTH if stop == "zzz" else FinishReason.STOP
+    with scripted_tokens(llm.engine, lambda request_id: body):
+        (out,) = llm.generate(["Hi"], params)
+        events = list(llm.stream("Hi", params))
+    assert (out.text, out.finish_reason, out.token_ids) == (text, want, body)
+    assert ("".join(e.new_text for e in events), events[-1].finish_reason) == (text, want)
+    settled(llm)

@@ -132,6 +132,25 @@ def test_local_file_under_the_media_root(live):
     assert httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
+def test_a_stop_string_completed_by_the_last_flush_stops_streamed_or_not(live):
+    """The budget ends the answer one byte short of "쀍": the flush's U+FFFD completes the stop string "k \ufffd".
+    Streamed or not, the answer is cut before it and ends with "stop", as the offline API's does (it ended with
+    "length")."""
+    from openai import OpenAI
+
+    from prism.testing.scripted_tokens import scripted_tokens
+
+    client = OpenAI(base_url=live.url + "/v1", api_key="unused")
+    body = live.engine.inputs.tokenizer.encode("ok 쀍").ids[:-1]
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=len(body), stop=["k \ufffd"],
+               extra_body={"ignore_eos": True})
+    with scripted_tokens(live.engine, lambda request_id: body):
+        whole = client.chat.completions.create(**ask).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert (whole.message.content, whole.finish_reason) == ("o", "stop")
+    assert ("".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason) == ("o", "stop")
+
+
 def test_64_streaming_clients_a_quarter_disconnecting_leak_nothing(live):
     urls = [_data_url(_png(100 + i)) for i in range(3)]
 

@@ -16,7 +16,10 @@ that depend on the left context (leading-space rules) see some.
 `StopChecker` finds stop strings that span tokens: it withholds the longest tail of the text that is
 still a prefix of some stop string, so a stop string is never partly streamed before it is recognised.
 `TextStream` combines both with stop token ids and EOS for the engine; token budgets (max_tokens,
-max_model_len) stay with the engine, which ends a stream by `flush()`.
+max_model_len) stay with the engine, which ends a stream by `flush()`. A stop string completed only by that
+flush (the budget cut a character, which flushes as U+FFFD, and the text held back with it) ends the text as one
+completed mid-stream: cut before it, `finish_reason == "stop"`, which the engine reports instead of the budget
+(`Engine._last_text`).
 """
 
 from __future__ import annotations
@@ -175,7 +178,8 @@ class TextStream:
     EOS id (when given, unless `params.ignore_eos`), or a stop string (the text is cut before it); then
     `finish_reason == "stop"` and `stop_reason` is the token id / stop string. The text of a stop or EOS
     token is never emitted. Any other end (max_tokens, max_model_len, an EOS the caller detects itself)
-    is the caller's decision: it calls `flush()` for the last text. `text` is everything emitted so far.
+    is the caller's decision: it calls `flush()` for the last text, which may still complete a stop string (then
+    the stream's stop is the reason, not the caller's). `text` is everything emitted so far.
     """
 
     def __init__(

@@ -596,13 +596,23 @@ class Engine:
         if request.request_id in self.kv.seqs:
             self.kv.release(request.request_id, keep_in_cache=keep_kv)
         self.scheduler.remove(request)
-        request.finish(reason, error)
         if reason is not FinishReason.ERROR and reason is not FinishReason.ABORT:
-            new_text += self._streams[request.request_id].flush()
+            last_text, reason = self._last_text(request, reason)
+            new_text += last_text
+        request.finish(reason, error)
         self._emit_terminal(request, new_tokens or [], new_text, logprobs)
         for b in request.branches or ():  # a material that ends before its questions were forked ends them
             if self._unspawned.get(b.request_id) is request:
                 self._end_question(b, request, reason, error)
+
+    def _last_text(self, request: Request, reason: FinishReason) -> tuple[str, FinishReason]:
+        """The text `request`'s stream still holds, released as the request ends for `reason`, and the reason it ends
+        for: the held text may complete a stop string (a character cut by the budget flushes as U+FFFD, with the text
+        held back before it), and the request then stops on that string as on one completed mid-stream, cut before
+        it, not on the budget that ended its tokens."""
+        stream = self._streams[request.request_id]
+        text = stream.flush()
+        return text, FinishReason.STOP if stream.finish_reason == "stop" else reason
 
     def _end_question(self, branch: Branch, material: Request, reason: FinishReason, error: str | None = None
                       ) -> None:

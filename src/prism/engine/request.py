@@ -183,7 +183,8 @@ class Request:
     def finish_reason_after(self, token: int, stopped_by_text: bool, eos_token_ids: Collection[int],
                             max_model_len: int) -> FinishReason | None:
         """Why this request ends with `token` (already appended to its output), or None if it goes on: a stop
-        string or stop token, EOS (unless ignored), `max_tokens`, or the model's length."""
+        string or stop token, EOS (unless ignored), `max_tokens`, or the model's length (a length end still becomes
+        a stop when the stream's last text completes a stop string: `Engine._last_text`)."""
         params = self.params
         if stopped_by_text or token in params.stop_token_ids:
             return FinishReason.STOP
