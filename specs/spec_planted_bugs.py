@@ -1126,3 +1126,15 @@ def test_recompute_required_in_one_step_is_caught(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(Scheduler, "chunk_end", whole_content)
     _spec_fails(spec_unchunked_recompute.spec_no_request_fails_with_chunked_prefill_off, "failed with chunked")
+
+
+def test_a_stop_string_completed_by_the_last_flush_left_as_length_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose token budget ended it inside a character, the flushed U+FFFD completing a stop string (or one
+    whose held-back last characters completed it), was cut before the string but ended with "length". Planted: the
+    engine releases the flushed text and keeps the budget's reason again."""
+    from prism.engine.engine import Engine
+    from specs import spec_stop_at_flush
+
+    monkeypatch.setattr(Engine, "_last_text", lambda self, request, reason: (
+        self._streams[request.request_id].flush(), reason))
+    _spec_fails(spec_stop_at_flush.spec_a_stop_string_ends_the_request_wherever_it_completes, "ended with")
