@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import re
 
 import pytest
 from hypothesis import Phase, settings
@@ -1138,3 +1139,14 @@ def test_a_stop_string_completed_by_the_last_flush_left_as_length_is_caught(monk
     monkeypatch.setattr(Engine, "_last_text", lambda self, request, reason: (
         self._streams[request.request_id].flush(), reason))
     _spec_fails(spec_stop_at_flush.spec_a_stop_string_ends_the_request_wherever_it_completes, "ended with")
+
+
+def test_an_unchecked_config_value_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found (session 29): `device`, the cache sizes and `model_id` were not checked, so a bad value passed the
+    config and broke the engine's start after the model had loaded. Planted: `device` unchecked again."""
+    from prism.engine import config
+    from specs import spec_engine_config
+
+    monkeypatch.setattr(config, "_DEVICE", re.compile(r".*", re.DOTALL))
+    _spec_fails(spec_engine_config.spec_a_config_value_is_refused_naming_its_key_or_serves,
+                "passed the config checks")

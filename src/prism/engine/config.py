@@ -1,5 +1,10 @@
 """Engine configuration: one typed dataclass, loadable from JSON, unknown keys rejected.
 
+Owns the rule "a bad configuration is refused before anything is loaded, naming its key": every field is checked
+here (`ConfigError`), the device's presence when the engine resolves it (before loading the model); the KV pool's
+size against the model once the model's shape is known (`resolved_max_model_len`, `KVCapacityError`).
+`specs/spec_engine_config.py`.
+
 Sizing rule: the KV pool holds `num_gpu_pages` pages of `page_size` tokens (or as many as fit in
 `kv_memory_bytes`), and no request may need more than the pool: `max_model_len` defaults to, and may
 not exceed, the pool's token capacity, so the oldest request can always finish (liveness).
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +30,7 @@ class ConfigError(ValueError):
 
 
 Preemption = Literal["recompute", "swap"]
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,7 @@ class EngineConfig:
         vision = self.vision_cuda_graphs
         if not isinstance(vision, int) or isinstance(vision, bool) or vision < 0:
             raise ConfigError(f"vision_cuda_graphs must be 0 (off) or a positive integer, got {vision!r}")
-        if not isinstance(self.num_cpu_pages, int) or self.num_cpu_pages < 0:
+        if not isinstance(self.num_cpu_pages, int) or isinstance(self.num_cpu_pages, bool) or self.num_cpu_pages < 0:
             raise ConfigError(f"num_cpu_pages must be a non-negative integer, got {self.num_cpu_pages!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
@@ -212,8 +219,16 @@ class EngineConfig:
         if isinstance(pause, bool) or not isinstance(pause, (int, float)) or not 0 <= pause <= 1000:
             raise ConfigError(f"encode_ahead_decode_pause_ms must be a number of ms in [0, 1000], got {pause!r}")
         timeout = self.distributed_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ConfigError(f"distributed_timeout_s must be a positive number, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"distributed_timeout_s must be a positive finite number, got {timeout!r}")
+        for name in ("encoder_cache_bytes", "preprocess_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative integer (bytes; 0 keeps nothing), got {value!r}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise ConfigError(f"model_id must be a non-empty string or null, got {self.model_id!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -244,9 +259,15 @@ class EngineConfig:
 
     # -- derived -------------------------------------------------------------------------------
     def resolved_device(self) -> torch.device:
+        """The device `device` names; a CUDA device this process does not see is a ConfigError."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (device.index or 0) >= seen:
+                raise ConfigError(f"device={self.device!r}, but this process sees {seen} CUDA device(s)")
+        return device
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
