@@ -4,7 +4,10 @@ Owns the order of a rank's start-up, the same on every rank (rank 0 in the engin
 `engine/tp_workers.py`): the text decoder is sharded before the KV pool is sized (a rank holds
 num_kv_heads / tp heads), and the page count is the MIN over ranks, agreed before any pool is
 allocated (invariant 10, `distributed/capacity.py`). With one rank the group is trivial and this is
-the single-GPU engine's set-up.
+the single-GPU engine's set-up. Also owns *every rank has a device of its own*: on CUDA the ranks take
+`tensor_parallel_size` devices from the configured one on, and a host without them is a ConfigError before any
+rank starts (`check_rank_devices`); on the CPU the ranks are processes of this host over gloo (how the tests run
+tensor parallelism) and need no device.
 """
 
 from __future__ import annotations
@@ -17,16 +20,30 @@ from ..distributed.capacity import agree_num_pages
 from ..distributed.tensor_parallel import TPGroup, shard_text_decoder
 from ..model.loading import load_model
 from ..model.text import set_batch1_gemv
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .runner import ModelRunner
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """This rank's device: cuda:rank when tensor-parallel on GPUs, else the configured device."""
+    """This rank's device: tensor-parallel on CUDA, the configured device's index + rank (cuda:rank from "cuda"),
+    else the configured device."""
     device = config.resolved_device()
     if device.type == "cuda" and config.tensor_parallel_size > 1:
-        return torch.device("cuda", rank)
+        return torch.device("cuda", (device.index or 0) + rank)
     return device
+
+
+def check_rank_devices(config: EngineConfig) -> None:
+    """Raise ConfigError unless this host has a device for every tensor-parallel rank (`rank_device`)."""
+    tp, device = config.tensor_parallel_size, config.resolved_device()
+    if tp == 1 or device.type != "cuda":
+        return
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + tp > count:
+        raise ConfigError(f"tensor_parallel_size={tp} needs {tp} CUDA devices (cuda:{first} to cuda:{first + tp - 1}, "
+                          f"from device={config.device!r}), but this host has {count} "
+                          "(torch.cuda.device_count()): lower tensor_parallel_size, or run the ranks on the CPU "
+                          "(device='cpu')")
 
 
 def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup) -> tuple[ModelRunner, int]:

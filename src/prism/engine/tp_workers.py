@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..distributed.step_channel import StepChannel
 from ..distributed.tensor_parallel import TPGroup, init_tp_group, local_init_method
 from .config import EngineConfig
-from .rank import build_rank_runner, rank_device
+from .rank import build_rank_runner, check_rank_devices, rank_device
 from .step_payload import StepPayload
 
 log = logging.getLogger(__name__)
@@ -176,8 +176,7 @@ def abort_process_group() -> None:
 def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
     """Spawn ranks 1..tp-1 and join the group as rank 0."""
     tp = config.tensor_parallel_size
-    if config.resolved_device().type == "cuda" and torch.cuda.device_count() < tp:
-        raise TensorParallelFailure(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+    check_rank_devices(config)
     if dist.is_initialized():
         raise TensorParallelFailure("torch.distributed is already initialized in this process (one TP engine at a time)")
     if sys.platform.startswith("linux"):
