@@ -550,6 +550,18 @@ def test_ranks_ignoring_the_configured_cuda_device_are_caught(monkeypatch: pytes
     _spec_fails(spec_tp_startup.spec_every_rank_has_its_own_device_or_the_config_is_refused, "not the configured")
 
 
+def test_a_start_up_wait_blind_to_dead_followers_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (review of the TP start-up): rank 0 waited for the followers inside torch.distributed (the
+    rendezvous, the first collective), which sees only their check-ins: a follower dead before it checked in kept
+    rank 0 waiting `distributed_timeout_s` (300 s by default). The wait that never looks at the processes is that."""
+    from prism.engine import tp_startup
+    from specs import spec_tp_startup
+
+    monkeypatch.setattr(tp_startup, "exited", lambda processes: [])
+    _spec_fails(spec_tp_startup.spec_a_dead_follower_fails_the_wait_at_once_naming_it,
+                "does not name rank|had exited|a follower exited at")
+
+
 def test_encoder_dp_losing_the_item_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Encoder DP that returns the gathered features in rank order instead of the original media order."""
     from prism.distributed import encoder_dp

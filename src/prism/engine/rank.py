@@ -12,6 +12,7 @@ tensor parallelism) and need no device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from ..model.loading import load_model
 from ..model.text import set_batch1_gemv
 from .config import ConfigError, EngineConfig
 from .runner import ModelRunner
+from .tp_startup import LOADED
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -46,14 +48,19 @@ def check_rank_devices(config: EngineConfig) -> None:
                           "(device='cpu')")
 
 
-def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup) -> tuple[ModelRunner, int]:
-    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room."""
+def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup,
+                      reach: Callable[[str], None] | None = None) -> tuple[ModelRunner, int]:
+    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room. `reach`:
+    called with LOADED once the model is loaded and sharded, before the first collective (`tp_startup`: rank 0
+    waits there for every follower, a follower reports)."""
     model = load_model(Path(model_dir), dtype=config.resolved_dtype(), device=rank_device(config, group.rank))
     text = model.config.text
     kv_heads = text.num_key_value_heads
     if group.world_size > 1:
         kv_heads = shard_text_decoder(model, group).num_kv_heads
     set_batch1_gemv(model, config.batch1_gemv, fused_norms=config.batch1_fused_norms)
+    if reach is not None:
+        reach(LOADED)
     local = config.kv_pages(text.num_hidden_layers, kv_heads, text.head_dim)
     layout = config.kv_layout(text.num_hidden_layers, kv_heads, text.head_dim, agree_num_pages(group, local))
     max_model_len = config.resolved_max_model_len(layout.num_slots)
