@@ -104,8 +104,13 @@ def test_a_follower_destroys_its_graphs_before_it_leaves(monkeypatch):
         def recv(self):
             return None  # rank 0's stop
 
-    monkeypatch.setattr(tp_workers, "join_group", lambda rank, cfg, init: (None, Channel()))
-    monkeypatch.setattr(tp_workers, "build_rank_runner", lambda model_dir, cfg, group: (Runner(), 0))
+    class Rendezvous:
+        def reach(self, stage: str) -> None:
+            pass
+
+    monkeypatch.setattr(tp_workers, "FollowerRendezvous", lambda rank, address, timeout_s: Rendezvous())
+    monkeypatch.setattr(tp_workers, "join_group", lambda rank, cfg, rendezvous: (None, Channel()))
+    monkeypatch.setattr(tp_workers, "build_rank_runner", lambda model_dir, cfg, group, reach: (Runner(), 0))
     monkeypatch.setattr(tp_workers, "abort_process_group", lambda: order.append("abort"))
     monkeypatch.setattr(tp_workers.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)

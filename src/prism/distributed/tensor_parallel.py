@@ -133,21 +133,24 @@ def local_init_method() -> str:
 def init_tp_group(
     rank: int,
     world_size: int,
-    init_method: str,
+    init_method: str | None = None,
     *,
+    store: dist.Store | None = None,
     backend: str | None = None,
     timeout_s: float = 300.0,
 ) -> TPGroup:
     """Initialize the default process group (gloo on CPU, nccl when cuda is available) and wrap it.
 
-    For nccl, call torch.cuda.set_device(local rank) first. timeout_s bounds every collective, so a
-    rank that died makes the others fail instead of hang.
+    The ranks meet at `init_method` (a tcp:// rendezvous) or through `store` (one rank hosts it). For nccl,
+    call torch.cuda.set_device(local rank) first. timeout_s bounds every collective, so a rank that died
+    makes the others fail instead of hang.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
         backend,
         init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),

@@ -101,14 +101,15 @@ class Engine:
         else:
             group = TPGroup.single(self.config.resolved_device())
         try:
-            self.runner, self.max_model_len = build_rank_runner(self.model_dir, self.config, group)
+            self.runner, self.max_model_len = build_rank_runner(
+                self.model_dir, self.config, group, reach=self._followers.rendezvous.reach if self._followers else None)
         except Exception as error:
             if self._followers is None:
                 raise
-            failure = self._followers.failure(error, during="start")
+            failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error, "start")
             agreed = isinstance(error, ValueError)  # a configuration problem every rank agreed on (capacity)
             self._followers.close(graceful=agreed)  # else the followers may wait inside a collective: stopped
-            if agreed:
+            if agreed or failure is error:
                 raise
             raise failure from error
         if self._followers is not None:

@@ -4,11 +4,15 @@ Owns the order of a rank's start-up, the same on every rank (rank 0 in the engin
 `engine/tp_workers.py`): the text decoder is sharded before the KV pool is sized (a rank holds
 num_kv_heads / tp heads), and the page count is the MIN over ranks, agreed before any pool is
 allocated (invariant 10, `distributed/capacity.py`). With one rank the group is trivial and this is
-the single-GPU engine's set-up.
+the single-GPU engine's set-up. Also owns *every rank has a device of its own*: on CUDA the ranks take
+`tensor_parallel_size` devices from the configured one on, and a host without them is a ConfigError before any
+rank starts (`check_rank_devices`); on the CPU the ranks are processes of this host over gloo (how the tests run
+tensor parallelism) and need no device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,26 +21,46 @@ from ..distributed.capacity import agree_num_pages
 from ..distributed.tensor_parallel import TPGroup, shard_text_decoder
 from ..model.loading import load_model
 from ..model.text import set_batch1_gemv
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .runner import ModelRunner
+from .tp_startup import LOADED
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """This rank's device: cuda:rank when tensor-parallel on GPUs, else the configured device."""
+    """This rank's device: tensor-parallel on CUDA, the configured device's index + rank (cuda:rank from "cuda"),
+    else the configured device."""
     device = config.resolved_device()
     if device.type == "cuda" and config.tensor_parallel_size > 1:
-        return torch.device("cuda", rank)
+        return torch.device("cuda", (device.index or 0) + rank)
     return device
 
 
-def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup) -> tuple[ModelRunner, int]:
-    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room."""
+def check_rank_devices(config: EngineConfig) -> None:
+    """Raise ConfigError unless this host has a device for every tensor-parallel rank (`rank_device`)."""
+    tp, device = config.tensor_parallel_size, config.resolved_device()
+    if tp == 1 or device.type != "cuda":
+        return
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + tp > count:
+        raise ConfigError(f"tensor_parallel_size={tp} needs {tp} CUDA devices (cuda:{first} to cuda:{first + tp - 1}, "
+                          f"from device={config.device!r}), but this host has {count} "
+                          "(torch.cuda.device_count()): lower tensor_parallel_size, or run the ranks on the CPU "
+                          "(device='cpu')")
+
+
+def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup,
+                      reach: Callable[[str], None] | None = None) -> tuple[ModelRunner, int]:
+    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room. `reach`:
+    called with LOADED once the model is loaded and sharded, before the first collective (`tp_startup`: rank 0
+    waits there for every follower, a follower reports)."""
     model = load_model(Path(model_dir), dtype=config.resolved_dtype(), device=rank_device(config, group.rank))
     text = model.config.text
     kv_heads = text.num_key_value_heads
     if group.world_size > 1:
         kv_heads = shard_text_decoder(model, group).num_kv_heads
     set_batch1_gemv(model, config.batch1_gemv, fused_norms=config.batch1_fused_norms)
+    if reach is not None:
+        reach(LOADED)
     local = config.kv_pages(text.num_hidden_layers, kv_heads, text.head_dim)
     layout = config.kv_layout(text.num_hidden_layers, kv_heads, text.head_dim, agree_num_pages(group, local))
     max_model_len = config.resolved_max_model_len(layout.num_slots)

@@ -4,7 +4,8 @@ Owns *rank 0 schedules, followers follow, and a failed rank fails every rank*. T
 ranks 1..tp-1 (`launch_followers`, vLLM-style: the user only sets tensor_parallel_size); each follower
 sets itself up exactly as rank 0 does (`rank.build_rank_runner`) and then runs every step payload rank 0
 broadcasts, in order, until a None payload (`serve_worker`). Every collective is bounded by
-`distributed_timeout_s`, and a rank-0 error names the followers that died, so nothing hangs silently.
+`distributed_timeout_s`, and a rank-0 error names the followers that died, so nothing hangs silently; while the
+ranks start, rank 0 watches the followers live at each stage (`tp_startup`), so one that dies fails it at once.
 """
 
 from __future__ import annotations
@@ -22,42 +23,43 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.step_channel import StepChannel
-from ..distributed.tensor_parallel import TPGroup, init_tp_group, local_init_method
+from ..distributed.tensor_parallel import TPGroup, init_tp_group
 from .config import EngineConfig
-from .rank import build_rank_runner, rank_device
+from .rank import build_rank_runner, check_rank_devices, rank_device
 from .step_payload import StepPayload
+from .tp_startup import JOINING, FollowerRendezvous, Rendezvous, TensorParallelFailure, exited
 
 log = logging.getLogger(__name__)
-
-
-class TensorParallelFailure(RuntimeError):
-    """A tensor-parallel rank failed or left: the ranks can no longer run the same steps."""
 
 
 def _backend(config: EngineConfig) -> str:
     return "nccl" if config.resolved_device().type == "cuda" else "gloo"
 
 
-def join_group(rank: int, config: EngineConfig, init_method: str) -> tuple[TPGroup, StepChannel]:
-    """Join the TP group (every rank, the same way) and open the step channel."""
+def join_group(rank: int, config: EngineConfig, rendezvous: Rendezvous | FollowerRendezvous
+               ) -> tuple[TPGroup, StepChannel]:
+    """Join the TP group (every rank, the same way, through rank 0's store) and open the step channel. Rank 0
+    waits at JOINING until every follower is there, watching that they live (`tp_startup`)."""
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = init_tp_group(
-        rank, config.tensor_parallel_size, init_method, backend=_backend(config), timeout_s=config.distributed_timeout_s
-    )
+    rendezvous.reach(JOINING)
+    group = init_tp_group(rank, config.tensor_parallel_size, store=rendezvous.store, backend=_backend(config),
+                          timeout_s=config.distributed_timeout_s)
     return group, StepChannel(group)
 
 
-def serve_worker(rank: int, init_method: str, model_dir: str, config: dict) -> None:
-    """A follower rank's whole life: join, set up like rank 0, run rank 0's steps until told to stop."""
+def serve_worker(rank: int, address: str, model_dir: str, config: dict) -> None:
+    """A follower rank's whole life: join through rank 0's store at `address`, set up like rank 0, run rank 0's
+    steps until told to stop."""
     cfg = EngineConfig.from_dict(config)
     if cfg.resolved_device().type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
-    group, channel = join_group(rank, cfg, init_method)
+    rendezvous = FollowerRendezvous(rank, address, cfg.distributed_timeout_s)
+    group, channel = join_group(rank, cfg, rendezvous)
     runner = None
     try:
-        runner, _ = build_rank_runner(model_dir, cfg, group)
+        runner, _ = build_rank_runner(model_dir, cfg, group, reach=rendezvous.reach)
         while (payload := channel.recv()) is not None:
             runner.run(payload)
     finally:
@@ -71,6 +73,7 @@ class Followers:
     processes: list[multiprocessing.process.BaseProcess]
     group: TPGroup
     channel: StepChannel
+    rendezvous: Rendezvous  # rank 0's store; `reach` waits for every follower at a start-up stage
     release_graphs: Callable[[], None] | None = None  # rank 0's runner's, once it has one (`leave_group`)
     leave_timeout_s: float = 30.0
     closed: bool = field(default=False)
@@ -89,8 +92,7 @@ class Followers:
     def failure(self, error: BaseException, during: str = "step") -> TensorParallelFailure:
         """A clear error for a collective that failed on rank 0 (`during` a step, or the engine's start), naming
         followers that exited."""
-        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes, 1)
-                if p.exitcode is not None]
+        dead = exited(self.processes)
         why = "; ".join(dead) if dead else "all followers still running"
         return TensorParallelFailure(f"tensor-parallel {during} failed on rank 0 ({why}): {type(error).__name__}: "
                                      f"{error}")
@@ -174,10 +176,10 @@ def abort_process_group() -> None:
 
 
 def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
-    """Spawn ranks 1..tp-1 and join the group as rank 0."""
+    """Spawn ranks 1..tp-1 and join the group as rank 0. A follower that dies before the group is formed fails
+    it at once (`tp_startup`); then, as for any failure here, every follower is stopped before it raises."""
     tp = config.tensor_parallel_size
-    if config.resolved_device().type == "cuda" and torch.cuda.device_count() < tp:
-        raise TensorParallelFailure(f"tensor_parallel_size={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+    check_rank_devices(config)
     if dist.is_initialized():
         raise TensorParallelFailure("torch.distributed is already initialized in this process (one TP engine at a time)")
     if sys.platform.startswith("linux"):
@@ -186,19 +188,35 @@ def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
         # to an address nothing listens on (a VM without a network), the side group's connect hung the TP2 start.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    init_method = local_init_method()
+    rendezvous = Rendezvous(tp, config.distributed_timeout_s)
     ctx = multiprocessing.get_context("spawn")
     processes = [
-        ctx.Process(target=serve_worker, args=(rank, init_method, str(model_dir), config.to_dict()), daemon=True,
+        ctx.Process(target=serve_worker, args=(rank, rendezvous.address, str(model_dir), config.to_dict()), daemon=True,
                     name=f"prism-tp-rank{rank}")
         for rank in range(1, tp)
     ]
-    for p in processes:
-        p.start()
+    rendezvous.processes = processes
     try:
-        group, channel = join_group(0, config, init_method)
-    except Exception as error:
         for p in processes:
-            p.terminate()
+            p.start()
+        group, channel = join_group(0, config, rendezvous)
+    except BaseException as error:
+        stop_followers(processes)
+        if isinstance(error, TensorParallelFailure) or not isinstance(error, Exception):
+            raise
         raise TensorParallelFailure(f"could not form the tensor-parallel group of {tp}: {error}") from error
-    return Followers(processes, group, channel)
+    return Followers(processes, group, channel, rendezvous)
+
+
+def stop_followers(processes: list[multiprocessing.process.BaseProcess], timeout_s: float = 5.0) -> None:
+    """Terminate the followers that run and reap every one (a start-up's failure: none can go on)."""
+    for p in processes:
+        if p.pid is not None and p.exitcode is None:
+            p.terminate()
+    for p in processes:
+        if p.pid is None:
+            continue
+        p.join(timeout_s)
+        if p.exitcode is None:
+            p.kill()
+            p.join()

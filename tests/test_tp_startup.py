@@ -1,0 +1,96 @@
+"""Tensor-parallel start-up: devices and dying followers.
+
+A `tensor_parallel_size` the host's CUDA devices cannot hold is a `ConfigError` naming the setting, the number
+asked and the devices there are, raised before anything is spawned or loaded (the CPU's ranks are processes over
+gloo and need no device). A follower that dies while the ranks start (before it joins the group, or while it
+loads its model; killed or raising) fails rank 0 at once with a `TensorParallelFailure` naming the rank and its
+exit code, instead of after `distributed_timeout_s`; the other followers are stopped and nothing is left behind
+(a TP engine starts in the same process after it). Ranks are processes on the CPU (gloo); the faults are planted
+in rank 1 (`prism.testing.tp_faults`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from prism.engine.config import ConfigError, EngineConfig
+from prism.engine.engine import Engine
+from prism.engine.llm import LLM
+from prism.engine.rank import check_rank_devices, rank_device
+from prism.engine.sampling import SamplingParams
+from prism.engine.tp_workers import TensorParallelFailure
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.tp_faults import dying_follower, live_followers
+
+TIMEOUT_S = 30.0  # distributed_timeout_s: the start-up waited all of it for a follower that died before joining
+PROMPT_S = 15.0  # ... rank 0 must fail well before it (spawning and loading a tiny model take a few seconds)
+
+
+def _llm(**config) -> LLM:
+    """Ranks on the CPU (gloo) whatever the host's GPUs."""
+    return LLM(ensure_tiny_checkpoint(), device="cpu", num_gpu_pages=32, page_size=4, kv_dtype="fp8",
+               max_num_batched_tokens=160, distributed_timeout_s=TIMEOUT_S, **config)
+
+
+@pytest.mark.parametrize("device, devices", [("cuda", 1), ("cuda:0", 1), ("cuda:1", 2), ("cuda", 0)])
+def test_more_ranks_than_cuda_devices_is_a_config_error_before_anything_starts(monkeypatch, device, devices):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=rf"tensor_parallel_size=2 needs 2 CUDA devices .*{device!r}.* {devices} "):
+        Engine(ensure_tiny_checkpoint(), EngineConfig(tensor_parallel_size=2, device=device))
+    assert time.perf_counter() - started < 2, "the check must come before any rank starts or loads"
+    assert live_followers() == []
+
+
+def test_ranks_take_the_cuda_devices_from_the_configured_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    for device, first in (("cuda", 0), ("cuda:0", 0), ("cuda:1", 1)):
+        config = EngineConfig(tensor_parallel_size=2, device=device)
+        check_rank_devices(config)
+        assert [rank_device(config, r) for r in range(2)] == [torch.device("cuda", first + r) for r in range(2)]
+    with pytest.raises(ConfigError, match="cuda:2 to cuda:3"):
+        check_rank_devices(EngineConfig(tensor_parallel_size=2, device="cuda:2"))
+
+
+def test_cpu_ranks_need_no_device(monkeypatch):
+    """How the tests run TP: ranks are processes of this host over gloo, whatever its CUDA devices."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cpu", "auto"):
+        config = EngineConfig(tensor_parallel_size=4, device=device)
+        check_rank_devices(config)
+        assert {rank_device(config, r) for r in range(4)} == {torch.device("cpu")}
+
+
+def test_a_follower_killed_before_joining_fails_rank_0_at_once_and_leaves_nothing():
+    """Rank 2 of 3 waits at the rendezvous for rank 1, which was killed before it got there: rank 0 names rank 1,
+    rank 2 is stopped, and the process can start another TP engine."""
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    with dying_follower("killed_before_joining"), \
+            pytest.raises(TensorParallelFailure, match=r"rank 1 exited with code -9 \(SIGKILL\).*join"):
+        _llm(tensor_parallel_size=3)
+    took = time.perf_counter() - started
+    assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
+    assert live_followers() == [], "a follower of the failed start is still running"
+    llm = _llm(tensor_parallel_size=2)
+    try:
+        (out,) = llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2, ignore_eos=True))
+        assert len(out.token_ids) == 2
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("fault, exit_code", [("raises_while_loading", "1"), ("killed_while_loading", r"-9 \(SIGKILL\)")])
+def test_a_follower_dying_while_it_loads_fails_rank_0_naming_it(fault, exit_code):
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    with dying_follower(fault), \
+            pytest.raises(TensorParallelFailure, match=rf"rank 1 exited with code {exit_code} .*load"):
+        _llm(tensor_parallel_size=2)
+    took = time.perf_counter() - started
+    assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
+    assert live_followers() == []
