@@ -2,7 +2,7 @@
 had loaded with a `MediaError` about "max_bytes"; `device="cuda:7"` (on a machine without it) and `device="x"` failed
 inside the model's loading with torch's errors; `model_id=True` with an `InputError`; `num_cpu_pages=True` in the
 KV layout; `distributed_timeout_s=inf` was accepted. Fixed when each is a `ConfigError` naming its key, raised before
-the model is loaded (`EngineConfig.__post_init__`, `EngineConfig.resolved_device`)."""
+the model is loaded (`EngineConfig.__post_init__`, `rank.check_rank_devices`)."""
 
 import math
 

@@ -2,8 +2,8 @@
 
 Devices (`engine/rank.py`): for any device setting, tensor_parallel_size and count of CUDA devices, either every
 rank runs on a device of its own that exists, rank 0 on the configured one, or `check_rank_devices` refuses the
-config with a ConfigError naming the setting, the number asked and the devices there are; ranks on the CPU are
-never refused. Start-up waits (`engine/tp_startup.py`): for any schedule of followers reporting a stage and
+config with a ConfigError naming the setting (`tensor_parallel_size`, or `device` for one rank), what it asks and
+the devices there are; ranks on the CPU are never refused. Start-up waits (`engine/tp_startup.py`): for any schedule of followers reporting a stage and
 exiting, on a simulated clock, rank 0's wait returns only once every follower has reported while none has exited,
 and promptly; it fails within one poll of a follower's exit, naming exactly the followers that exited and their
 exit codes; and it gives up only once `timeout_s` has passed, naming the followers that never reported.
@@ -41,14 +41,16 @@ def spec_every_rank_has_its_own_device_or_the_config_is_refused(device: str, tp:
     if refused is not None:
         assert isinstance(refused, ConfigError), f"{case}: refused with {refused!r}, not a ConfigError"
         message = str(refused)
-        assert f"tensor_parallel_size={tp}" in message and f" {count} " in message, (
-            f"{case}: the refusal must name the setting, the number asked and the devices there are: {message}")
-        assert configured.type == "cuda" and tp > 1, f"{case}: refused, though {message}"
+        named = f"tensor_parallel_size={tp}" if tp > 1 else f"device={device!r}"
+        assert named in message and f" {count} " in message, (
+            f"{case}: the refusal must name the setting, what it asks and the devices there are: {message}")
+        first = configured.index or 0 if configured.type == "cuda" else 0
+        assert configured.type == "cuda" and first + tp > count, f"{case}: refused, though {message}"
         return
     assert devices[0].type == configured.type and (devices[0].index or 0) == (configured.index or 0), (
         f"{case}: rank 0 runs on {devices[0]}, not the configured {configured}")
-    if configured.type == "cuda" and tp > 1:
-        indices = [d.index for d in devices]
+    if configured.type == "cuda":  # one rank too: a device the host does not have is refused
+        indices = [d.index or 0 for d in devices]
         assert len(set(indices)) == tp, f"{case}: ranks share a device: {devices}"
         assert all(i is not None and 0 <= i < count for i in indices), f"{case}: a rank's device is missing: {devices}"
 

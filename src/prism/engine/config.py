@@ -1,7 +1,7 @@
 """Engine configuration: one typed dataclass, loadable from JSON, unknown keys rejected.
 
 Owns the rule "a bad configuration is refused before anything is loaded, naming its key": every field is checked
-here (`ConfigError`), the device's presence when the engine resolves it (before loading the model); the KV pool's
+here (`ConfigError`), the devices' presence before the engine loads anything (`rank.check_rank_devices`); the KV pool's
 size against the model once the model's shape is known (`resolved_max_model_len`, `KVCapacityError`).
 `specs/spec_engine_config.py`.
 
@@ -259,15 +259,11 @@ class EngineConfig:
 
     # -- derived -------------------------------------------------------------------------------
     def resolved_device(self) -> torch.device:
-        """The device `device` names; a CUDA device this process does not see is a ConfigError."""
+        """The device `device` names ("auto": CUDA when this process sees one); whether this host has it is
+        `rank.check_rank_devices`'s to say, before the engine loads anything."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if (device.index or 0) >= seen:
-                raise ConfigError(f"device={self.device!r}, but this process sees {seen} CUDA device(s)")
-        return device
+        return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

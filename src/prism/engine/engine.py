@@ -42,7 +42,7 @@ from .continuation import Continuation, plan_continuation, rows_scheduled_ahead,
 from .detokenize import TextStream
 from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
-from .rank import build_rank_runner
+from .rank import build_rank_runner, check_rank_devices
 from .request import (
     Branch,
     FinishReason,
@@ -99,6 +99,7 @@ class Engine:
             self._followers = launch_followers(self.model_dir, self.config)
             group = self._followers.group
         else:
+            check_rank_devices(self.config)
             group = TPGroup.single(self.config.resolved_device())
         try:
             self.runner, self.max_model_len = build_rank_runner(

@@ -36,16 +36,21 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def check_rank_devices(config: EngineConfig) -> None:
-    """Raise ConfigError unless this host has a device for every tensor-parallel rank (`rank_device`)."""
+    """Raise ConfigError unless this host has a device for every rank (`rank_device`; one rank included: a
+    `device="cuda:7"` on a host of two GPUs)."""
     tp, device = config.tensor_parallel_size, config.resolved_device()
-    if tp == 1 or device.type != "cuda":
+    if device.type != "cuda":
         return
     first, count = device.index or 0, torch.cuda.device_count()
-    if first + tp > count:
-        raise ConfigError(f"tensor_parallel_size={tp} needs {tp} CUDA devices (cuda:{first} to cuda:{first + tp - 1}, "
-                          f"from device={config.device!r}), but this host has {count} "
-                          "(torch.cuda.device_count()): lower tensor_parallel_size, or run the ranks on the CPU "
-                          "(device='cpu')")
+    if first + tp <= count:
+        return
+    if tp == 1:
+        raise ConfigError(f"device={config.device!r} needs CUDA device {first}, but this host has {count} "
+                          "(torch.cuda.device_count())")
+    raise ConfigError(f"tensor_parallel_size={tp} needs {tp} CUDA devices (cuda:{first} to cuda:{first + tp - 1}, "
+                      f"from device={config.device!r}), but this host has {count} "
+                      "(torch.cuda.device_count()): lower tensor_parallel_size, or run the ranks on the CPU "
+                      "(device='cpu')")
 
 
 def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup,
