@@ -1126,3 +1126,50 @@ def test_recompute_required_in_one_step_is_caught(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(Scheduler, "chunk_end", whole_content)
     _spec_fails(spec_unchunked_recompute.spec_no_request_fails_with_chunked_prefill_off, "failed with chunked")
+
+
+def test_a_500_carrying_the_engines_reason_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the operator's review: a choice the engine failed was answered with the engine's reason as the message
+    ("RuntimeError: <the exception's text>"). Planted: `_json_or_error` as it was."""
+    from fastapi.responses import JSONResponse
+
+    from prism.serving import app
+    from prism.serving.responses import RequestFailedError, error_body
+    from specs import spec_internal_errors
+
+    def reason_in_the_body(build, completion_id):
+        try:
+            response = build()
+        except RequestFailedError as error:
+            return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
+        return JSONResponse(response.model_dump(mode="json"))
+
+    monkeypatch.setattr(app, "_json_or_error", reason_in_the_body)
+    _spec_fails(spec_internal_errors.spec_a_500_names_only_a_request_id, "the failure's text went out")
+
+
+def test_a_stream_ending_with_the_engines_reason_or_cut_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the operator's review: a stream whose choice the engine failed ended with the engine's reason in its
+    error event, and one failing to render was cut without an end. Planted: `_sse` as it was."""
+    from prism.serving import app
+    from prism.serving.responses import RequestFailedError
+    from specs import spec_internal_errors
+
+    async def reason_in_the_event(out, streams):
+        merged = app._merge(streams)
+        try:
+            yield out.start()
+            async for index, event in merged:
+                try:
+                    data = out.on_output(index, event)
+                except RequestFailedError as error:
+                    yield out.error(error.status, str(error))
+                    return
+                if data:
+                    yield data
+            yield out.finish()
+        finally:
+            await merged.aclose()
+
+    monkeypatch.setattr(app, "_sse", reason_in_the_event)
+    _spec_fails(spec_internal_errors.spec_a_500_names_only_a_request_id, "the failure's text went out|was cut")

@@ -170,11 +170,13 @@ def error_body(
 
 def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """(status, error body) for an exception: `status` / `param` / `code` attributes when it has them
-    (ProtocolError, MediaURLError, RequestFailedError), 400 for any other ValueError, else 500 without internals."""
+    (ProtocolError, MediaURLError), 400 for any other ValueError, else 500 without internals (not even a
+    RequestFailedError's: the engine's reason is for the log; the server answers a 500 with
+    `internal_errors.internal_error_response`, which names a request id)."""
     status = getattr(exc, "status", None)
     if not isinstance(status, int):
         status = 400 if isinstance(exc, ValueError) else 500
-    if status >= 500 and not isinstance(exc, RequestFailedError):
+    if status >= 500:
         return status, error_body(status, "internal server error")
     message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
     return status, error_body(status, message, getattr(exc, "param", None), getattr(exc, "code", None))
