@@ -1173,3 +1173,39 @@ def test_a_stream_ending_with_the_engines_reason_or_cut_is_caught(monkeypatch: p
 
     monkeypatch.setattr(app, "_sse", reason_in_the_event)
     _spec_fails(spec_internal_errors.spec_a_500_names_only_a_request_id, "the failure's text went out|was cut")
+
+
+def test_a_body_waited_for_without_a_deadline_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the operator's review: a client that sent its headers and withheld its body held a connection and a
+    handler for as long as it kept the connection open. Planted: the body read without a deadline again."""
+    from prism.serving.body_deadline import BodyDeadline
+    from specs import spec_body_deadline
+
+    async def untimed(self, scope, receive, send):
+        await self.app(scope, receive, send)
+
+    monkeypatch.setattr(BodyDeadline, "__call__", untimed)
+    _spec_fails(spec_body_deadline.spec_a_body_arrives_in_time_or_is_a_408_that_leaves_nothing,
+                "no answer|not a 408")
+
+
+def test_a_body_timed_per_read_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline is the whole body's. Planted: a timeout per read, which a body trickled a piece at a time passes."""
+    import asyncio
+
+    from prism.serving.body_deadline import BodyDeadline, BodyReadTimeout
+    from specs import spec_body_deadline
+
+    async def timed_per_read(self, scope, receive, send):
+        timeout_s = self.timeout_s()
+
+        async def receive_in_time():
+            try:
+                return await asyncio.wait_for(receive(), timeout_s)
+            except TimeoutError:
+                raise BodyReadTimeout(timeout_s) from None
+
+        await self.app(scope, receive_in_time if scope["type"] == "http" else receive, send)
+
+    monkeypatch.setattr(BodyDeadline, "__call__", timed_per_read)
+    _spec_fails(spec_body_deadline.spec_a_body_arrives_in_time_or_is_a_408_that_leaves_nothing, "not a 408")

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..decision.plan import DecisionFailed, Generations, Outcome, Readouts, advance, plan_decision
 from ..engine.chat import InputError
@@ -35,6 +36,7 @@ from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
 from .async_engine import AsyncEngine, GenerationEvents, Overloaded, ShuttingDown
+from .body_deadline import BodyDeadline, BodyReadTimeout
 from .completions import CompletionRenderer, CompletionRequest, parse_completion_request
 from .decide_protocol import DecideRequest, decide_response, parse_decide_request
 from .internal_errors import InternalErrors, internal_error_message, internal_error_response, report
@@ -107,6 +109,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
 
     app = FastAPI(title="Prism", version="0.1.0", lifespan=lifespan)
     app.add_middleware(InternalErrors)
+    app.add_middleware(BodyDeadline, timeout_s=lambda: app.state.prism.settings.body_read_timeout_s)
     _document_raw_bodies(app)
 
     @app.exception_handler(RequestValidationError)
@@ -375,7 +378,8 @@ def _document_raw_bodies(app: FastAPI) -> None:
 
 
 async def _read_body(request: Request, state: ServerState) -> bytes:
-    """The raw body, refused (413) as soon as it is known to exceed the limit."""
+    """The raw body, refused (413) as soon as it is known to exceed the limit, or (408) once it is late
+    (`BodyReadTimeout`, raised by the reads: body_deadline.py)."""
     limit = state.settings.max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -558,9 +562,11 @@ def _json_or_error(build, completion_id: str) -> JSONResponse:
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _error_response(state: ServerState, error: Exception, where: str) -> JSONResponse:
+def _error_response(state: ServerState, error: Exception, where: str) -> Response:
     """A refusal's own error body, or for anything else (a 500) the internal error naming a request id, the failure
     logged under it (`where`: the endpoint or completion)."""
+    if isinstance(error, ClientDisconnect):  # it left while sending its body: no one to answer, nothing failed
+        return Response(status_code=499)
     if isinstance(error, Overloaded):
         status, body = 429, error_body(429, str(error))
     elif isinstance(error, (ShuttingDown, EngineStopped)):
@@ -573,6 +579,7 @@ def _error_response(state: ServerState, error: Exception, where: str) -> JSONRes
             state.metrics.rejected.labels(status="500").inc()
             return internal_error_response(error, where)
     state.metrics.rejected.labels(status=str(status)).inc()
-    headers = {"Retry-After": "1"} if status == 429 else None  # retry later: the requests in flight finish in time
+    # 429: retry later (the requests in flight finish in time); a 408's headers close the connection
+    headers = {"Retry-After": "1"} if status == 429 else error.headers if isinstance(error, BodyReadTimeout) else None
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -149,6 +149,7 @@ _ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
     403: ("permission_error", "forbidden"),
     404: ("invalid_request_error", None),  # as OpenAI types it; an unknown model's code is "model_not_found"
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     422: ("invalid_request_error", "unprocessable_entity"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
