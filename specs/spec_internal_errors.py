@@ -17,7 +17,6 @@ import functools
 import json
 import logging
 import re
-from contextlib import contextmanager
 
 import httpx
 from hypothesis import given, settings
@@ -28,7 +27,7 @@ from prism.serving.completions import CompletionRenderer
 from prism.serving.internal_errors import internal_error_body
 from prism.serving.settings import ServerSettings
 from prism.serving.stream import ChatCompletionStream
-from prism.testing.serving import requests_left_after, serve_in_thread
+from prism.testing.serving import failing_at, requests_left_after, serve_in_thread
 
 MODEL = "prism-tiny"
 MARK = "SECRET:"
@@ -64,24 +63,6 @@ class _Records(logging.Handler):
         self.texts.append(f"{record.getMessage()}\n{trace}")
 
 
-@contextmanager
-def _failing(owner, name: str, error: BaseException, at_call: int):
-    """`owner.name` raises `error` at its `at_call`-th call, and is itself otherwise."""
-    real, calls = getattr(owner, name), []
-
-    def failing(*args, **kwargs):
-        calls.append(None)
-        if len(calls) == at_call:
-            raise error
-        return real(*args, **kwargs)
-
-    setattr(owner, name, failing)
-    try:
-        yield
-    finally:
-        setattr(owner, name, real)
-
-
 @st.composite
 def failures(draw):
     endpoint = draw(st.sampled_from(sorted(ENDPOINTS)))
@@ -104,25 +85,30 @@ def _planted(server, endpoint: str, stream: bool, where: str):
     return RENDERERS[endpoint, stream]
 
 
-@settings(max_examples=30, deadline=None)
-@given(failure=failures())
-def spec_a_500_names_only_a_request_id(failure) -> None:
-    endpoint, stream, where, error, at_call = failure
-    server = served()
-    path, body = ENDPOINTS[endpoint]
+def _ask(server, path: str, body: dict, stream: bool, planted: tuple, error: BaseException, at_call: int, case: str
+         ) -> tuple[httpx.Response, list[str]]:
+    """The response to `body` with `planted` (owner, attribute) failing at its `at_call`-th call, and what was logged
+    at ERROR meanwhile."""
     records = _Records()
     logging.getLogger("prism").addHandler(records)
     try:
-        with _failing(*_planted(server, endpoint, stream, where), error, at_call):
-            response = httpx.post(server.url + path, json={**body, "stream": True} if stream else body, timeout=60)
+        with failing_at(*planted, error, at_call):
+            return httpx.post(server.url + path, json={**body, "stream": True} if stream else body,
+                              timeout=10), records.texts
     except httpx.RemoteProtocolError as cut:
-        raise AssertionError(f"{where} on {endpoint} (stream: {stream}, {error!r}): the response was cut: {cut}"
-                             ) from None
+        raise AssertionError(f"{case}: the response was cut: {cut}") from None
+    except httpx.ReadTimeout:
+        raise AssertionError(f"{case}: no answer 10 s after the request") from None
     finally:
         logging.getLogger("prism").removeHandler(records)
-    case = f"{where} on {endpoint} (stream: {stream}, {error!r})"
+
+
+def _check_internal_error(server, response: httpx.Response, logged: list[str], streamed: bool,
+                          error: BaseException, case: str) -> None:
+    """The answer is exactly the internal error body (`streamed`: a stream's last event before [DONE]), with nothing
+    of the failure; the log names its id with the failure; nothing is left running."""
     assert "SECRET" not in response.text, f"{case}: the failure's text went out: {response.text}"
-    if stream and where != "before submission":  # a stream's 200 went out: its end is the answer
+    if streamed:
         events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
         assert response.status_code == 200 and events and events[-1] == "[DONE]", f"{case}: {response.text}"
         answer = json.loads(events[-2])
@@ -131,8 +117,20 @@ def spec_a_500_names_only_a_request_id(failure) -> None:
         answer = response.json()
     ids = REQUEST_ID.findall(json.dumps(answer))
     assert len(ids) == 1 and answer == internal_error_body(ids[0]), f"{case}: not the internal error body: {answer}"
-    assert response.status_code == 200 or response.headers.get("x-request-id") == ids[0], f"{case}: headers {dict(response.headers)}"
-    logged = [text for text in records.texts if ids[0] in text]
+    assert streamed or response.headers.get("x-request-id") == ids[0], f"{case}: headers {dict(response.headers)}"
+    logged = [text for text in logged if ids[0] in text]
     assert any(str(error) in text for text in logged), f"{case}: the log has no {ids[0]} with the failure: {logged}"
     left = requests_left_after(server.engine, 5)
     assert not left, f"{case}: still running: {left}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(failure=failures())
+def spec_a_500_names_only_a_request_id(failure) -> None:
+    endpoint, stream, where, error, at_call = failure
+    server, (path, body) = served(), ENDPOINTS[endpoint]
+    case = f"{where} on {endpoint} (stream: {stream}, {error!r})"
+    response, logged = _ask(server, path, body, stream, _planted(server, endpoint, stream, where), error, at_call, case)
+    # a stream's 200 went out once its choices were submitted: then its end is the answer
+    _check_internal_error(server, response, logged, stream and where != "before submission", error, case)
+

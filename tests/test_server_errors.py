@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from prism.serving.settings import ServerSettings
-from prism.testing.serving import serve_in_thread
+from prism.testing.serving import failing_at, serve_in_thread
 
 MODEL = "prism-tiny"
 SECRET = "SECRET /opt/models/qwen internals"
@@ -26,22 +25,6 @@ def live():
     server = serve_in_thread(ServerSettings())
     yield server
     server.stop()
-
-
-@contextmanager
-def _fails_once(owner, name: str, error: BaseException):
-    """`owner.name` raises `error` at its next call, then is itself again."""
-    real = getattr(owner, name)
-
-    def failing(*args, **kwargs):
-        setattr(owner, name, real)
-        raise error
-
-    setattr(owner, name, failing)
-    try:
-        yield
-    finally:
-        setattr(owner, name, real)
 
 
 def _internal_error(body: dict) -> str:
@@ -89,7 +72,7 @@ def test_a_request_the_engine_fails_is_a_500_naming_only_a_request_id(live, capl
     """Before: the engine's reason went out as the message ("RuntimeError: <the exception's text>", "engine failure:
     <...>"), in the JSON body and in a stream's error event."""
     owner, name = (live.engine.runner, "execute") if where == "lost step" else (live.engine, "step")
-    with caplog.at_level(logging.ERROR), _fails_once(owner, name, RuntimeError(SECRET)):
+    with caplog.at_level(logging.ERROR), failing_at(owner, name, RuntimeError(SECRET)):
         response = _post(live, *endpoint, stream)
     _check_500(response, caplog, stream)
 
@@ -98,7 +81,7 @@ def test_a_decide_the_engine_fails_is_a_500_naming_only_a_request_id(live, caplo
     """Before: 500 "question 0 failed: RuntimeError: <the exception's text>"."""
     body = {"model": MODEL, "material": [{"role": "user", "content": "Hi"}],
             "questions": [{"type": "yes_no", "text": "Is it?"}]}
-    with caplog.at_level(logging.ERROR), _fails_once(live.engine.runner, "execute", RuntimeError(SECRET)):
+    with caplog.at_level(logging.ERROR), failing_at(live.engine.runner, "execute", RuntimeError(SECRET)):
         response = _post(live, "/v1/decide", body, stream=False)
     _check_500(response, caplog, stream=False)
 
@@ -106,55 +89,38 @@ def test_a_decide_the_engine_fails_is_a_500_naming_only_a_request_id(live, caplo
 def test_a_handler_failing_before_it_submits_logs_its_traceback_under_the_id(live, caplog):
     """Before: 500 "internal server error", with nothing to find it by in the log."""
     inputs = live.engine.inputs
-    with caplog.at_level(logging.ERROR), _fails_once(inputs, "prepare_chat", RuntimeError(SECRET)):
+    with caplog.at_level(logging.ERROR), failing_at(inputs, "prepare_chat", RuntimeError(SECRET)):
         response = _post(live, *CHAT, stream=False)
     request_id = _check_500(response, caplog, stream=False)
     assert "Traceback" in _logged(caplog, request_id) and "prepare_chat" not in response.text
     assert not live.engine.requests
 
 
-def test_a_response_that_fails_to_render_is_a_json_500(live, caplog, monkeypatch):
+def test_a_response_that_fails_to_render_is_a_json_500(live, caplog):
     """A ValueError while the answer is built is the server's failure, not a 400. Before: Starlette's plain-text
     "Internal Server Error", not an OpenAI body."""
     from prism.serving import app
 
-    def failing(*args, **kwargs):
-        raise ValueError(SECRET)
-
-    monkeypatch.setattr(app, "build_response", failing)
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.ERROR), failing_at(app, "build_response", ValueError(SECRET)):
         response = _post(live, *CHAT, stream=False)
     _check_500(response, caplog, stream=False)
 
 
-def test_a_stream_that_fails_to_render_midway_ends_with_an_error_event_then_done(live, caplog, monkeypatch):
+def test_a_stream_that_fails_to_render_midway_ends_with_an_error_event_then_done(live, caplog):
     """Before: the connection was cut mid-stream (no error event, no [DONE]: "incomplete chunked read")."""
     from prism.serving.stream import ChatCompletionStream
 
-    real, calls = ChatCompletionStream.on_output, []
-
-    def failing_at_the_second_event(self, index, event):
-        calls.append(index)
-        if len(calls) == 2:
-            raise KeyError(SECRET)
-        return real(self, index, event)
-
-    monkeypatch.setattr(ChatCompletionStream, "on_output", failing_at_the_second_event)
     body = {**CHAT[1], "max_tokens": 8, "ignore_eos": True}
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.ERROR), failing_at(ChatCompletionStream, "on_output", KeyError(SECRET), at_call=2):
         response = _post(live, CHAT[0], body, stream=True)
     _check_500(response, caplog, stream=True)
 
 
-def test_a_failure_outside_every_handler_is_a_json_500(live, caplog, monkeypatch):
+def test_a_failure_outside_every_handler_is_a_json_500(live, caplog):
     """Before: Starlette's plain-text "Internal Server Error"."""
     from prism.serving import app
 
-    def failing(*args, **kwargs):
-        raise RuntimeError(SECRET)
-
-    monkeypatch.setattr(app, "generate_latest", failing)
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.ERROR), failing_at(app, "generate_latest", RuntimeError(SECRET)):
         response = httpx.get(live.url + "/metrics", timeout=30)
     request_id = _check_500(response, caplog, stream=False)
     assert "Traceback" in _logged(caplog, request_id)
@@ -169,3 +135,4 @@ def test_refusals_keep_their_messages(live, body, status, words):
     response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == status and words in response.json()["error"]["message"], response.text
     assert not REQUEST_ID.search(response.text)
+

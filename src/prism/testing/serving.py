@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..serving.app import create_app
@@ -105,3 +106,27 @@ def handlers_left_after(served: ServedApp, seconds: float) -> tuple[int, list[st
     while (state.tasks or served.engine.requests) and time.time() < deadline:
         time.sleep(0.05)
     return len(state.tasks), list(served.engine.requests)
+
+
+@contextmanager
+def failing_at(owner, name: str, error: BaseException, at_call: int = 1):
+    """While the block runs, `owner.name` (a module's, a class's or an object's callable) raises `error` at its
+    `at_call`-th call and is itself at the others: a failure planted in a served app."""
+    own = vars(owner).get(name, None)
+    had_own = name in vars(owner)
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == at_call:
+            raise error
+        return real(*args, **kwargs)
+
+    setattr(owner, name, failing)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(owner, name, own)
+        else:
+            delattr(owner, name)
