@@ -5,7 +5,8 @@ Invariant: whatever fails while a request is served (the engine losing its step,
 handler raising before it submits, the answer failing to render), whichever endpoint and whether it streams, the
 client gets exactly the internal error body naming a request id (a JSON 500 with that id in X-Request-Id too; a
 stream: that body as its last event before [DONE]) and nothing of the failure's text; the log names the id with the
-failure's text; nothing is left running. (The operator's review: the engine's reasons went out as they were, e.g.
+failure's text; nothing is left running; the same when one of a completion's choices fails while its events are
+read. (The operator's review: the engine's reasons went out as they were, e.g.
 "RuntimeError: <the exception's text>", a stream failing to render was cut without an end, a ValueError while a
 response was built was Starlette's plain-text 500.) A ValueError before submission is a refusal by design (a 400
 with its message), so the failures drawn there are of other types.
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from prism.serving import app as app_module
 from prism.serving.completions import CompletionRenderer
 from prism.serving.internal_errors import internal_error_body
+from prism.serving.metrics import RequestTracker
 from prism.serving.settings import ServerSettings
 from prism.serving.stream import ChatCompletionStream
 from prism.testing.serving import failing_at, requests_left_after, serve_in_thread
@@ -134,3 +136,24 @@ def spec_a_500_names_only_a_request_id(failure) -> None:
     # a stream's 200 went out once its choices were submitted: then its end is the answer
     _check_internal_error(server, response, logged, stream and where != "before submission", error, case)
 
+
+@st.composite
+def failing_choices(draw):
+    """(endpoint, stream, n, the event of the completion at which reading fails, the error): each choice has one
+    event per token, so there are n * max_tokens events."""
+    endpoint, n = draw(st.sampled_from(["chat", "completion"])), draw(st.integers(1, 3))
+    at_call = draw(st.integers(1, n * ENDPOINTS[endpoint][1]["max_tokens"]))
+    return endpoint, draw(st.booleans()), n, at_call, draw(st.sampled_from(ERRORS))(MARK + draw(st.text(max_size=20)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(failing=failing_choices())
+def spec_a_choice_failing_while_its_events_are_read_ends_its_completion(failing) -> None:
+    """Of n choices, one's events fail to be read (the metrics' observer raises at the `at_call`-th event of the
+    completion): the completion ends with the internal error (before: with n > 1 the choice's pump task died unseen
+    and the merge waited for its events forever, streamed or not)."""
+    endpoint, stream, n, at_call, error = failing
+    server, (path, body) = served(), ENDPOINTS[endpoint]
+    case = f"{endpoint} of {n} choice(s) (stream: {stream}), event {at_call} failing with {error!r}"
+    response, logged = _ask(server, path, {**body, "n": n}, stream, (RequestTracker, "__call__"), error, at_call, case)
+    _check_internal_error(server, response, logged, stream, error, case)

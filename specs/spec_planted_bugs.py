@@ -1209,3 +1209,40 @@ def test_a_body_timed_per_read_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(BodyDeadline, "__call__", timed_per_read)
     _spec_fails(spec_body_deadline.spec_a_body_arrives_in_time_or_is_a_408_that_leaves_nothing, "not a 408")
+
+
+def test_a_choice_whose_events_fail_unseen_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found while checking the operator's review: with n > 1, a choice whose events failed to be read (its pump task
+    raised) died unseen, and the completion waited for its events forever. Planted: `_merge` as it was."""
+    import asyncio
+
+    from prism.serving import app
+    from specs import spec_internal_errors
+
+    merge = app._merge
+
+    class FailingUnseen:
+        """A choice's events as the old pump read them: after a failure, none come (the task had died)."""
+
+        def __init__(self, stream) -> None:
+            self.stream = stream
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                return await self.stream.__anext__()
+            except StopAsyncIteration:
+                raise
+            except Exception:  # noqa: BLE001 - lost, as the pump task's exception was
+                await asyncio.Event().wait()
+
+        async def aclose(self) -> None:
+            await self.stream.aclose()
+
+    def pumps_failing_unseen(streams):
+        return merge([FailingUnseen(s) for s in streams] if len(streams) > 1 else streams)
+
+    monkeypatch.setattr(app, "_merge", pumps_failing_unseen)
+    _spec_fails(spec_internal_errors.spec_a_choice_failing_while_its_events_are_read_ends_its_completion, "no answer")

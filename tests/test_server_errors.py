@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from prism.serving.settings import ServerSettings
-from prism.testing.serving import failing_at, serve_in_thread
+from prism.testing.serving import failing_at, requests_left_after, serve_in_thread
 
 MODEL = "prism-tiny"
 SECRET = "SECRET /opt/models/qwen internals"
@@ -136,3 +136,18 @@ def test_refusals_keep_their_messages(live, body, status, words):
     assert response.status_code == status and words in response.json()["error"]["message"], response.text
     assert not REQUEST_ID.search(response.text)
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_of_several_failing_while_its_events_are_read_ends_the_completion(live, caplog, stream):
+    """n = 2, the metrics' observer of a choice raising at the completion's third event. Before: the choice's pump
+    task died with the exception unseen and the merge waited for its events forever (no answer, stream or not)."""
+    from prism.serving.metrics import RequestTracker
+
+    body = {**CHAT[1], "max_tokens": 8, "ignore_eos": True, "n": 2}
+    with caplog.at_level(logging.ERROR), failing_at(RequestTracker, "__call__", RuntimeError(SECRET), at_call=3):
+        try:
+            response = httpx.post(live.url + CHAT[0], json={**body, "stream": True} if stream else body, timeout=15)
+        except httpx.ReadTimeout:
+            pytest.fail("no answer 15 s after the request")
+    _check_500(response, caplog, stream)
+    assert not requests_left_after(live.engine, 5)

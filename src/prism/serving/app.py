@@ -462,7 +462,8 @@ async def _start(state: ServerState, request_id: str, prompt, params: SamplingPa
 
 
 async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Events of all choices as they come, tagged with their index."""
+    """Events of all choices as they come, tagged with their index. A choice whose events fail to be read (its pump
+    raised) fails the merge with that exception, rather than leaving it waiting for events that will not come."""
     if len(streams) == 1:
         try:
             async for event in streams[0]:
@@ -473,14 +474,19 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream) -> None:
-        async for event in stream:
-            await queue.put((index, event))
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+        except Exception as error:  # noqa: BLE001 - raised by the merge below
+            await queue.put((index, error))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         done = 0
         while done < len(streams):
             index, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
             done += event.finished
             yield index, event
     finally:
