@@ -34,7 +34,7 @@ for stream in (False, True):
     except httpx.ReadTimeout:
         answers[stream] = None
 RequestTracker.__call__ = real
-served.server.should_exit = True
+served.stop()  # the engine thread stopped before the process exits
 _common.verdict(answers == {False: (500, True), True: (200, True)},
                 "the completion ended with the internal error, streamed (an error event) or not (a 500)",
                 f"(status, an internal error) of the completion, by whether it streamed: {answers} (None: no answer "

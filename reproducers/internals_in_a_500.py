@@ -53,6 +53,6 @@ for what, (path, body) in asks.items():
         problems.append(f"the {what}'s 500 says {message!r}")
     elif not ids or not any(ids[0] in line and SECRET in line for line in logged):
         problems.append(f"the {what}'s 500 ({message!r}) names no request id that the log names with the failure")
-served.server.should_exit = True
+served.stop()  # the engine thread stopped before the process exits
 _common.verdict(not problems, "each 500 names only a request id, under which the log has the failure",
                 "; ".join(problems))

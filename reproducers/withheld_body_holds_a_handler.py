@@ -26,7 +26,7 @@ except TimeoutError:
 waited = time.time() - start
 held = len(served.server.server_state.tasks)
 sock.close()
-served.server.should_exit = True
+served.stop()  # the engine thread stopped before the process exits
 _common.verdict(answer is not None and answer.startswith("HTTP/1.1 408"),
                 f"the withheld body was answered {answer!r} after {waited:.1f} s",
                 f"a POST whose body never came was answered {answer!r} after {waited:.1f} s; {held} handler(s) "
