@@ -488,6 +488,8 @@ def test_error_bodies():
     assert error_from_exception(ValueError("plain"))[0] == 400
     status, body = error_from_exception(RuntimeError("secret internals"))
     assert status == 500 and "secret" not in body["error"]["message"]
+    status, body = error_from_exception(RequestFailedError("RuntimeError: secret internals"))
+    assert status == 500 and "secret" not in body["error"]["message"], "the engine's reason is for the log"
 
 
 def test_model_list_shape():

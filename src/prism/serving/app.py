@@ -3,8 +3,9 @@ async engine.
 
 Owns *hostile input -> 4xx, nothing lost*: every request body is size-checked, parsed and validated
 before anything is allocated; media are resolved and preprocessed in the worker pool with their own
-limits; refusals carry an OpenAI-style error body; a client that disconnects mid-stream aborts its
-engine requests (their pages are released); shutdown aborts whatever is still running.
+limits; refusals carry an OpenAI-style error body, and the server's own failures a 500 that names only a request id
+(`internal_errors.py`); a client that disconnects mid-stream aborts its engine requests (their pages are released);
+shutdown aborts whatever is still running.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..decision.plan import DecisionFailed, Generations, Outcome, Readouts, advance, plan_decision
 from ..engine.chat import InputError
@@ -34,8 +36,10 @@ from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..media.errors import ImageTooLargeError
 from .async_engine import AsyncEngine, GenerationEvents, Overloaded, ShuttingDown
+from .body_deadline import BodyDeadline, BodyReadTimeout
 from .completions import CompletionRenderer, CompletionRequest, parse_completion_request
 from .decide_protocol import DecideRequest, decide_response, parse_decide_request
+from .internal_errors import InternalErrors, internal_error_message, internal_error_response, report
 from .media_urls import MediaResolver
 from .metrics import ServingMetrics
 from .protocol import (
@@ -44,13 +48,7 @@ from .protocol import (
     describe_validation_errors,
     parse_chat_request,
 )
-from .responses import (
-    ModelCard,
-    ModelList,
-    RequestFailedError,
-    error_body,
-    error_from_exception,
-)
+from .responses import ModelCard, ModelList, error_body, error_from_exception
 from .settings import ServerSettings
 from .stream import ChatCompletionStream, build_response, byte_level_token_bytes, new_completion_id
 
@@ -110,6 +108,8 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 log.error("the engine thread did not stop; its tensor-parallel ranks are left to the exit handler")
 
     app = FastAPI(title="Prism", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(InternalErrors)
+    app.add_middleware(BodyDeadline, timeout_s=lambda: app.state.prism.settings.body_read_timeout_s)
     _document_raw_bodies(app)
 
     @app.exception_handler(RequestValidationError)
@@ -163,7 +163,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 functools.partial(state.engine.inputs.prepare_chat, bind_names=False), messages)
             _check_context(chat, len(prompt.token_ids), state.engine.max_model_len)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
-            return _error_response(state, error)
+            return _error_response(state, error, "POST /v1/chat/completions")
         completion_id = new_completion_id()
         submitted = await _start_choices(state, completion_id, [(prompt, params)] * chat.num_choices, arrival)
         if isinstance(submitted, Response):
@@ -177,7 +177,8 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             events = await _until_disconnected(request, _collect(submitted))
         except ClientGone:
             return Response(status_code=499)
-        return _json_or_error(lambda: build_response(completion_id, int(time.time()), chat.model, events, token_bytes))
+        return _json_or_error(lambda: build_response(completion_id, int(time.time()), chat.model, events, token_bytes),
+                              completion_id)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -195,7 +196,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             echoes = (await state.async_engine.run_in_media_pool(_echoes, state, prompts, completion.prompts)
                       if completion.echo else [""] * len(prompts))
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
-            return _error_response(state, error)
+            return _error_response(state, error, "POST /v1/completions")
         n = completion.num_choices
         renderer = CompletionRenderer(
             completion.model, [echo for echo in echoes for _ in range(n)], n, include_usage=completion.include_usage,
@@ -212,7 +213,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             events = await _until_disconnected(request, _collect(submitted))
         except ClientGone:
             return Response(status_code=499)
-        return _json_or_error(lambda: renderer.response(events))
+        return _json_or_error(lambda: renderer.response(events), renderer.id)
 
     @app.post("/v1/decide", response_model=None)
     async def decide(request: Request) -> Response:
@@ -235,11 +236,11 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         except ClientGone:
             state.metrics.decides.labels(outcome="abandoned").inc()
             return Response(status_code=499)
-        except DecisionFailed as error:  # the engine failed a question: say which and why
+        except DecisionFailed as error:  # the engine failed a question: the log says which and why
             state.metrics.decides.labels(outcome="failed").inc()
-            return _error_response(state, RequestFailedError(str(error)))
+            return _error_response(state, error, decision_id)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
-            return _error_response(state, error)
+            return _error_response(state, error, "POST /v1/decide")
         state.metrics.decided(arrival, time.perf_counter(), len(answers))
         response = decide_response(decision_id, int(time.time()), decide_request.model, answers)
         return JSONResponse(response.model_dump(mode="json", exclude_none=True))
@@ -377,7 +378,8 @@ def _document_raw_bodies(app: FastAPI) -> None:
 
 
 async def _read_body(request: Request, state: ServerState) -> bytes:
-    """The raw body, refused (413) as soon as it is known to exceed the limit."""
+    """The raw body, refused (413) as soon as it is known to exceed the limit, or (408) once it is late
+    (`BodyReadTimeout`, raised by the reads: body_deadline.py)."""
     limit = state.settings.max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -460,7 +462,8 @@ async def _start(state: ServerState, request_id: str, prompt, params: SamplingPa
 
 
 async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Events of all choices as they come, tagged with their index."""
+    """Events of all choices as they come, tagged with their index. A choice whose events fail to be read (its pump
+    raised) fails the merge with that exception, rather than leaving it waiting for events that will not come."""
     if len(streams) == 1:
         try:
             async for event in streams[0]:
@@ -471,14 +474,19 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream) -> None:
-        async for event in stream:
-            await queue.put((index, event))
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+        except Exception as error:  # noqa: BLE001 - raised by the merge below
+            await queue.put((index, error))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         done = 0
         while done < len(streams):
             index, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
             done += event.finished
             yield index, event
     finally:
@@ -499,7 +507,7 @@ async def _start_choices(state: ServerState, completion_id: str, choices: list, 
     if len(choices) > state.async_engine.max_in_flight:  # never fits: not a 429 "retry later"
         return _error_response(state, ProtocolError(
             f"the request asks for {len(choices)} choices, more than the server runs at once "
-            f"({state.async_engine.max_in_flight})", param="n"))
+            f"({state.async_engine.max_in_flight})", param="n"), completion_id)
     per_prompt = per_prompt or len(choices)
     streams = []
     try:
@@ -511,7 +519,7 @@ async def _start_choices(state: ServerState, completion_id: str, choices: list, 
     except Exception as error:  # noqa: BLE001
         for stream in streams:
             await stream.aclose()
-        return _error_response(state, error)
+        return _error_response(state, error, completion_id)
     return streams
 
 
@@ -521,19 +529,18 @@ def _event_stream(body) -> StreamingResponse:
 
 
 async def _sse(out, streams: list):
-    """SSE bytes of one completion: `out` (ChatCompletionStream or CompletionRenderer) renders the events."""
+    """SSE bytes of one completion: `out` (ChatCompletionStream or CompletionRenderer) renders the events. A failure
+    (the engine failed a choice, or rendering raised) ends it with the internal error event, then [DONE]."""
     merged = _merge(streams)
     try:
         yield out.start()
         async for index, event in merged:
-            try:
-                data = out.on_output(index, event)
-            except RequestFailedError as error:
-                yield out.error(error.status, str(error))
-                return
+            data = out.on_output(index, event)
             if data:
                 yield data
         yield out.finish()
+    except Exception as error:  # noqa: BLE001 - the 200 went out: the stream's end is the only answer left
+        yield out.error(500, internal_error_message(report(error, out.id)))
     finally:
         await merged.aclose()  # a disconnected client lands here: its requests are aborted
 
@@ -550,17 +557,22 @@ async def _collect(streams: list) -> list[list[RequestOutput]]:
     return events
 
 
-def _json_or_error(build) -> JSONResponse:
-    """The body `build()` makes, or the error of a choice the engine failed."""
+def _json_or_error(build, completion_id: str) -> JSONResponse:
+    """The body `build()` makes, or the internal error of a choice the engine failed or of a failed rendering (even
+    a ValueError: the request was accepted, so what fails now is the server)."""
     try:
         response = build()
-    except RequestFailedError as error:
-        return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
+    except Exception as error:  # noqa: BLE001
+        return internal_error_response(error, completion_id)
     # OpenAI's nulls kept ("logprobs": null when none were asked, a token's "bytes": null): what clients parse.
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _error_response(state: ServerState, error: Exception) -> JSONResponse:
+def _error_response(state: ServerState, error: Exception, where: str) -> Response:
+    """A refusal's own error body, or for anything else (a 500) the internal error naming a request id, the failure
+    logged under it (`where`: the endpoint or completion)."""
+    if isinstance(error, ClientDisconnect):  # it left while sending its body: no one to answer, nothing failed
+        return Response(status_code=499)
     if isinstance(error, Overloaded):
         status, body = 429, error_body(429, str(error))
     elif isinstance(error, (ShuttingDown, EngineStopped)):
@@ -569,9 +581,11 @@ def _error_response(state: ServerState, error: Exception) -> JSONResponse:
         status, body = 413, error_body(413, str(error))
     else:
         status, body = error_from_exception(error)
-        if status >= 500:
-            log.exception("request failed", exc_info=error)
+        if status >= 500:  # not a refusal: the server failed
+            state.metrics.rejected.labels(status="500").inc()
+            return internal_error_response(error, where)
     state.metrics.rejected.labels(status=str(status)).inc()
-    headers = {"Retry-After": "1"} if status == 429 else None  # retry later: the requests in flight finish in time
+    # 429: retry later (the requests in flight finish in time); a 408's headers close the connection
+    headers = {"Retry-After": "1"} if status == 429 else error.headers if isinstance(error, BodyReadTimeout) else None
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -149,6 +149,7 @@ _ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
     403: ("permission_error", "forbidden"),
     404: ("invalid_request_error", None),  # as OpenAI types it; an unknown model's code is "model_not_found"
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     422: ("invalid_request_error", "unprocessable_entity"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
@@ -170,11 +171,13 @@ def error_body(
 
 def error_from_exception(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """(status, error body) for an exception: `status` / `param` / `code` attributes when it has them
-    (ProtocolError, MediaURLError, RequestFailedError), 400 for any other ValueError, else 500 without internals."""
+    (ProtocolError, MediaURLError), 400 for any other ValueError, else 500 without internals (not even a
+    RequestFailedError's: the engine's reason is for the log; the server answers a 500 with
+    `internal_errors.internal_error_response`, which names a request id)."""
     status = getattr(exc, "status", None)
     if not isinstance(status, int):
         status = 400 if isinstance(exc, ValueError) else 500
-    if status >= 500 and not isinstance(exc, RequestFailedError):
+    if status >= 500:
         return status, error_body(status, "internal server error")
     message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
     return status, error_body(status, message, getattr(exc, "param", None), getattr(exc, "code", None))

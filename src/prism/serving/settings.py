@@ -1,9 +1,9 @@
 """The HTTP server's settings: one frozen dataclass read from PRISM_* environment variables.
 
 Owns the server-side limits that turn hostile input into a 4xx instead of memory or time spent: media size and
-count, request body size, the admission queue bound, and which media sources exist at all (local files only
-under one root; remote URLs only when switched on). A bad value fails at start-up with a `ValueError` that
-names the environment variable, never later inside a request.
+count, request body size and the time its arrival may take, the admission queue bound, and which media sources exist
+at all (local files only under one root; remote URLs only when switched on). A bad value fails at start-up with a
+`ValueError` that names the environment variable, never later inside a request.
 
 | field                      | variable                         | default                                |
 |----------------------------|----------------------------------|----------------------------------------|
@@ -19,6 +19,7 @@ names the environment variable, never later inside a request.
 | max_video_frames           | PRISM_MAX_VIDEO_FRAMES           | 256 frames per video                   |
 | max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 decoded frame pixels per request |
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
+| body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (whole body, from its first read) |
 | max_waiting_requests       | PRISM_MAX_WAITING                | 256 (more -> 429)                      |
 | preprocess_workers         | PRISM_PREPROCESS_WORKERS         | 4                                      |
 | data_url_cache_bytes       | PRISM_DATA_URL_CACHE_BYTES       | 256 MiB of recent data URLs (0: none)  |
@@ -59,6 +60,7 @@ class ServerSettings:
     max_video_frames: int = 256
     max_video_pixels: int = 2**27
     max_request_bytes: int = 64 * MIB
+    body_read_timeout_s: float = 30.0  # the whole body in that time, or a 408 (serving/body_deadline.py)
     max_waiting_requests: int = 256
     preprocess_workers: int = 4
     data_url_cache_bytes: int = 256 * MIB  # decoded payloads of repeated data URLs (serving/data_url_cache.py)
@@ -85,10 +87,11 @@ class ServerSettings:
             object.__setattr__(self, "media_root", root)
         if not isinstance(self.allow_remote_media, bool):
             raise ValueError(f"allow_remote_media must be a bool, got {self.allow_remote_media!r}")
-        t = self.remote_media_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-            raise ValueError(f"remote_media_timeout_s must be a finite number > 0, got {t!r}")
-        object.__setattr__(self, "remote_media_timeout_s", float(t))
+        for field_name in ("remote_media_timeout_s", "body_read_timeout_s"):
+            t = getattr(self, field_name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+                raise ValueError(f"{field_name} must be a finite number > 0, got {t!r}")
+            object.__setattr__(self, field_name, float(t))
         if not _is_int(self.data_url_cache_bytes) or self.data_url_cache_bytes < 0:
             raise ValueError(f"data_url_cache_bytes must be an integer >= 0, got {self.data_url_cache_bytes!r}")
         if not _is_int(self.remote_media_max_redirects) or self.remote_media_max_redirects < 0:
@@ -136,8 +139,10 @@ class ServerSettings:
             kwargs["media_root"] = Path(root)
         if (flag := env.get("PRISM_ALLOW_REMOTE_MEDIA")) is not None:
             kwargs["allow_remote_media"] = _parse_bool("PRISM_ALLOW_REMOTE_MEDIA", flag)
-        if (timeout := get("PRISM_REMOTE_MEDIA_TIMEOUT_S")) is not None:
-            kwargs["remote_media_timeout_s"] = _parse_positive_float("PRISM_REMOTE_MEDIA_TIMEOUT_S", timeout)
+        for var, field_name in (("PRISM_REMOTE_MEDIA_TIMEOUT_S", "remote_media_timeout_s"),
+                                ("PRISM_BODY_READ_TIMEOUT_S", "body_read_timeout_s")):
+            if (timeout := get(var)) is not None:
+                kwargs[field_name] = _parse_positive_float(var, timeout)
         for var, field_name, minimum in (
             ("PRISM_REMOTE_MEDIA_MAX_REDIRECTS", "remote_media_max_redirects", 0),
             ("PRISM_MAX_MEDIA_BYTES", "max_media_bytes", 1),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..serving.app import create_app
@@ -57,3 +58,75 @@ def requests_left_after(engine, seconds: float) -> list[str]:
     while engine.requests and time.time() < deadline:
         time.sleep(0.05)
     return list(engine.requests)
+
+
+def open_request(url: str, path: str, content_length: int, timeout_s: float = 10.0) -> socket.socket:
+    """A raw connection to the server at `url` that has sent a POST's headers (JSON, `content_length` declared) and
+    none of its body: the caller sends that, or withholds it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.settimeout(timeout_s)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {content_length}\r\n\r\n".encode())
+    return sock
+
+
+def read_response(sock: socket.socket, closed_within_s: float = 0.5) -> tuple[int, dict[str, str], bytes, bool] | None:
+    """(status, headers in lower case, body, whether the server closed the connection within `closed_within_s` after
+    it) of the response on `sock` (a Content-Length one), or None when none came within the socket's timeout."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        while len(body) < int(headers.get("content-length", 0)):
+            body += sock.recv(65536)
+    except TimeoutError:
+        return None
+    sock.settimeout(closed_within_s)
+    try:
+        closed = sock.recv(1) == b""
+    except TimeoutError:
+        closed = False
+    except ConnectionResetError:  # closed with some of what was sent unread
+        closed = True
+    return int(lines[0].split()[1]), headers, body, closed
+
+
+def handlers_left_after(served: ServedApp, seconds: float) -> tuple[int, list[str]]:
+    """(uvicorn's request tasks still running, the engine's requests still there) after waiting up to `seconds` for
+    both to go."""
+    state = served.server.server_state
+    deadline = time.time() + seconds
+    while (state.tasks or served.engine.requests) and time.time() < deadline:
+        time.sleep(0.05)
+    return len(state.tasks), list(served.engine.requests)
+
+
+@contextmanager
+def failing_at(owner, name: str, error: BaseException, at_call: int = 1):
+    """While the block runs, `owner.name` (a module's, a class's or an object's callable) raises `error` at its
+    `at_call`-th call and is itself at the others: a failure planted in a served app."""
+    own = vars(owner).get(name, None)
+    had_own = name in vars(owner)
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == at_call:
+            raise error
+        return real(*args, **kwargs)
+
+    setattr(owner, name, failing)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(owner, name, own)
+        else:
+            delattr(owner, name)

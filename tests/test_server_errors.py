@@ -1,0 +1,153 @@
+"""A 500 over real HTTP (uvicorn in a thread, the tiny checkpoint) says that the server failed and under which request
+id, never what failed: the engine failing a request (a lost step, a failing engine thread), a handler raising before
+it submits, a response or a stream failing to render, an exception outside every handler. The log names the id with
+the failure. Refusals (4xx) keep their own messages."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import httpx
+import pytest
+
+from prism.serving.settings import ServerSettings
+from prism.testing.serving import failing_at, requests_left_after, serve_in_thread
+
+MODEL = "prism-tiny"
+SECRET = "SECRET /opt/models/qwen internals"
+REQUEST_ID = re.compile(r"req-[0-9a-f]{32}")
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = serve_in_thread(ServerSettings())
+    yield server
+    server.stop()
+
+
+def _internal_error(body: dict) -> str:
+    """The request id of a generic 500 body (AssertionError if it is not one)."""
+    error = body["error"]
+    assert (error["type"], error["code"], error["param"]) == ("server_error", "internal_error", None), body
+    ids = REQUEST_ID.findall(error["message"])
+    assert len(ids) == 1, f"no request id in {error['message']!r}"
+    return ids[0]
+
+
+def _logged(caplog, request_id: str) -> str:
+    """Everything logged under `request_id`: messages and tracebacks."""
+    return "\n".join(f"{r.getMessage()}\n{r.exc_text or ''}" for r in caplog.records if request_id in r.getMessage())
+
+
+def _post(live, path: str, body: dict, stream: bool) -> httpx.Response:
+    return httpx.post(live.url + path, json={**body, "stream": True} if stream else body, timeout=60)
+
+
+def _check_500(response: httpx.Response, caplog, stream: bool) -> str:
+    """The response is the generic 500 (a stream: its error event, then [DONE]), its id logged with the failure."""
+    assert SECRET not in response.text, response.text
+    if stream:
+        assert response.status_code == 200, response.text
+        events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+        assert events[-1] == "[DONE]", events[-3:]
+        request_id = _internal_error(json.loads(events[-2]))
+    else:
+        assert response.status_code == 500, response.text
+        request_id = _internal_error(response.json())
+        assert response.headers["x-request-id"] == request_id
+    assert SECRET in _logged(caplog, request_id), f"the log has no {request_id} with the failure: {caplog.text}"
+    return request_id
+
+
+CHAT = ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETION], ids=["chat", "completion"])
+@pytest.mark.parametrize("where", ["lost step", "engine thread"])
+def test_a_request_the_engine_fails_is_a_500_naming_only_a_request_id(live, caplog, where, endpoint, stream):
+    """Before: the engine's reason went out as the message ("RuntimeError: <the exception's text>", "engine failure:
+    <...>"), in the JSON body and in a stream's error event."""
+    owner, name = (live.engine.runner, "execute") if where == "lost step" else (live.engine, "step")
+    with caplog.at_level(logging.ERROR), failing_at(owner, name, RuntimeError(SECRET)):
+        response = _post(live, *endpoint, stream)
+    _check_500(response, caplog, stream)
+
+
+def test_a_decide_the_engine_fails_is_a_500_naming_only_a_request_id(live, caplog):
+    """Before: 500 "question 0 failed: RuntimeError: <the exception's text>"."""
+    body = {"model": MODEL, "material": [{"role": "user", "content": "Hi"}],
+            "questions": [{"type": "yes_no", "text": "Is it?"}]}
+    with caplog.at_level(logging.ERROR), failing_at(live.engine.runner, "execute", RuntimeError(SECRET)):
+        response = _post(live, "/v1/decide", body, stream=False)
+    _check_500(response, caplog, stream=False)
+
+
+def test_a_handler_failing_before_it_submits_logs_its_traceback_under_the_id(live, caplog):
+    """Before: 500 "internal server error", with nothing to find it by in the log."""
+    inputs = live.engine.inputs
+    with caplog.at_level(logging.ERROR), failing_at(inputs, "prepare_chat", RuntimeError(SECRET)):
+        response = _post(live, *CHAT, stream=False)
+    request_id = _check_500(response, caplog, stream=False)
+    assert "Traceback" in _logged(caplog, request_id) and "prepare_chat" not in response.text
+    assert not live.engine.requests
+
+
+def test_a_response_that_fails_to_render_is_a_json_500(live, caplog):
+    """A ValueError while the answer is built is the server's failure, not a 400. Before: Starlette's plain-text
+    "Internal Server Error", not an OpenAI body."""
+    from prism.serving import app
+
+    with caplog.at_level(logging.ERROR), failing_at(app, "build_response", ValueError(SECRET)):
+        response = _post(live, *CHAT, stream=False)
+    _check_500(response, caplog, stream=False)
+
+
+def test_a_stream_that_fails_to_render_midway_ends_with_an_error_event_then_done(live, caplog):
+    """Before: the connection was cut mid-stream (no error event, no [DONE]: "incomplete chunked read")."""
+    from prism.serving.stream import ChatCompletionStream
+
+    body = {**CHAT[1], "max_tokens": 8, "ignore_eos": True}
+    with caplog.at_level(logging.ERROR), failing_at(ChatCompletionStream, "on_output", KeyError(SECRET), at_call=2):
+        response = _post(live, CHAT[0], body, stream=True)
+    _check_500(response, caplog, stream=True)
+
+
+def test_a_failure_outside_every_handler_is_a_json_500(live, caplog):
+    """Before: Starlette's plain-text "Internal Server Error"."""
+    from prism.serving import app
+
+    with caplog.at_level(logging.ERROR), failing_at(app, "generate_latest", RuntimeError(SECRET)):
+        response = httpx.get(live.url + "/metrics", timeout=30)
+    request_id = _check_500(response, caplog, stream=False)
+    assert "Traceback" in _logged(caplog, request_id)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]}, 404, "does not exist"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6}, 400, "context"),
+])
+def test_refusals_keep_their_messages(live, body, status, words):
+    response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == status and words in response.json()["error"]["message"], response.text
+    assert not REQUEST_ID.search(response.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_of_several_failing_while_its_events_are_read_ends_the_completion(live, caplog, stream):
+    """n = 2, the metrics' observer of a choice raising at the completion's third event. Before: the choice's pump
+    task died with the exception unseen and the merge waited for its events forever (no answer, stream or not)."""
+    from prism.serving.metrics import RequestTracker
+
+    body = {**CHAT[1], "max_tokens": 8, "ignore_eos": True, "n": 2}
+    with caplog.at_level(logging.ERROR), failing_at(RequestTracker, "__call__", RuntimeError(SECRET), at_call=3):
+        try:
+            response = httpx.post(live.url + CHAT[0], json={**body, "stream": True} if stream else body, timeout=15)
+        except httpx.ReadTimeout:
+            pytest.fail("no answer 15 s after the request")
+    _check_500(response, caplog, stream)
+    assert not requests_left_after(live.engine, 5)
