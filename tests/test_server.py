@@ -639,18 +639,43 @@ def test_exit_signals_abort_the_requests_before_the_servers_own_handler():
         signal.signal(signal.SIGTERM, original)
 
 
-def test_a_shutdown_ends_every_stream_with_an_error_event_and_refuses_new_requests():
+def test_a_shutdown_ends_every_stream_with_an_error_event_and_refuses_new_requests(caplog):
+    """The streams a shutdown aborts end with a 503 saying so (a client may retry elsewhere), not with the internal
+    error of a failed server, and nothing is logged as an error (session 29: after 500s stopped showing internals,
+    an abort had become one, logged at ERROR per stream)."""
     server = LiveServer(ServerSettings())
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 4000,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            server.app.state.prism.async_engine.begin_shutdown()
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+        with caplog.at_level("INFO", logger="prism.server"):
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                server.app.state.prism.async_engine.begin_shutdown()
+                rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"] and error["code"] == "service_unavailable", error
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
         refused = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={**body, "stream": False})
         assert refused.status_code == 503, refused.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("error, status, needle", [(None, 503, "shutting down"), ("boom at /secret/path", 500,
+                                                                                   "internal error")])
+def test_a_decide_the_engine_aborted_is_a_503_and_one_it_failed_a_500(live, monkeypatch, error, status, needle):
+    """A question the engine aborted (only shutting down aborts one whose client is there) answers 503 "shutting
+    down"; one it failed the internal error, without the engine's reason."""
+    from prism.serving import app as app_module
+
+    async def outcomes(state, work):
+        return {b.request_id: app_module.Outcome(None, None, 0, 0, error) for b in work.branches}
+
+    monkeypatch.setattr(app_module, "_run_work", outcomes)
+    body = {"model": MODEL, "material": [{"role": "user", "content": "A red square."}],
+            "questions": [{"type": "yes_no", "text": "Is it red?"}]}
+    response = httpx.post(live.url + "/v1/decide", json=body, timeout=60)
+    assert response.status_code == status and needle in response.json()["error"]["message"], response.text
+    assert "secret" not in response.text

@@ -58,7 +58,11 @@ def grouped(question: Question) -> list[Question]:
 
 
 class DecisionFailed(RuntimeError):
-    """A question's readout ended without probabilities (the engine failed or aborted it)."""
+    """A question's readout ended without probabilities (the engine failed it, or `aborted` it)."""
+
+    def __init__(self, message: str, aborted: bool = False) -> None:
+        super().__init__(message)
+        self.aborted = aborted
 
 
 def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
@@ -82,7 +86,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
 
     def read(outcome: Outcome, index: int, question: Question) -> Answer:
         if outcome.readout is None:
-            raise DecisionFailed(f"question {index} failed: {outcome.error or 'aborted'}")
+            raise DecisionFailed(f"question {index} failed: {outcome.error or 'aborted'}", aborted=outcome.error is None)
         answer = make_answer(index, question, outcome.readout)
         answer.prompt_tokens, answer.cached_tokens = outcome.prompt_tokens, outcome.cached_tokens
         return answer

@@ -48,7 +48,7 @@ from .protocol import (
     describe_validation_errors,
     parse_chat_request,
 )
-from .responses import ModelCard, ModelList, error_body, error_from_exception
+from .responses import ModelCard, ModelList, RequestAborted, error_body, error_from_exception
 from .settings import ServerSettings
 from .stream import ChatCompletionStream, build_response, byte_level_token_bytes, new_completion_id
 
@@ -236,9 +236,9 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         except ClientGone:
             state.metrics.decides.labels(outcome="abandoned").inc()
             return Response(status_code=499)
-        except DecisionFailed as error:  # the engine failed a question: the log says which and why
-            state.metrics.decides.labels(outcome="failed").inc()
-            return _error_response(state, error, decision_id)
+        except DecisionFailed as error:  # the engine failed a question (the log says which and why) or, shutting
+            state.metrics.decides.labels(outcome="failed").inc()  # down, aborted it
+            return _error_response(state, RequestAborted() if error.aborted else error, decision_id)
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI-style error body
             return _error_response(state, error, "POST /v1/decide")
         state.metrics.decided(arrival, time.perf_counter(), len(answers))
@@ -539,6 +539,9 @@ async def _sse(out, streams: list):
             if data:
                 yield data
         yield out.finish()
+    except RequestAborted as error:  # shutting down: its own 503, not a failure
+        log.info("completion %s aborted: the server is shutting down", out.id)
+        yield out.error(error.status, str(error))
     except Exception as error:  # noqa: BLE001 - the 200 went out: the stream's end is the only answer left
         yield out.error(500, internal_error_message(report(error, out.id)))
     finally:
@@ -562,6 +565,9 @@ def _json_or_error(build, completion_id: str) -> JSONResponse:
     a ValueError: the request was accepted, so what fails now is the server)."""
     try:
         response = build()
+    except RequestAborted as error:  # shutting down: its own 503, not a failure
+        log.info("completion %s aborted: the server is shutting down", completion_id)
+        return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
     except Exception as error:  # noqa: BLE001
         return internal_error_response(error, completion_id)
     # OpenAI's nulls kept ("logprobs": null when none were asked, a token's "bytes": null): what clients parse.
@@ -575,7 +581,7 @@ def _error_response(state: ServerState, error: Exception, where: str) -> Respons
         return Response(status_code=499)
     if isinstance(error, Overloaded):
         status, body = 429, error_body(429, str(error))
-    elif isinstance(error, (ShuttingDown, EngineStopped)):
+    elif isinstance(error, (ShuttingDown, EngineStopped, RequestAborted)):
         status, body = 503, error_body(503, str(error))
     elif isinstance(error, ImageTooLargeError):  # includes decompression bombs
         status, body = 413, error_body(413, str(error))

@@ -25,6 +25,14 @@ class RequestFailedError(RuntimeError):
         self.status = status
 
 
+class RequestAborted(RequestFailedError):
+    """The engine aborted a request whose client is still there: the server is shutting down (SIGTERM aborts every
+    request first). A 503 the client may retry elsewhere, not a failure of the server's: logged, not as an error."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: the request was aborted before it finished", status=503)
+
+
 class OutputModel(BaseModel):
     """A response shape: the fields named in OMIT_IF_NONE are left out when None, the others sent as null."""
 

@@ -29,6 +29,7 @@ from .responses import (
     ChunkChoice,
     DeltaMessage,
     PromptTokensDetails,
+    RequestAborted,
     RequestFailedError,
     ResponseMessage,
     TokenLogprob,
@@ -49,7 +50,8 @@ def new_completion_id() -> str:
 def openai_finish_reason(
     reason: FinishReason | None, error: str | None = None
 ) -> Literal["stop", "length"] | None:
-    """STOP -> "stop", LENGTH -> "length", None -> None; ERROR / ABORT raise `RequestFailedError`."""
+    """STOP -> "stop", LENGTH -> "length", None -> None; ERROR raises `RequestFailedError`, ABORT its
+    `RequestAborted` (a 503: only shutting down aborts a request whose client is still there)."""
     if reason is None:
         return None
     if reason is FinishReason.STOP:
@@ -57,7 +59,7 @@ def openai_finish_reason(
     if reason is FinishReason.LENGTH:
         return "length"
     if reason is FinishReason.ABORT:
-        raise RequestFailedError("the request was aborted", status=500)
+        raise RequestAborted()
     raise RequestFailedError(error or "the request could not be served", status=500)
 
 
