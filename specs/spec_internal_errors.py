@@ -91,6 +91,7 @@ def _ask(server, path: str, body: dict, stream: bool, planted: tuple, error: Bas
          ) -> tuple[httpx.Response, list[str]]:
     """The response to `body` with `planted` (owner, attribute) failing at its `at_call`-th call, and what was logged
     at ERROR meanwhile."""
+    requests_left_after(server.engine, 5)  # the engine idle, so that the planted call is this request's
     records = _Records()
     logging.getLogger("prism").addHandler(records)
     try:

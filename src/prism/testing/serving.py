@@ -53,9 +53,11 @@ def serve_in_thread(settings: ServerSettings, *, start_timeout_s: float = 120, *
 
 
 def requests_left_after(engine, seconds: float) -> list[str]:
-    """The engine's requests still there after waiting up to `seconds` for them to go."""
+    """The engine's requests still there after waiting up to `seconds` for them to go, and for the events of those
+    gone (an abort's) to be delivered: until then the engine thread calls `step` once more, which a failure planted
+    next (`failing_at`) would take for its own call."""
     deadline = time.time() + seconds
-    while engine.requests and time.time() < deadline:
+    while (engine.requests or engine.has_unfinished_requests()) and time.time() < deadline:
         time.sleep(0.05)
     return list(engine.requests)
 
