@@ -89,6 +89,26 @@ def test_a_body_in_pieces_within_the_deadline_is_served(live):
     sock.close()
 
 
+def test_a_large_body_on_a_slow_link_is_read_past_the_timeout(live):
+    """The deadline grows by 1 s per MIN_BODY_BYTES_PER_S received: 600 KB at ~330 KB/s takes 1.8 s, past the 1 s
+    timeout, and is read whole (the review of session 29: a 30 s deadline for the whole body refused a 40 MiB image
+    sent over a 10 Mbit/s link)."""
+    from prism.serving.body_deadline import MIN_BODY_BYTES_PER_S
+
+    padded = CHAT + b" " * 600_000  # JSON's whitespace: the same request
+    piece = len(padded) // 6 + 1
+    assert piece / 0.3 > 2 * MIN_BODY_BYTES_PER_S
+    sock = _connect(live, "/v1/chat/completions", content_length=len(padded))
+    start = time.time()
+    for i in range(0, len(padded), piece):
+        sock.sendall(padded[i:i + piece])
+        time.sleep(0.3)
+    assert time.time() - start > TIMEOUT_S
+    status, _, body, _ = _response(sock)
+    assert status == 200 and json.loads(body)["choices"], body
+    sock.close()
+
+
 def test_the_setting_is_validated():
     assert ServerSettings.from_env({}).body_read_timeout_s == 30.0
     assert ServerSettings.from_env({"PRISM_BODY_READ_TIMEOUT_S": "2.5"}).body_read_timeout_s == 2.5

@@ -108,8 +108,10 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 log.error("the engine thread did not stop; its tensor-parallel ranks are left to the exit handler")
 
     app = FastAPI(title="Prism", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(InternalErrors)
+    # The last added is the outermost: every failure below, the deadline's reading of its setting included, is a 500
+    # of `InternalErrors`.
     app.add_middleware(BodyDeadline, timeout_s=lambda: app.state.prism.settings.body_read_timeout_s)
+    app.add_middleware(InternalErrors)
     _document_raw_bodies(app)
 
     @app.exception_handler(RequestValidationError)

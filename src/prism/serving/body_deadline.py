@@ -1,9 +1,11 @@
 """The request body's deadline: a client that sends its headers, then withholds or trickles its body, holds a
 connection and a handler for at most `ServerSettings.body_read_timeout_s` (slowloris).
 
-Owns *a body arrives in time, or its request is a 408 that leaves nothing behind*: the whole body must have arrived
-within the timeout of the app's first read of it (a deadline, not a wait per read, which a byte now and then would
-pass). A read that would pass it raises `BodyReadTimeout` in the reader instead of waiting on. The endpoints read the
+Owns *a body arrives in time, or its request is a 408 that leaves nothing behind*: the body must arrive within the
+timeout of the app's first read of it, plus one second per `MIN_BODY_BYTES_PER_S` bytes received (a deadline, not a
+wait per read, which a byte now and then would pass; the credit lets a large body in over a slow link, 64 MiB at 1
+Mbit/s, while a trickle earns next to nothing). A read that would pass it raises `BodyReadTimeout` in the reader
+instead of waiting on. The endpoints read the
 whole body before they parse, resolve media or submit anything (`app._read_body`), so nothing exists yet when they
 answer it as a refusal: a 408 with OpenAI's error body and `Connection: close` (the rest of the body may still come,
 and must not be read as the next request); any other reader gets the same answer from the HTTP-error handler.
@@ -18,6 +20,9 @@ from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 
+# A client sending at least this fast never meets its deadline (128 KiB/s: 1 Mbit/s).
+MIN_BODY_BYTES_PER_S = 128 * 1024
+
 
 class BodyReadTimeout(HTTPException):
     """The body was not in by its deadline (an HTTPException, so that whatever reads it, the answer is a 408)."""
@@ -26,7 +31,8 @@ class BodyReadTimeout(HTTPException):
     param = None
 
     def __init__(self, timeout_s: float) -> None:
-        self.message = f"the request body did not arrive within {timeout_s:g} s; send it whole, without pauses"
+        self.message = (f"the request body did not arrive within {timeout_s:g} s (plus 1 s per "
+                        f"{MIN_BODY_BYTES_PER_S // 1024} KiB received); send it whole, without pauses")
         super().__init__(408, self.message, headers={"Connection": "close"})
 
 
@@ -42,19 +48,20 @@ class BodyDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        timeout_s, deadline, body_in = self.timeout_s(), None, False
+        timeout_s, start, received, body_in = self.timeout_s(), None, 0, False
 
         async def receive_in_time():
-            nonlocal deadline, body_in
+            nonlocal start, received, body_in
             if body_in:
                 return await receive()
-            if deadline is None:
-                deadline = asyncio.get_running_loop().time() + timeout_s
+            if start is None:
+                start = asyncio.get_running_loop().time()
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(start + timeout_s + received / MIN_BODY_BYTES_PER_S):
                     message = await receive()
             except TimeoutError:
                 raise BodyReadTimeout(timeout_s) from None
+            received += len(message.get("body", b""))
             body_in = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 

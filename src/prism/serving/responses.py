@@ -17,7 +17,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class RequestFailedError(RuntimeError):
-    """The engine ended a request with ERROR (or ABORT, which must not reach a client): map to an error."""
+    """The engine ended a request with ERROR: a 500 (`internal_errors`); ABORT is its `RequestAborted`, a 503."""
 
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)

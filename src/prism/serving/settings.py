@@ -19,7 +19,7 @@ at all (local files only under one root; remote URLs only when switched on). A b
 | max_video_frames           | PRISM_MAX_VIDEO_FRAMES           | 256 frames per video                   |
 | max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 decoded frame pixels per request |
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
-| body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (whole body, from its first read) |
+| body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (+1 s per 128 KiB of body read)   |
 | max_waiting_requests       | PRISM_MAX_WAITING                | 256 (more -> 429)                      |
 | preprocess_workers         | PRISM_PREPROCESS_WORKERS         | 4                                      |
 | data_url_cache_bytes       | PRISM_DATA_URL_CACHE_BYTES       | 256 MiB of recent data URLs (0: none)  |
@@ -60,7 +60,7 @@ class ServerSettings:
     max_video_frames: int = 256
     max_video_pixels: int = 2**27
     max_request_bytes: int = 64 * MIB
-    body_read_timeout_s: float = 30.0  # the whole body in that time, or a 408 (serving/body_deadline.py)
+    body_read_timeout_s: float = 30.0  # the body in that time (+1 s per 128 KiB read), or a 408 (body_deadline.py)
     max_waiting_requests: int = 256
     preprocess_workers: int = 4
     data_url_cache_bytes: int = 256 * MIB  # decoded payloads of repeated data URLs (serving/data_url_cache.py)
