@@ -94,3 +94,30 @@ def test_a_follower_dying_while_it_loads_fails_rank_0_naming_it(fault, exit_code
     took = time.perf_counter() - started
     assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
     assert live_followers() == []
+
+
+def test_a_start_failing_after_the_group_formed_leaves_no_group(monkeypatch):
+    """The review of session 29: a failure after the default group formed (here the step channel's side group; on
+    NCCL, gloo's connect waiting for a follower that died after joining) left the group initialized, and every later
+    TP engine in the process failed with "already initialized". The failed start now aborts it."""
+    import torch.distributed as dist
+
+    from prism.engine import tp_workers
+
+    torch.set_num_threads(1)
+
+    def no_channel(group):
+        raise RuntimeError("planted: the step channel could not be opened")
+
+    monkeypatch.setattr(tp_workers, "StepChannel", no_channel)
+    with pytest.raises(TensorParallelFailure, match="planted"):
+        _llm(tensor_parallel_size=2)
+    assert not dist.is_initialized(), "the failed start left its group initialized"
+    assert live_followers() == []
+    monkeypatch.undo()
+    llm = _llm(tensor_parallel_size=2)
+    try:
+        (out,) = llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2, ignore_eos=True))
+        assert len(out.token_ids) == 2
+    finally:
+        llm.engine.shutdown()

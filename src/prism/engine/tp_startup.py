@@ -93,6 +93,10 @@ class Rendezvous:
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self.store.port}"
 
+    def close(self) -> None:
+        """Drop this side's store (its port closes once the group that shares it is gone too). Idempotent."""
+        self.store = None
+
     def reach(self, stage: str) -> None:
         """Wait until every follower has reached `stage` (`wait_for_followers`)."""
         wait_for_followers(stage, lambda rank: self.store.check([_key(stage, rank)]), self.processes,

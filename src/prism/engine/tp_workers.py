@@ -123,6 +123,7 @@ class Followers:
                 if p.is_alive():
                     p.terminate()
                     p.join(5)
+            self.rendezvous.close()  # its store listens on a port while it lives
         return left
 
 
@@ -176,8 +177,10 @@ def abort_process_group() -> None:
 
 
 def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
-    """Spawn ranks 1..tp-1 and join the group as rank 0. A follower that dies before the group is formed fails
-    it at once (`tp_startup`); then, as for any failure here, every follower is stopped before it raises."""
+    """Spawn ranks 1..tp-1 and join the group as rank 0. A follower that dies before it joins fails the start at once
+    (`tp_startup`); one that dies in the moment between joining and the group's forming costs torch's own wait,
+    `distributed_timeout_s`. On any failure here every follower is stopped and the group, formed or half-formed, is
+    forgotten (`forget_process_group`) before it raises."""
     tp = config.tensor_parallel_size
     check_rank_devices(config)
     if dist.is_initialized():
@@ -202,10 +205,26 @@ def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
         group, channel = join_group(0, config, rendezvous)
     except BaseException as error:
         stop_followers(processes)
+        forget_process_group()
+        rendezvous.close()
         if isinstance(error, TensorParallelFailure) or not isinstance(error, Exception):
             raise
         raise TensorParallelFailure(f"could not form the tensor-parallel group of {tp}: {error}") from error
     return Followers(processes, group, channel, rendezvous)
+
+
+def forget_process_group() -> None:
+    """Leave no trace of a group this process began to form, so that another TP engine can start in it: abort the
+    group if it formed (it failed after, e.g. the step channel's side group waiting for a follower that died after
+    joining); else undo torch's count of the group whose forming failed, as destroying it would have (the next
+    group's name, hence its store keys, would differ from those of fresh followers: a start waiting out its
+    timeout)."""
+    if dist.is_initialized():
+        abort_process_group()
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)  # private: kept only where it is as in torch 2.11-2.13
+    if world is not None and isinstance(getattr(world, "group_count", None), int):
+        world.group_count = 0
 
 
 def stop_followers(processes: list[multiprocessing.process.BaseProcess], timeout_s: float = 5.0) -> None:
