@@ -65,6 +65,16 @@ def test_cpu_ranks_need_no_device(monkeypatch):
         assert {rank_device(config, r) for r in range(4)} == {torch.device("cpu")}
 
 
+def _a_tp_engine_starts_and_generates() -> None:
+    """After a failed start: the process can start another TP engine, which generates."""
+    llm = _llm(tensor_parallel_size=2)
+    try:
+        (out,) = llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2, ignore_eos=True))
+        assert len(out.token_ids) == 2
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_follower_killed_before_joining_fails_rank_0_at_once_and_leaves_nothing():
     """Rank 2 of 3 waits at the rendezvous for rank 1, which was killed before it got there: rank 0 names rank 1,
     rank 2 is stopped, and the process can start another TP engine."""
@@ -76,12 +86,7 @@ def test_a_follower_killed_before_joining_fails_rank_0_at_once_and_leaves_nothin
     took = time.perf_counter() - started
     assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
     assert live_followers() == [], "a follower of the failed start is still running"
-    llm = _llm(tensor_parallel_size=2)
-    try:
-        (out,) = llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2, ignore_eos=True))
-        assert len(out.token_ids) == 2
-    finally:
-        llm.engine.shutdown()
+    _a_tp_engine_starts_and_generates()
 
 
 @pytest.mark.parametrize("fault, exit_code", [("raises_while_loading", "1"), ("killed_while_loading", r"-9 \(SIGKILL\)")])
@@ -115,9 +120,4 @@ def test_a_start_failing_after_the_group_formed_leaves_no_group(monkeypatch):
     assert not dist.is_initialized(), "the failed start left its group initialized"
     assert live_followers() == []
     monkeypatch.undo()
-    llm = _llm(tensor_parallel_size=2)
-    try:
-        (out,) = llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2, ignore_eos=True))
-        assert len(out.token_ids) == 2
-    finally:
-        llm.engine.shutdown()
+    _a_tp_engine_starts_and_generates()
