@@ -10,8 +10,6 @@ Two ranks over gloo on the CPU (the engine spawns rank 1), the tiny checkpoint, 
 
 import _common  # noqa: F401
 
-PLANTED = "planted: lost after the payload went out"
-
 
 def main() -> None:
     import torch
@@ -20,26 +18,19 @@ def main() -> None:
     from prism.engine.sampling import SamplingParams
     from prism.engine.tp_workers import TensorParallelFailure
     from prism.testing.checkpoints import ensure_tiny_checkpoint
+    from prism.testing.tp_faults import LOST_STEP, lose_device_token_steps
 
     torch.set_num_threads(1)
     llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, kv_dtype="fp8", page_size=4,
               graph_rows_without_cuda=True, tensor_parallel_async_scheduling=True, distributed_timeout_s=10)
-    runner = llm.engine.runner
-    graph_step = runner._graph_step
-
-    def fails_on_device_tokens(forward, token_ids=None):
-        if token_ids is not None:
-            raise RuntimeError(PLANTED)
-        return graph_step(forward, token_ids)
-
-    runner._graph_step = fails_on_device_tokens
+    lose_device_token_steps(llm.engine.runner)
     outcome = "generate returned"
     try:
         out = llm.generate(["Hello there", "Hi again"], SamplingParams.greedy(max_tokens=6, ignore_eos=True))
         outcome += f" with finish reasons {[c.finish_reason for c in out]}"
         ok = False
     except TensorParallelFailure as error:
-        ok = PLANTED in str(error) and llm.engine._followers.closed
+        ok = LOST_STEP in str(error) and llm.engine._followers.closed
         outcome = f"TensorParallelFailure: {error}"
     except Exception as error:  # noqa: BLE001 - what the bug looked like: a later step's collective failing
         ok, outcome = False, f"{type(error).__name__}: {error}"

@@ -17,19 +17,12 @@ def main() -> None:
     from prism.engine.sampling import SamplingParams
     from prism.engine.tp_workers import TensorParallelFailure
     from prism.testing.checkpoints import ensure_tiny_checkpoint
+    from prism.testing.tp_faults import lose_steps_after_their_payload
 
     torch.set_num_threads(1)
     llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, page_size=4,
               max_num_batched_tokens=160, distributed_timeout_s=120)
-    runner = llm.engine.runner
-    run = runner.run
-
-    def fails_after_the_payload(payload, token_ids=None):
-        if payload.forwards:
-            raise RuntimeError("planted: lost after the payload went out")
-        return run(payload, token_ids)
-
-    runner.run = fails_after_the_payload
+    lose_steps_after_their_payload(llm.engine.runner)
     start = time.perf_counter()
     try:
         llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=4, ignore_eos=True))

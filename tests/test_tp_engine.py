@@ -19,6 +19,7 @@ from prism.engine.step_payload import StepPayload
 from prism.engine.tp_workers import TensorParallelFailure
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
+from prism.testing.tp_faults import LOST_STEP, lose_device_token_steps, lose_steps_after_their_payload
 
 IMAGES = random_images([(64, 96), (96, 64), (64, 64)], seed=3)
 GREEDY = SamplingParams.greedy(max_tokens=6, ignore_eos=True, logprobs=2)
@@ -263,17 +264,9 @@ def test_a_step_on_device_tokens_lost_after_its_payload_went_out_stops_every_ran
     # (a follower left inside a collective leaves when that collective times out)
     llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, **ASYNC,
               **dict(COMMON, distributed_timeout_s=10))
-    runner = llm.engine.runner
-    graph_step = runner._graph_step
-
-    def fails_on_device_tokens(forward, token_ids=None):
-        if token_ids is not None:
-            raise RuntimeError("planted: lost after the payload went out")
-        return graph_step(forward, token_ids)
-
-    runner._graph_step = fails_on_device_tokens
+    lose_device_token_steps(llm.engine.runner)
     try:
-        with pytest.raises(TensorParallelFailure, match="planted: lost after the payload went out"):
+        with pytest.raises(TensorParallelFailure, match=LOST_STEP):
             llm.generate(["Hello there", "Hi again"], SamplingParams.greedy(max_tokens=6, ignore_eos=True))
         assert llm.engine._followers.closed
     finally:
@@ -292,18 +285,10 @@ def test_a_rank_0_failure_inside_a_step_stops_every_rank_without_waiting_out_the
     torch.set_num_threads(1)
     llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32,
               **dict(COMMON, distributed_timeout_s=300))  # the default
-    runner = llm.engine.runner
-    run = runner.run
-
-    def fails_after_the_payload(payload, token_ids=None):
-        if payload.forwards:
-            raise RuntimeError("planted: lost after the payload went out")
-        return run(payload, token_ids)
-
-    runner.run = fails_after_the_payload
+    lose_steps_after_their_payload(llm.engine.runner)
     started = time.perf_counter()
     try:
-        with pytest.raises(TensorParallelFailure, match="planted: lost after the payload went out"):
+        with pytest.raises(TensorParallelFailure, match=LOST_STEP):
             llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=4, ignore_eos=True))
         assert time.perf_counter() - started < 60, "rank 0 waited for the followers' collectives to time out"
         assert all(not p.is_alive() for p in llm.engine._followers.processes)

@@ -1,8 +1,9 @@
-"""Follower ranks that die during tensor-parallel start-up, for the tests and reproducers of `engine/tp_startup.py`.
+"""Tensor-parallel faults planted by the tests and reproducers.
 
-Each fault is a stand-in for `tp_workers.serve_worker` (a module-level function, so a spawned process can import
-it): rank 1 dies at the named point of its start-up, any other rank serves as usual. `dying_follower(fault)`
-makes the engines built inside it spawn that stand-in.
+Start-up (`engine/tp_startup.py`): each fault is a stand-in for `tp_workers.serve_worker` (a module-level function,
+so a spawned process can import it): rank 1 dies at the named point of its start-up, any other rank serves as usual.
+`dying_follower(fault)` makes the engines built inside it spawn that stand-in. Steps: `lose_steps_after_their_payload`
+and `lose_device_token_steps` make rank 0's runner fail a step after its payload went to the followers.
 """
 
 from __future__ import annotations
@@ -61,6 +62,35 @@ def dying_follower(fault: str) -> Iterator[None]:
         yield
     finally:
         tp_workers.serve_worker = serve
+
+
+LOST_STEP = "planted: lost after the payload went out"
+
+
+def lose_steps_after_their_payload(runner) -> None:
+    """Rank 0's `runner` raises `RuntimeError(LOST_STEP)` in every step with forwards, once the step's payload went
+    out (the followers are inside its collectives)."""
+    run = runner.run
+
+    def fails_after_the_payload(payload, token_ids=None):
+        if payload.forwards:
+            raise RuntimeError(LOST_STEP)
+        return run(payload, token_ids)
+
+    runner.run = fails_after_the_payload
+
+
+def lose_device_token_steps(runner) -> None:
+    """Rank 0's `runner` raises `RuntimeError(LOST_STEP)` in every graph step fed device tokens (a step launched on
+    tokens rank 0 has not read, after its payload went out)."""
+    graph_step = runner._graph_step
+
+    def fails_on_device_tokens(forward, token_ids=None):
+        if token_ids is not None:
+            raise RuntimeError(LOST_STEP)
+        return graph_step(forward, token_ids)
+
+    runner._graph_step = fails_on_device_tokens
 
 
 def live_followers() -> list[str]:
