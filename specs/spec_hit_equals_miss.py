@@ -10,8 +10,8 @@ another, so every later one can hit what the earlier ones computed.
 Default mode: the same greedy tokens, and logits within 2e-2. Not tighter: a GEMM over a different number of rows
 rounds differently in fp32, and when that moves a K/V value across an FP8 rounding boundary the difference grows
 to ~1e-3 in the logits (this spec measured 1.1e-3); exact equality is deterministic mode's job. Deterministic
-mode: bitwise, its whole-page hits ending inside an image too. `spec_planted_bugs.py` plants a tail copy that drops a row (default mode) and a deterministic
-mode that starts a hit's tile at the hit instead of the page start.
+mode: bitwise, its whole-page hits ending inside an image too. `spec_planted_bugs_engine.py` plants a tail copy that
+drops a row (default mode) and a deterministic mode that starts a hit's tile at the hit instead of the page start.
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""Proof that the decisions' specs bite: each historical bug of a decision's material and forks, its liveness, its
+unforked questions and the thinking re-read, planted.
+
+Each test monkeypatches one buggy variant into the real engine and requires the spec that owns the invariant to fail
+(see `specs/planted.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prism.kv.manager import KVCacheManager, SequenceError
+from specs import spec_decision_material
+from specs.planted import _spec_fails
+
+
+def test_a_material_of_common_token_ids_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (session 27's review): a decision's material was its branches' common token ids, equal pad tokens
+    of different pictures included."""
+    import os
+
+    from prism.engine import engine as engine_module
+
+    def common_token_ids(branches):
+        prompts = [b.prompt.token_ids for b in branches]
+        return min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+
+    monkeypatch.setattr(engine_module, "material_length", common_token_ids)
+    # SequenceError: the KV manager's own guard (a fork's content must begin with its material's) caught it.
+    _spec_fails(spec_decision_material.spec_each_question_reads_what_it_reads_alone,
+                "another picture|does not begin with", (AssertionError, SequenceError))
+
+
+def test_a_fork_without_the_questions_own_media_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A question forked with its tokens appended but not its own picture's media span (session 28's first cut)."""
+    fork = KVCacheManager.fork
+
+    def fork_without_own_media(self, seq_id, child_id, content=None):
+        child = fork(self, seq_id, child_id)
+        if content is not None:
+            child.content.tokens.extend(content.tokens[len(child.content):])
+        return child
+
+    monkeypatch.setattr(KVCacheManager, "fork", fork_without_own_media)
+    _spec_fails(spec_decision_material.spec_each_question_reads_what_it_reads_alone, "names other media")
+
+
+def test_branches_forked_without_the_prompt_checks_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 22): `Engine.add_decision` checked only the material; a question's branch past
+    max_model_len was forked anyway and waited for ever for pages (or, with a larger pool, was answered past the
+    model's length). Planted: the branch prompts go unchecked again."""
+    from prism.engine.engine import Engine
+    from specs import spec_decision_liveness
+
+    check = Engine._check_prompt
+
+    def materials_only(self, prompt, what="the prompt"):
+        if what == "the prompt":  # add_request's own check; a branch's names its request
+            check(self, prompt, what)
+
+    monkeypatch.setattr(Engine, "_check_prompt", materials_only)
+    spec_decision_liveness.engine_under_test.cache_clear()  # a fresh engine: a planted run leaves one stuck
+    try:
+        _spec_fails(spec_decision_liveness.spec_every_decide_is_answered_or_refused_before_it_runs,
+                    "not answered after|past max_model_len")
+    finally:
+        spec_decision_liveness.engine_under_test.cache_clear()
+
+
+def test_branch_copying_a_tail_only_the_cache_shares_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the decision liveness spec (session 23): a branch as long as the pool copied the material's partly
+    filled tail page, which only cache entries still held, and so needed one page more than the pool: it waited for
+    ever. Planted: no cache entry ever gives a tail up to a sequence."""
+    from prism.kv.manager import KVCacheManager
+    from specs import spec_decision_liveness
+
+    monkeypatch.setattr(KVCacheManager, "_held_otherwise_only_as_cached_tail", lambda self, page: False)
+    spec_decision_liveness.engine_under_test.cache_clear()
+    try:
+        _spec_fails(spec_decision_liveness.spec_every_decide_is_answered_or_refused_before_it_runs, "not answered after")
+    finally:
+        spec_decision_liveness.engine_under_test.cache_clear()
+
+
+def test_questions_left_without_an_ending_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): a decision's questions existed only in its material until it was computed, so a
+    material that ended otherwise (a client leaving, a failed step) left them without a terminal event, and an abort
+    of one did nothing. Planted: a question that is never forked gets no event again."""
+    from prism.engine.engine import Engine
+    from specs import spec_unforked_questions
+
+    monkeypatch.setattr(Engine, "_end_question",
+                        lambda self, branch, material, reason, error=None: self._unspawned.pop(branch.request_id))
+    try:
+        _spec_fails(spec_unforked_questions.spec_every_question_ends_once, "terminal events")
+    finally:
+        spec_unforked_questions.engine_under_test.cache_clear()
+
+
+def test_a_reread_of_the_whole_generation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): the re-read appended a reasoning generation's tokens as they were, its
+    end-of-turn token or the stop string "Final answer:" included. Planted: the generation shown whole again."""
+    from prism.decision import thinking
+    from specs import spec_thinking_reread
+
+    monkeypatch.setattr(thinking, "reasoning_of", lambda thought, decode, end_token_ids: list(thought))
+    _spec_fails(spec_thinking_reread.spec_the_reread_shows_the_reasoning_once, "end-of-turn|cue")

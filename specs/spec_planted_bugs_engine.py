@@ -1,0 +1,296 @@
+"""Proof that the engine's specs bite: each historical bug of hit == miss on the real engine (tail copies, deterministic
+tiles, the graphs' positions), async scheduling and admissions, failed steps, sampling beside other rows, the LLM's
+event routing, stop strings at the last flush and the config's checks, planted.
+
+Each test monkeypatches one buggy variant into the real engine and requires the spec that owns the invariant to fail
+(see `specs/planted.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from prism.kv.manager import KVCacheManager, SequenceError
+from specs import spec_failed_steps
+from specs.planted import _spec_fails
+
+
+def _hit_equals_miss_fails(spec_name: str, match: str) -> None:
+    """`_spec_fails` on a hit == miss spec, with fresh engines (they are cached across examples): the planted
+    bug must be in the engines the spec builds, and must not stay in them afterwards."""
+    from specs import spec_hit_equals_miss
+
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        _spec_fails(getattr(spec_hit_equals_miss, spec_name), match)
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()
+
+
+def test_tail_copy_dropping_a_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11 on the real engine: a tail copy one row short leaves the hit reading a row nobody wrote."""
+    from prism.engine import runner
+
+    execute = runner.execute_plan
+
+    def execute_one_row_short(plan, gpu, cpu):
+        short = [(s, d, rows - 1) for s, d, rows in plan.copy_prefix]
+        execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
+
+    monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
+    _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
+
+
+def test_partial_hits_with_a_tail_copy_one_row_short_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial hits (each prompt its own images, some shared): a hit's partly filled tail page is copied into a
+    private page, all its cached rows. Planted (found by a review of the specs: the partial specs had no planted
+    check): the copy one row short."""
+    from prism.engine import runner
+
+    execute = runner.execute_plan
+
+    def execute_one_row_short(plan, gpu, cpu):
+        short = [(src, dst, rows - 1) for src, dst, rows in plan.copy_prefix]
+        execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
+
+    monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
+    _hit_equals_miss_fails("spec_partial_hits_give_the_logits_of_misses", "a prefix hit changed")
+
+
+def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11, deterministic mode: a hit ending inside a page, computed from the hit onwards instead of
+    from the page start, gives the frontier page's rows other tile positions than a miss does."""
+    from prism.engine import step_building
+
+    init = KVCacheManager.__init__
+
+    def tail_hits_allowed(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "page_aligned_hits": False})
+
+    def tiles_from_the_hit(slices, size):
+        tiles = []
+        for s in slices:
+            start = s.start
+            while start < s.end:
+                page_end = (start // size + 1) * size
+                end = min(page_end, s.end)
+                tiles.append([(s, start, end, page_end - end, s.sample and end == s.end)])
+                start = end
+        return tiles
+
+    monkeypatch.setattr(KVCacheManager, "__init__", tail_hits_allowed)
+    monkeypatch.setattr(step_building, "deterministic_tiles", tiles_from_the_hit)
+    _hit_equals_miss_fails("spec_deterministic_mode_hit_equals_miss_bitwise", "changed the logits")
+
+
+def test_graph_rows_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11 through the CUDA graphs' one-token rows: rows that rotate each token as the next one (an
+    off-by-one in the per-row positions) make a question after a hit differ from the packed miss."""
+    from prism.engine import cuda_graphs
+
+    from_pieces = cuda_graphs.GraphRows.from_pieces.__func__
+
+    def one_position_ahead(cls, pieces, page_size):
+        rows = from_pieces(cls, pieces, page_size)
+        return dataclasses.replace(rows, positions=rows.positions + 1)
+
+    monkeypatch.setattr(cuda_graphs.GraphRows, "from_pieces", classmethod(one_position_ahead))
+    _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
+
+
+def test_packed_graph_steps_one_position_ahead_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 11 through the packed graphs: a packed step that rotates each token as the next one makes the
+    cached engine's prompts (packed) differ from the cache-off engine's eager ones."""
+    from prism.engine import packed_graphs
+
+    from_pieces = packed_graphs.PackedStep.from_pieces.__func__
+
+    def one_position_ahead(cls, pieces, media, page_size):
+        step = from_pieces(cls, pieces, media, page_size)
+        return dataclasses.replace(step, positions=step.positions + 1)
+
+    monkeypatch.setattr(packed_graphs.PackedStep, "from_pieces", classmethod(one_position_ahead))
+    _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
+
+
+def test_continuation_fed_another_rows_tokens_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: a decode step launched on the previous step's device tokens must take each sequence's
+    own token. Planted: the rows' tokens in reverse order."""
+    from prism.engine.inflight import InflightStep
+    from specs import spec_async_scheduling
+
+    device_tokens_of = InflightStep.device_tokens_of
+
+    def reversed_rows(self, rows):
+        return device_tokens_of(self, rows).flip(0)
+
+    monkeypatch.setattr(InflightStep, "device_tokens_of", reversed_rows)
+    _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
+                "async scheduling changed the tokens")
+
+
+def test_pending_token_appended_instead_of_filled_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: the token the host reads replaces its sequence's pending placeholder. Planted: it is
+    appended after it, so the placeholder stays in the content (and would reach a page key)."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from specs.spec_async_scheduling import AsyncSchedulingMachine
+
+    def appended(self, seq_id, token):
+        self.append_tokens(seq_id, [token])
+
+    monkeypatch.setattr(KVCacheManager, "fill_pending", appended)
+    with pytest.raises((AssertionError, SequenceError), match="not what the host read|has not read yet"):
+        run_state_machine_as_test(AsyncSchedulingMachine, settings=settings(
+            max_examples=40, stateful_step_count=20, deadline=None, phases=[Phase.generate], database=None,
+            derandomize=True))
+
+
+def test_appended_device_tokens_are_caught_with_admissions_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same planted bug as above, against the machine whose steps are scheduled ahead while requests are
+    admitted (`AsyncAdmissionsMachine`: it had no planted check, found by a review of the specs)."""
+    from prism.kv.manager import KVCacheManager
+    from specs.spec_async_scheduling import AsyncAdmissionsMachine
+
+    def appended(self, seq_id, token):
+        self.append_tokens(seq_id, [token])
+
+    monkeypatch.setattr(KVCacheManager, "fill_pending", appended)
+    with pytest.raises((AssertionError, SequenceError), match="not what the host read|has not read yet"):
+        run_state_machine_as_test(AsyncAdmissionsMachine, settings=settings(
+            max_examples=40, stateful_step_count=20, deadline=None, phases=[Phase.generate], database=None,
+            derandomize=True))
+
+
+def test_a_stopped_requests_logits_row_taken_for_another_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: when a request stops on the token the host just read, its row of the launched step is
+    dropped and the others' logits rows are picked out. Found by review: no spec covered it. Planted: the first
+    rows are taken instead of the live ones."""
+    from prism.engine import engine as engine_module
+    from specs import spec_async_scheduling
+
+    monkeypatch.setattr(engine_module, "take_rows", lambda logits, rows: logits[: len(rows)])
+    _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
+                "async scheduling changed the")
+
+
+def test_continuation_chunk_steps_without_the_device_tokens_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling with chunks: decode rows launched beside a prefill chunk replay the packed graphs, and
+    their input ids are the previous step's device tokens, copied after the host's ids. Planted: the device
+    tokens never reach the packed step (the rows keep the host's placeholder ids)."""
+    from prism.engine.packed_graphs import PackedGraphs
+    from specs import spec_async_scheduling
+
+    run = PackedGraphs.run
+
+    def without_device_tokens(self, step, multimodal, token_ids=None):
+        return run(self, step, multimodal)
+
+    monkeypatch.setattr(PackedGraphs, "run", without_device_tokens)
+    _spec_fails(spec_async_scheduling.spec_async_scheduling_gives_the_tokens_of_scheduled_steps,
+                "async scheduling changed the")
+
+
+def test_scheduling_ahead_without_the_pending_slots_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async admissions: the scheduler runs while a step is in flight only after each decode row's pending slot is
+    reserved, so it sees a one-token decode for each. Planted: the slots are not reserved (the scheduler then finds
+    nothing to compute for the decoding requests)."""
+    from prism.engine import continuation
+    from prism.engine import engine as engine_module
+    from prism.engine.request import RequestState
+    from specs import spec_async_scheduling
+
+    def without_pending_slots(current, scheduler, kv, max_model_len):
+        if not scheduler.waiting or scheduler.swapped or not kv.plan.is_empty():
+            return None
+        rows = [(i, s.request) for i, s in enumerate(current.sampled) if s.request.state is RequestState.RUNNING]
+        if len(rows) != len(scheduler.running):
+            return None
+        skip = {r.request_id for _, r in rows if continuation.stops_by_length_after_next(r, max_model_len)}
+        return [(i, r) for i, r in rows if r.request_id not in skip], skip
+
+    monkeypatch.setattr(engine_module, "rows_scheduled_ahead", without_pending_slots)
+    _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
+                "async admissions changed the")
+
+
+def test_decode_rows_scheduled_ahead_taken_for_non_sampling_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async admissions: when the step is launched, a decode row's token is not read yet, so its slice does not
+    yet end at the request's last known token (`ScheduledSlice.sample` is false); it samples all the same, and its
+    logits row must be counted. Planted: the rows that sample are judged by `sample` alone (found by review as a
+    mapping no spec planted)."""
+    from prism.engine import engine as engine_module
+    from specs import spec_async_scheduling
+
+    monkeypatch.setattr(engine_module, "samples_at_launch", lambda slices, pending: [s.sample for s in slices])
+    _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
+                "async admissions changed the")
+
+
+def test_a_lost_step_that_drops_its_plan_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (found by review, session 27): a step that failed while it was built never ran its plan's moves."""
+    from prism.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "run_plan_of_a_lost_step", lambda self, plan: None)
+    _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
+
+
+def test_alternatives_counted_for_the_batch_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): a row's logprobs carried as many alternatives as the most demanding row of its
+    batch asked for (`logprobs=2` beside `logprobs=7` answered 7; `logprobs=0`, none asked, got 7 too). Planted: the
+    row's own count ignored again."""
+    from prism.engine import sampler
+    from specs import spec_sampling_companions
+
+    fixed = sampler.token_logprobs
+    monkeypatch.setattr(sampler, "token_logprobs",
+                        lambda result, row, token, alternatives: fixed(result, row, token, result.top_token_ids.shape[1]))
+    _spec_fails(spec_sampling_companions.spec_a_row_samples_as_it_would_alone, "alternatives")
+
+
+def test_a_call_keeping_only_its_own_events_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): each `LLM` call stepped the shared engine and kept only its own requests'
+    events, so a `generate` run while a stream was open took the stream's last events (the stream then stepped an
+    empty engine for ever) and two streams read in turn each lost tokens. Planted: a step's events for requests
+    other than the caller's are dropped again."""
+    from prism.engine.llm import LLM
+    from specs import spec_llm_event_routing
+
+    def keep_own(self, request_ids):
+        for event in self.engine.step():
+            if event.request_id in request_ids:
+                self._mailboxes[event.request_id].append(event)
+
+    monkeypatch.setattr(LLM, "_step_for", keep_own)
+    try:
+        _spec_fails(spec_llm_event_routing.spec_each_call_gets_all_of_its_own_events, "read|will never get")
+    finally:
+        spec_llm_event_routing.engine_under_test.cache_clear()  # a planted run leaves requests behind
+
+
+def test_a_stop_string_completed_by_the_last_flush_left_as_length_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose token budget ended it inside a character, the flushed U+FFFD completing a stop string (or one
+    whose held-back last characters completed it), was cut before the string but ended with "length". Planted: the
+    engine releases the flushed text and keeps the budget's reason again."""
+    from prism.engine.engine import Engine
+    from specs import spec_stop_at_flush
+
+    monkeypatch.setattr(Engine, "_last_text", lambda self, request, reason: (
+        self._streams[request.request_id].flush(), reason))
+    _spec_fails(spec_stop_at_flush.spec_a_stop_string_ends_the_request_wherever_it_completes, "ended with")
+
+
+def test_an_unchecked_config_value_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found (session 29): `device`, the cache sizes and `model_id` were not checked, so a bad value passed the
+    config and broke the engine's start after the model had loaded. Planted: `device` unchecked again."""
+    from prism.engine import config
+    from specs import spec_engine_config
+
+    monkeypatch.setattr(config, "_DEVICE", re.compile(r".*", re.DOTALL))
+    _spec_fails(spec_engine_config.spec_a_config_value_is_refused_naming_its_key_or_serves,
+                "passed the config checks")

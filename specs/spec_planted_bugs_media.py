@@ -1,0 +1,104 @@
+"""Proof that the images' specs bite: each historical bug of pixel keys, image uuids (names) and the images' step
+token budget, planted.
+
+Each test monkeypatches one buggy variant into the real component and requires the spec that owns the invariant to
+fail (see `specs/planted.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import Phase, settings
+
+from specs.planted import _spec_fails
+
+
+def test_pixel_keys_missing_the_last_row_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PIL image's key over a view that stops short of its storage (here: all but the last row)."""
+    from prism.media import digest as media_digest
+    from specs import spec_pixel_keys
+
+    exported = media_digest.exported_rgbx
+    monkeypatch.setattr(media_digest, "exported_rgbx",
+                        lambda image: None if (rgbx := exported(image)) is None else rgbx[: max(1, len(rgbx) - 1)])
+    _spec_fails(spec_pixel_keys.spec_pixel_keys_identify_the_picture, "differ but share a key")
+
+
+def test_pixel_keys_without_the_shape_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pixel bytes hashed without their shape: the same bytes in another shape would be another's picture."""
+    import numpy as np
+
+    from prism.media import digest as media_digest
+    from specs import spec_pixel_keys
+
+    monkeypatch.setattr(media_digest, "hash_rgb", lambda h, arr: media_digest.hash_field(
+        h, b"pixels", memoryview(np.ascontiguousarray(arr)).cast("B")))
+    _spec_fails(spec_pixel_keys.spec_pixel_keys_identify_the_picture, "share a key")
+
+
+def test_an_image_uuid_re_pointed_at_another_image_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found while building image uuids: names kept in the evicting pixel cache were forgotten with the pixels,
+    so a later send of another image under the same uuid re-pointed it. Planted: a bind where the last image
+    sent wins."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from prism.engine import image_names
+    from specs.spec_image_uuids import ImageUuidMachine
+
+    def last_wins(self, bindings):
+        with self._lock:
+            for uuid, key, digest in bindings:
+                self._names[uuid] = (key, digest)
+
+    monkeypatch.setattr(image_names.ImageNames, "bind_all", last_wins)
+    monkeypatch.setattr(image_names.ImageNames, "check", lambda self, uuid, digest: None)
+    with pytest.raises(AssertionError, match="re-pointed|was refused|another image"):
+        run_state_machine_as_test(ImageUuidMachine, settings=settings(
+            max_examples=60, stateful_step_count=25, deadline=None, phases=[Phase.generate], database=None,
+            derandomize=True))
+
+
+def test_names_bound_before_the_engine_accepts_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): a chat request's image uuids were bound while its prompt was prepared, so a
+    request the engine or the server then refused (too long, max_tokens, a conflict between its own parts) named
+    its pictures anyway. Planted: preparing binds the names again, whatever the caller asks."""
+    from prism.engine.inputs import InputProcessor
+    from specs import spec_refused_requests_name_nothing
+
+    prepare = InputProcessor.prepare_chat
+
+    def binds_at_once(self, messages, **kwargs):
+        kwargs["bind_names"] = True
+        return prepare(self, messages, **kwargs)
+
+    monkeypatch.setattr(InputProcessor, "prepare_chat", binds_at_once)
+    _spec_fails(spec_refused_requests_name_nothing.spec_a_refused_request_names_nothing, "is bound")
+
+
+def test_images_over_the_step_budget_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 27): an image larger than one step's tokens was refused (a 400 for every 12 MP photo
+    on the 8B config) instead of downscaled. Planted: the budget ignored again."""
+    from prism.media.config import ImageProcessorConfig
+    from specs import spec_image_token_budget
+
+    monkeypatch.setattr(ImageProcessorConfig, "within_tokens", lambda self, tokens: self)
+    _spec_fails(spec_image_token_budget.spec_every_image_fits_the_step, "more than the step")
+
+
+def test_small_budgets_left_above_by_rounding_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 28): the budget's second smart resize rounds each side up, so a small or thin image
+    could stay above a small step's budget. Planted: `target_size` without taking whole factors off after it."""
+    from prism.media.image import smart_resize
+    from specs import spec_image_token_budget
+
+    def two_smart_resizes(height, width, config):
+        h, w = smart_resize(height, width, factor=config.factor, min_pixels=config.min_pixels,
+                            max_pixels=config.max_pixels)
+        budget = None if config.step_tokens is None else config.step_tokens * config.factor**2
+        if budget is not None and h * w > budget:
+            h, w = smart_resize(height, width, factor=config.factor, min_pixels=min(config.min_pixels, budget),
+                                max_pixels=budget)
+        return h, w
+
+    monkeypatch.setattr(spec_image_token_budget, "target_size", two_smart_resizes)
+    _spec_fails(spec_image_token_budget.spec_every_image_fits_even_a_small_step, "the step has")
