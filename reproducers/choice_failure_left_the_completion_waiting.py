@@ -1,7 +1,7 @@
 """Found while checking an operator's review of the server's 500s: in a completion of several choices (n > 1), a
 choice whose events failed to be read (here the metrics' observer raising) ended its pump task with the exception
 unseen, and the completion waited for that choice's events forever: no answer, streamed or not, and nothing logged.
-Fixed when the merge of the choices raises what a pump raised (`app._merge`), so the completion ends with the
+Fixed when the merge of the choices raises what a pump raised (`choices._merge`), so the completion ends with the
 internal error (a 500, or a stream's error event and [DONE])."""
 
 import _common

@@ -1,13 +1,13 @@
 """Found by review (session 22): a decide's readout and thinking rounds awaited their requests with
 `asyncio.gather`; when one failed (e.g. 429: another client took a slot between rounds) the client got its error
-and the siblings ran on to their ends, holding their slots. Fixed when a round is all or none (`app._all_or_none`:
+and the siblings ran on to their ends, holding their slots. Fixed when a round is all or none (`cancellation.all_or_none`:
 the first failure cancels the others, whose cancellation aborts their requests)."""
 
 import asyncio
 
 import _common  # noqa: F401
 
-from prism.serving import app  # noqa: E402
+from prism.serving import cancellation  # noqa: E402
 
 still_running = []
 
@@ -23,7 +23,7 @@ async def failing() -> None:
 
 
 async def round_then_wait() -> None:
-    gather = getattr(app, "_all_or_none", None) or (lambda coros: asyncio.gather(*coros))
+    gather = getattr(cancellation, "all_or_none", None) or (lambda coros: asyncio.gather(*coros))
     try:
         await gather([sibling(), failing()])
     except RuntimeError:

@@ -1,7 +1,7 @@
 """Found by review (session 22): a non-streaming chat completion or decide whose client disconnected kept its
 engine requests running to the end (uvicorn does not cancel a handler when its client leaves, and only the SSE
 path watched): up to max_model_len tokens for nobody, holding pages and seats, and holding up a graceful shutdown.
-Fixed when both endpoints watch for the disconnect while they wait (`app._until_disconnected`) and abort."""
+Fixed when both endpoints watch for the disconnect while they wait (`cancellation.until_disconnected`) and abort."""
 
 import _common
 import httpx  # noqa: E402

@@ -1,5 +1,5 @@
-"""Spec of the server's 500s (`serving/internal_errors.py`, `serving/app.py` `_sse` / `_json_or_error` /
-`_error_response`), over real HTTP: uvicorn in a thread, the tiny checkpoint.
+"""Spec of the server's 500s (`serving/internal_errors.py`, `serving/choices.py` `sse` / `json_or_error`,
+`serving/refusals.py` `error_response`), over real HTTP: uvicorn in a thread, the tiny checkpoint.
 
 Invariant: whatever fails while a request is served (the engine losing its step, the engine thread's step raising, a
 handler raising before it submits, the answer failing to render), whichever endpoint and whether it streams, the

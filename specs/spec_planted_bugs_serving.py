@@ -14,7 +14,7 @@ from specs.planted import _spec_fails
 
 def test_a_500_carrying_the_engines_reason_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the operator's review: a choice the engine failed was answered with the engine's reason as the message
-    ("RuntimeError: <the exception's text>"). Planted: `_json_or_error` as it was."""
+    ("RuntimeError: <the exception's text>"). Planted: `json_or_error` as it was."""
     from fastapi.responses import JSONResponse
 
     from prism.serving import app
@@ -28,19 +28,19 @@ def test_a_500_carrying_the_engines_reason_is_caught(monkeypatch: pytest.MonkeyP
             return JSONResponse(error_body(error.status, str(error)), status_code=error.status)
         return JSONResponse(response.model_dump(mode="json"))
 
-    monkeypatch.setattr(app, "_json_or_error", reason_in_the_body)
+    monkeypatch.setattr(app, "json_or_error", reason_in_the_body)  # looked up by the endpoints
     _spec_fails(spec_internal_errors.spec_a_500_names_only_a_request_id, "the failure's text went out")
 
 
 def test_a_stream_ending_with_the_engines_reason_or_cut_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the operator's review: a stream whose choice the engine failed ended with the engine's reason in its
-    error event, and one failing to render was cut without an end. Planted: `_sse` as it was."""
-    from prism.serving import app
+    error event, and one failing to render was cut without an end. Planted: `sse` as it was."""
+    from prism.serving import app, choices
     from prism.serving.responses import RequestFailedError
     from specs import spec_internal_errors
 
     async def reason_in_the_event(out, streams):
-        merged = app._merge(streams)
+        merged = choices._merge(streams)
         try:
             yield out.start()
             async for index, event in merged:
@@ -55,7 +55,7 @@ def test_a_stream_ending_with_the_engines_reason_or_cut_is_caught(monkeypatch: p
         finally:
             await merged.aclose()
 
-    monkeypatch.setattr(app, "_sse", reason_in_the_event)
+    monkeypatch.setattr(app, "sse", reason_in_the_event)  # looked up by the endpoints
     _spec_fails(spec_internal_errors.spec_a_500_names_only_a_request_id, "the failure's text went out|was cut")
 
 
@@ -64,10 +64,10 @@ def test_a_choice_whose_events_fail_unseen_is_caught(monkeypatch: pytest.MonkeyP
     raised) died unseen, and the completion waited for its events forever. Planted: `_merge` as it was."""
     import asyncio
 
-    from prism.serving import app
+    from prism.serving import choices
     from specs import spec_internal_errors
 
-    merge = app._merge
+    merge = choices._merge
 
     class FailingUnseen:
         """A choice's events as the old pump read them: after a failure, none come (the task had died)."""
@@ -92,7 +92,7 @@ def test_a_choice_whose_events_fail_unseen_is_caught(monkeypatch: pytest.MonkeyP
     def pumps_failing_unseen(streams):
         return merge([FailingUnseen(s) for s in streams] if len(streams) > 1 else streams)
 
-    monkeypatch.setattr(app, "_merge", pumps_failing_unseen)
+    monkeypatch.setattr(choices, "_merge", pumps_failing_unseen)  # looked up by sse and collect
     _spec_fails(spec_internal_errors.spec_a_choice_failing_while_its_events_are_read_ends_its_completion, "no answer")
 
 

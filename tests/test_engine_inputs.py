@@ -27,8 +27,8 @@ from prism.engine.inputs import (
     InputProcessor,
     PromptTooLongError,
     VideoInput,
-    video_span_digest,
 )
+from prism.engine.media_preparation import video_span_digest
 from prism.kv.content import SeqContent
 from prism.media.cache import PreprocessCache
 from prism.media.errors import ImageTooLargeError, MediaDecodeError, MediaError, VideoError
@@ -565,8 +565,8 @@ def test_a_media_memo_prepares_each_image_object_once(proc, monkeypatch):
     material = [{"role": "user", "content": [{"type": "image", "image": im} for im in images]}]
     questions = ["Which is larger?", "Are they the same?", "Describe them."]
     calls = []
-    original = proc._image
-    monkeypatch.setattr(proc, "_image", lambda data: calls.append(id(data)) or original(data))
+    original = proc.media._image
+    monkeypatch.setattr(proc.media, "_image", lambda data: calls.append(id(data)) or original(data))
     memo: dict = {}
     with_memo = [proc.prepare_chat([*material, {"role": "user", "content": q}], media_memo=memo) for q in questions]
     assert sorted(calls) == sorted(id(im) for im in images)
@@ -591,8 +591,8 @@ def test_an_image_sent_with_a_uuid_can_then_be_named_by_it_alone(ckpt):
         proc.prepare_chat(chat({"type": "image", "image": None, "uuid": "pic-a"}))
     sent = proc.prepare_chat(chat({"type": "image", "image": a, "uuid": "pic-a"}))
     calls = []
-    original = proc._image
-    proc._image = lambda data: calls.append(data) or original(data)
+    original = proc.media._image
+    proc.media._image = lambda data: calls.append(data) or original(data)
     named = proc.prepare_chat(chat({"type": "image_url", "image_url": None, "uuid": "pic-a"}))
     assert not calls, "an image named by its uuid was prepared again"
     assert named.token_ids == sent.token_ids and named.media[0].digest == sent.media[0].digest
@@ -659,7 +659,7 @@ def test_images_are_handed_on_in_prompt_order_while_later_ones_are_prepared(proc
 
     imgs = random_images([(40, 40)] * 4, seed=31 + slow)
     events = []
-    prepare = proc._image
+    prepare = proc.media._image
 
     def slowed(data):
         if data is imgs[slow]:
@@ -668,7 +668,7 @@ def test_images_are_handed_on_in_prompt_order_while_later_ones_are_prepared(proc
         events.append(("prepared", id(data)))
         return out
 
-    monkeypatch.setattr(proc, "_image", slowed)
+    monkeypatch.setattr(proc.media, "_image", slowed)
     handed = []
 
     def on_image(prepared):
@@ -685,15 +685,15 @@ def test_images_are_handed_on_in_prompt_order_while_later_ones_are_prepared(proc
 def test_new_images_go_to_the_media_threads_as_a_few_tasks_in_prompt_order(proc, monkeypatch):
     """Seven new images: at most `_MEDIA_TASKS` tasks of consecutive images (a worker wakes ~0.2-0.4 ms after its
     task is queued on the H200's host), and each image's result is its own, in the prompt's order."""
-    from prism.engine import inputs as inputs_module
+    from prism.engine import media_preparation
 
-    monkeypatch.setattr(inputs_module, "_MEDIA_TASKS", 3)
+    monkeypatch.setattr(media_preparation, "_MEDIA_TASKS", 3)
     imgs = random_images([(40, 40 + 8 * k) for k in range(7)], seed=41)
     alone = [proc.prepare_chat([{"role": "user", "content": [{"type": "image", "image": im}]}]).media[0].digest
              for im in imgs]
     submitted = []
-    submit = proc._media_threads.submit
-    monkeypatch.setattr(proc._media_threads, "submit", lambda fn, *a: submitted.append(a) or submit(fn, *a))
+    submit = proc.media._media_threads.submit
+    monkeypatch.setattr(proc.media._media_threads, "submit", lambda fn, *a: submitted.append(a) or submit(fn, *a))
     fresh = random_images([(40, 40 + 8 * k) for k in range(7)], seed=41)  # equal pixels, new objects
     prompt = proc.prepare_chat([{"role": "user", "content": [*({"type": "image", "image": im} for im in fresh),
                                                             {"type": "text", "text": "?"}]}])

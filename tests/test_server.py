@@ -558,9 +558,9 @@ def test_a_submission_cancelled_before_the_engine_took_it_is_aborted():
 
 
 def test_a_failed_readout_round_cancels_its_siblings():
-    """`_all_or_none`: the first failure cancels the other awaits of the round (each aborts its request on the way
+    """`all_or_none`: the first failure cancels the other awaits of the round (each aborts its request on the way
     out), where `asyncio.gather` left them running for a client that already had its error."""
-    from prism.serving.app import _all_or_none
+    from prism.serving.cancellation import all_or_none
 
     cancelled = []
 
@@ -576,7 +576,7 @@ def test_a_failed_readout_round_cancels_its_siblings():
         raise RuntimeError("429: retry later")
 
     with pytest.raises(RuntimeError, match="retry later"):
-        asyncio.run(_all_or_none([long_running("a"), failing(), long_running("b")]))
+        asyncio.run(all_or_none([long_running("a"), failing(), long_running("b")]))
     assert sorted(cancelled) == ["a", "b"]
 
 
@@ -618,7 +618,7 @@ def test_exit_signals_abort_the_requests_before_the_servers_own_handler():
     accepting and aborts every request, then calls it."""
     import signal
 
-    from prism.serving.app import abort_requests_on_exit_signals
+    from prism.serving.exit_signals import abort_requests_on_exit_signals
 
     calls = []
 
@@ -668,12 +668,13 @@ def test_a_shutdown_ends_every_stream_with_an_error_event_and_refuses_new_reques
 def test_a_decide_the_engine_aborted_is_a_503_and_one_it_failed_a_500(live, monkeypatch, error, status, needle):
     """A question the engine aborted (only shutting down aborts one whose client is there) answers 503 "shutting
     down"; one it failed the internal error, without the engine's reason."""
-    from prism.serving import app as app_module
+    from prism.decision.plan import Outcome
+    from prism.serving import decide_runner
 
     async def outcomes(state, work):
-        return {b.request_id: app_module.Outcome(None, None, 0, 0, error) for b in work.branches}
+        return {b.request_id: Outcome(None, None, 0, 0, error) for b in work.branches}
 
-    monkeypatch.setattr(app_module, "_run_work", outcomes)
+    monkeypatch.setattr(decide_runner, "run_work", outcomes)  # looked up by run_plan there
     body = {"model": MODEL, "material": [{"role": "user", "content": "A red square."}],
             "questions": [{"type": "yes_no", "text": "Is it red?"}]}
     response = httpx.post(live.url + "/v1/decide", json=body, timeout=60)

@@ -2,45 +2,31 @@
 
 Owns: the prepared form of a prompt, `PreparedPrompt`: expanded token ids, modality ids, M-RoPE positions
 and rope delta, the preprocessed media in prompt order with their content digests, and the prefix-cache
-content (`kv_content()`: one `MediaSpan(start, length, digest)` per pad run). Identity rules:
-- a media item's digest is `prism.media.digest`'s content digest (same decoded pixels + same processor
-  settings + same model id <=> same digest), whatever form the image came in (file bytes, PIL, array);
-- a video's pad runs (one per temporal patch) each get their own digest, the video digest framed with the
-  temporal index, so runs of one video never look alike to the prefix cache;
-- positions are computed here, from the expanded prompt, before any cache lookup can happen.
+content (`kv_content()`: one `MediaSpan(start, length, digest)` per pad run). Here: the chat template, tokenizing
+(a text that cannot fit the limit refused before it is tokenized whole), the placeholder counts checked against the
+media given, expansion, and positions, computed from the expanded prompt before any cache lookup can happen. The
+media themselves, their digests (the identity rules) and the preprocessing cache: `media_preparation.py`.
 
-Preprocessing goes through the shared `PreprocessCache` when one is given: file bytes are keyed by their
-raw digest (the same key the HTTP path uses, `media.prepare.prepare_image`), decoded pixels by a digest of
-their RGB bytes and shape, videos by their sampled frames and timing. Cached values are shared: treat
-`pixel_values` as read-only. `InputProcessor` holds no mutable state after construction; its methods may
+`InputProcessor` holds no mutable state after construction but the image uuids (`image_names`); its methods may
 run on worker threads concurrently.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import math
-import os
-import struct
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from tokenizers import Tokenizer
 
-from ..media.cache import CacheKey, PreprocessCache
+from ..media.cache import PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
-from ..media.digest import hash_field, hash_rgb, image_digest, new_hash, pixels_digest, video_digest
-from ..media.image import DEFAULT_LIMITS, DecodeLimits, checked_rgb_array, preprocess_image, to_rgb_image
+from ..media.image import DEFAULT_LIMITS, DecodeLimits
 from ..media.placeholders import SpecialTokens, VideoPlaceholder, expand_placeholders
-from ..media.prepare import PreparedImage, media_namespace, prepare_image
-from ..media.video import PreprocessedVideo, preprocess_video, sample_frame_indices
+from ..media.prepare import PreparedImage
 from ..model.config import Qwen3VLConfig
 from ..model.mrope import mrope_positions_from_spans
 from .chat import (
@@ -58,6 +44,7 @@ from .chat import (
     special_token_strings,
 )
 from .image_names import ImageNameConflict, ImageNames
+from .media_preparation import MediaPreparer, place_media
 from .prompt import PreparedMedia, PreparedPrompt
 
 __all__ = [
@@ -76,38 +63,10 @@ class PromptTooLongError(InputError):
     """The expanded prompt (text + media tokens) exceeds the processor's max_prompt_tokens."""
 
 
-_U64 = struct.Struct("<Q")
-_MEDIA_THREADS = max(1, min(8, os.cpu_count() or 1))
-# The images of one prompt go to the media threads as at most this many tasks (consecutive images, prompt order): a
-# worker starts ~0.2-0.4 ms after its task is queued on the H200's host, so 8 one-image tasks waited for wake-ups.
-# W1's preparation (8 new images, three rounds): 8 tasks 5.9-6.3 ms, 4 tasks 4.8-5.4, 2 tasks 6.0-7.2.
-_MEDIA_TASKS = min(4, _MEDIA_THREADS)
 # A long text's head is tokenized first to refuse it early (`InputProcessor._refuse_texts_past_the_limit`): this many
 # characters a token of the limit, and a margin of tokens for the word the cut falls in.
 _HEAD_CHARS_PER_TOKEN = 8
 _HEAD_MARGIN = 16
-_SPAN_SCHEME = b"prism.video-span.v3"
-_FRAMES_SCHEME = b"prism.video-frames.v3"
-
-
-def video_span_digest(video_digest_: bytes, temporal_index: int) -> bytes:
-    """Digest of one temporal patch's pad run: the video digest framed with the patch index."""
-    h = new_hash()
-    hash_field(h, b"scheme", _SPAN_SCHEME)
-    hash_field(h, b"video", video_digest_)
-    hash_field(h, b"temporal_index", _U64.pack(temporal_index))
-    return h.digest()
-
-
-@dataclass(frozen=True)
-class _CachedVideo:
-    video: PreprocessedVideo
-    digest: bytes
-
-    @property
-    def nbytes(self) -> int:
-        pv = self.video.pixel_values_videos
-        return pv.numel() * pv.element_size() + 256
 
 
 # ------------------------------------------------------------------------------------------ processor
@@ -173,8 +132,6 @@ class InputProcessor:
                     f"{what} (patch, temporal patch, merge) = {got} disagrees with the model's vision config {want}"
                 )
         self.merge_size = vision.spatial_merge_size
-        # Images of one request are prepared in parallel: hashing, PIL resizing and numpy release the GIL.
-        self._media_threads = ThreadPoolExecutor(max_workers=_MEDIA_THREADS, thread_name_prefix="prism-media")
         self.special = SpecialTokens(
             image_pad=self.config.image_token_id,
             video_pad=self.config.video_token_id,
@@ -207,17 +164,13 @@ class InputProcessor:
             raise InputError("pass either a shared cache or cache_bytes, not both")
         if cache is None and cache_bytes:
             cache = PreprocessCache(cache_bytes)
-        self._cache = cache
-        self.image_names = ImageNames()  # image uuids -> the cache keys of the images they name
+        self.media = MediaPreparer(self.model_id, self.image_config, self.video_config, cache, limits)
         self._limits = limits
         self._max_prompt_tokens = max_prompt_tokens
         self._max_text_tokens = max_text_tokens if max_text_tokens is not None else max_prompt_tokens
         self._reason = f" ({prompt_limit_reason})" if prompt_limit_reason else ""
         self._limit = f"the limit is {max_prompt_tokens}{self._reason}"
         self._absorb = absorb_video_vision_tokens
-        self._image_ns = json.dumps([self.model_id, self.image_config.fingerprint(), "rgb8"])
-        self._bytes_ns = media_namespace(self.model_id, self.image_config)  # prepare_image's, for encoded bytes
-        self._video_ns = json.dumps([self.model_id, self.video_config.fingerprint(), "video-frames"])
 
     # ---------------------------------------------------------------------------------- tokenizer
     @property
@@ -231,7 +184,12 @@ class InputProcessor:
 
     @property
     def cache(self) -> PreprocessCache[Any] | None:
-        return self._cache
+        return self.media.cache
+
+    @property
+    def image_names(self) -> ImageNames:
+        """Image uuids -> the cache keys of the images they name (`engine/image_names.py`)."""
+        return self.media.image_names
 
     @property
     def chat_template(self) -> str | None:
@@ -404,8 +362,8 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
-        prepared_images, names = self._images(images, {} if media_memo is None else media_memo, on_image)
-        prepared_videos = [self._video(v) for v in videos]
+        prepared_images, names = self.media.images(images, {} if media_memo is None else media_memo, on_image)
+        prepared_videos = [self.media.video(v) for v in videos]
         expanded = expand_placeholders(
             ids,
             special=self.special,
@@ -429,193 +387,13 @@ class InputProcessor:
             span_lengths=[s.length for s in expanded.spans],
         )
 
-        runs: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        run_digests: dict[tuple[str, int], list[bytes]] = {}
-        for s in expanded.spans:
-            key = (s.kind, s.media_index)
-            if s.kind == "image":
-                digest = prepared_images[s.media_index].digest
-            else:
-                digest = video_span_digest(prepared_videos[s.media_index].digest, s.temporal_index)
-            runs.setdefault(key, []).append((s.start, s.length))
-            run_digests.setdefault(key, []).append(digest)
-        media: list[PreparedMedia] = []
-        for item in expanded.items:  # prompt order
-            key = (item.kind, item.media_index)
-            if item.kind == "image":
-                im = prepared_images[item.media_index]
-                pixels, grid, digest, stamps = im.pixels, im.grid_thw, im.digest, ()
-            else:
-                cv = prepared_videos[item.media_index]
-                pixels, grid, digest = cv.video.pixel_values_videos, cv.video.grid_thw, cv.digest
-                stamps = tuple(cv.video.timestamps)
-            media.append(
-                PreparedMedia(
-                    kind=item.kind,
-                    index=item.media_index,
-                    pixels=pixels,
-                    grid_thw=grid,
-                    digest=digest,
-                    spans=tuple(runs[key]),
-                    span_digests=tuple(run_digests[key]),
-                    timestamps=stamps,
-                )
-            )
+        media = place_media(expanded, prepared_images, prepared_videos)
         return PreparedPrompt(
             token_ids=expanded.input_ids.tolist(),
             mm_token_type_ids=torch.from_numpy(expanded.mm_token_type_ids),
             positions=positions,
             rope_delta=rope_delta,
-            media=tuple(media),
+            media=media,
             text=text,
             image_names=names,
         )
-
-    def _cached(self, key: CacheKey, compute: Any) -> Any:
-        if self._cache is None:
-            return compute()[0]
-        return self._cache.get_or_compute(key, compute)
-
-    def _images(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]],
-                on_image: Callable[[PreparedImage], None] | None = None
-                ) -> tuple[list[PreparedImage], tuple[tuple[str, CacheKey, bytes], ...]]:
-        """Each image prepared once per memo (keyed by object identity; the memo holds the object, so its id
-        cannot be reused while the entry lives), new ones on the media threads (`_MEDIA_TASKS` tasks of
-        consecutive images), each handed to `on_image` in prompt order once its task is done; images named by uuid
-        alone come from this prompt's own sends or the uuid registry. Returns the images and the names the prompt
-        binds when accepted (each checked against the registry now)."""
-        datas = [im.data for im in images if im.data is not None]
-        todo = list({id(d): d for d in datas if id(d) not in memo or memo[id(d)][0] is not d}.values())
-        tasks = min(len(todo), _MEDIA_TASKS)
-        chunks = [todo[i * len(todo) // tasks : (i + 1) * len(todo) // tasks] for i in range(tasks)]
-        futures = [self._media_threads.submit(self._images_of, c) for c in chunks] if tasks > 1 else []
-        try:  # handed on in the prompt's order, not as they finish: what the engine does stays reproducible
-            prepared_in_order = (p for f in futures for p in f.result()) if futures else map(self._image, todo)
-            for data, prepared in zip(todo, prepared_in_order, strict=True):
-                memo[id(data)] = (data, prepared)
-                if on_image is not None:
-                    on_image(prepared)
-        finally:  # an image that failed fails the prompt: the ones not started yet are not prepared for nothing
-            for f in futures:
-                f.cancel()
-        sent: dict[str, tuple[CacheKey, bytes, PreparedImage]] = {}
-        for im in images:  # names first, so a part may name an image a later part of the same prompt sends
-            if im.data is not None and im.uuid is not None:
-                prepared = memo[id(im.data)][1]
-                key = self._name_key(im.data, prepared)
-                if im.uuid in sent and sent[im.uuid][1] != prepared.digest:
-                    raise InputError(f"image uuid {im.uuid!r} names two different images in this prompt")
-                try:
-                    self.image_names.check(im.uuid, prepared.digest)
-                except ImageNameConflict as error:
-                    raise InputError(str(error)) from error
-                sent[im.uuid] = (key, prepared.digest, prepared)
-        out = [memo[id(im.data)][1] if im.data is not None
-               else sent[im.uuid][2] if im.uuid in sent else self._image_by_uuid(im.uuid) for im in images]
-        return out, tuple((uuid, key, digest) for uuid, (key, digest, _) in sent.items())
-
-    def _images_of(self, datas: list[Any]) -> list[PreparedImage]:
-        return [self._image(d) for d in datas]
-
-    def _check_names_usable(self) -> None:
-        if self._cache is None:
-            raise InputError("image uuids need the preprocessing cache (preprocess_cache_bytes > 0)")
-
-    def _image_by_uuid(self, uuid: str | None) -> PreparedImage:
-        """The prepared image `uuid` names (`engine/image_names.py`), or InputError if the name is not held or
-        its pixels were evicted (the client sends the image with its uuid again)."""
-        self._check_names_usable()
-        assert self._cache is not None
-        found = self.image_names.resolve(str(uuid))
-        prepared = self._cache.get(found[0]) if found is not None else None
-        if prepared is None:
-            raise InputError(f"image uuid {uuid!r} names no image this server holds: send the image with it "
-                             "(it may have been evicted)")
-        return prepared
-
-    def _name_key(self, data: Any, prepared: PreparedImage) -> CacheKey:
-        """The preprocessing-cache key a uuid names `prepared` (from `data`) by, its pixels made findable there (a
-        memo may have skipped the cache)."""
-        self._check_names_usable()
-        assert self._cache is not None
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            key = CacheKey(prepared.raw_digest, self._bytes_ns)
-        else:
-            key = CacheKey(prepared.raw_digest, self._image_ns)
-        if key not in self._cache:
-            self._cache.put(key, prepared, prepared.nbytes)
-        return key
-
-    def _image(self, data: Any) -> PreparedImage:
-        cfg = self.image_config
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            return prepare_image(
-                bytes(data), cfg, model_id=self.model_id, cache=self._cache, limits=self._limits
-            )
-        if not isinstance(data, (Image.Image, np.ndarray)):
-            raise InputError(
-                f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}"
-            )
-        source = (checked_rgb_array(data, self._limits) if isinstance(data, np.ndarray)
-                  else to_rgb_image(data, self._limits))
-        key = CacheKey(pixels_digest(source), self._image_ns)
-
-        def compute() -> tuple[PreparedImage, int]:
-            pre = preprocess_image(source, cfg, self._limits)
-            out = PreparedImage(
-                pixels=pre.pixels,
-                grid_thw=pre.grid_thw,
-                digest=image_digest(pre, model_id=self.model_id, config=cfg),
-                raw_digest=key.raw_digest,
-                resized_size=pre.resized_size,
-            )
-            return out, out.nbytes
-
-        return self._cached(key, compute)
-
-    def _video(self, video: VideoInput) -> _CachedVideo:
-        cfg = self.video_config
-        frames = video.frames
-        if isinstance(frames, np.ndarray):
-            if frames.ndim != 4:
-                raise InputError(f"a video array must be uint8 [F, H, W, 3], got shape {list(frames.shape)}")
-            frame_list: list[Any] = list(frames)
-        elif isinstance(frames, Sequence) and not isinstance(frames, (str, bytes)):
-            frame_list = list(frames)
-        else:
-            raise InputError(f"video frames must be a list or a uint8 array, got {type(frames).__name__}")
-        if not frame_list:
-            raise InputError("video has no frames")
-        fps = video.fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
-            raise InputError(f"video fps must be a positive finite number, got {fps!r}")
-        num_frames = video.num_frames
-        if num_frames is not None and (
-            isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0
-        ):
-            raise InputError(f"video num_frames must be a positive int, got {num_frames!r}")
-        if num_frames is not None and not cfg.do_sample_frames:
-            raise InputError(
-                "video num_frames needs frame sampling, which this checkpoint's processor disables"
-            )
-        if cfg.do_sample_frames:
-            indices = sample_frame_indices(len(frame_list), float(fps), cfg, num_frames=num_frames)
-        else:
-            indices = np.arange(len(frame_list), dtype=np.int64)
-        # The result depends only on the sampled frames, their indices and the frame rate: key on those.
-        h = new_hash()
-        hash_field(h, b"scheme", _FRAMES_SCHEME)
-        hash_field(h, b"fps", struct.pack("<d", float(fps)))
-        hash_field(h, b"num_frames", _U64.pack(num_frames or 0))
-        hash_field(h, b"total", _U64.pack(len(frame_list)))
-        hash_field(h, b"indices", np.asarray(indices, dtype="<i8").tobytes())
-        for i in indices.tolist():
-            hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
-        key = CacheKey(h.digest(), self._video_ns)
-
-        def compute() -> tuple[_CachedVideo, int]:
-            pre = preprocess_video(frame_list, float(fps), cfg, num_frames=num_frames, limits=self._limits)
-            out = _CachedVideo(pre, video_digest(pre, model_id=self.model_id, config=cfg))
-            return out, out.nbytes
-
-        return self._cached(key, compute)

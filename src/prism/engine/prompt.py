@@ -22,7 +22,7 @@ class PreparedMedia:
 
     `spans` are the pad runs in the prompt as (start, length): one for an image, one per temporal patch for
     a video. `span_digests[i]` is what the prefix cache keys run i on: the image digest, or for a video
-    `video_span_digest(digest, i)`. `kv_spans` pairs them as `prism.kv.content.MediaSpan`s.
+    `media_preparation.video_span_digest(digest, i)`. `kv_spans` pairs them as `prism.kv.content.MediaSpan`s.
     """
 
     kind: Literal["image", "video"]

@@ -6,7 +6,7 @@ timeout of the app's first read of it, plus one second per `MIN_BODY_BYTES_PER_S
 wait per read, which a byte now and then would pass; the credit lets a large body in over a slow link, 64 MiB at 1
 Mbit/s, while a trickle earns next to nothing). A read that would pass it raises `BodyReadTimeout` in the reader
 instead of waiting on. The endpoints read the
-whole body before they parse, resolve media or submit anything (`app._read_body`), so nothing exists yet when they
+whole body before they parse, resolve media or submit anything (`refusals.read_body`), so nothing exists yet when they
 answer it as a refusal: a 408 with OpenAI's error body and `Connection: close` (the rest of the body may still come,
 and must not be read as the next request); any other reader gets the same answer from the HTTP-error handler.
 Reads once the body is in (a response watching for its client's disconnect) are not timed; a request pays one timer

@@ -1,0 +1,49 @@
+"""What the endpoints share (`ServerState`: settings, the engine behind its owner thread, metrics, media resolver) and
+the engine a server builds from its settings when it is given none (`build_engine`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..engine.config import EngineConfig
+from ..engine.engine import Engine
+from .async_engine import AsyncEngine
+from .media_urls import MediaResolver
+from .metrics import ServingMetrics
+from .settings import ServerSettings
+from .stream import byte_level_token_bytes
+
+log = logging.getLogger("prism.server")
+
+
+class ServerState:
+    """What the endpoints share: settings, the engine behind its owner thread, metrics, media resolver."""
+
+    def __init__(self, settings: ServerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.async_engine = AsyncEngine(
+            engine, max_in_flight=settings.max_waiting_requests, preprocess_workers=settings.preprocess_workers
+        )
+        self.metrics = ServingMetrics(engine)
+        self.resolver = MediaResolver(settings)
+        self.token_bytes = byte_level_token_bytes(engine.inputs.tokenizer)
+        # The special tokens a completion's text leaves out (its detokenizer skips them): `text_offset` counts none.
+        self.special_token_ids = frozenset(
+            i for i, token in engine.inputs.tokenizer.get_added_tokens_decoder().items() if token.special)
+        self.created = int(time.time())
+
+
+def build_engine(settings: ServerSettings) -> Engine:
+    config = EngineConfig.from_json(settings.engine_config_path) if settings.engine_config_path else EngineConfig()
+    if settings.model_dir is None:
+        from ..testing.checkpoints import ensure_tiny_checkpoint
+
+        model_dir = ensure_tiny_checkpoint()
+        log.warning("PRISM_MODEL is not set: serving the embedded tiny random-weight checkpoint at %s "
+                    "(its answers are noise; set PRISM_MODEL to a Qwen3-VL directory)", model_dir)
+    else:
+        model_dir = Path(settings.model_dir)
+    return Engine(model_dir, config)
