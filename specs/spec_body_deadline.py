@@ -33,14 +33,15 @@ def served():
 
 
 @st.composite
-def deliveries(draw):
-    """(pieces of the body, the pause before each, how it ends: "in time", "withheld" or "trickled")."""
-    cuts = sorted(draw(st.sets(st.integers(1, len(BODY) - 1), max_size=4)))
-    pieces = [BODY[a:b] for a, b in zip([0, *cuts], [*cuts, len(BODY)], strict=True)]
+def deliveries(draw, data: bytes = BODY):
+    """(pieces of `data` (the body; `spec_header_deadline`: a request head), the pause before each, how it ends: "in
+    time", "withheld" or "trickled"), paced against the deadline `TIMEOUT_S`."""
+    cuts = sorted(draw(st.sets(st.integers(1, len(data) - 1), max_size=4)))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     how = draw(st.sampled_from(["in time", "withheld", "trickled"]))
     if how == "trickled":
         total = TIMEOUT_S + MARGIN_S + draw(st.floats(0, 0.3))
-    else:  # a withheld body's pieces before the one never sent may come at any pace
+    else:  # a withheld delivery's pieces before the one never sent may come at any pace
         total = draw(st.floats(0, TIMEOUT_S - MARGIN_S))
     weights = draw(st.lists(st.floats(0.01, 1), min_size=len(pieces), max_size=len(pieces)))
     return pieces, [total * w / sum(weights) for w in weights], how

@@ -8,8 +8,9 @@ sizes, `device` and `model_id` were not checked, so `encoder_cache_bytes=-1` fai
 `distributed_timeout_s=inf` was accepted (no collective can be bounded by it).
 
 Domain: one key at a time, every key but `tensor_parallel_size` (it spawns processes; `tests/test_tp*.py`), values of
-every JSON kind, integers small enough that an accepted pool fits in this machine's memory (a pool too large for the
-device fails in torch's allocator, with torch's message).
+every JSON kind, integers small enough that an accepted pool fits in this machine's memory (off CUDA, where there is
+no free-memory query, a pool too large for the host fails in torch's allocator, with torch's message; on CUDA it is a
+`KVCapacityError` naming the key, `specs/spec_kv_pool_memory.py`).
 """
 
 from __future__ import annotations

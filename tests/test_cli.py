@@ -27,3 +27,27 @@ def test_bad_flags_are_command_line_errors(argv, words, capsys, monkeypatch):
         cli.main(argv)
     assert exited.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_serve_runs_uvicorn_with_the_request_heads_deadline(monkeypatch):
+    """uvicorn has no setting for it: `prism serve` gives it the h11 protocol with the deadline, from
+    PRISM_HEADER_READ_TIMEOUT_S."""
+    import uvicorn
+
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.update(kwargs))
+    monkeypatch.setenv("PRISM_HEADER_READ_TIMEOUT_S", "3.5")
+    cli.main(["serve", "--port", "0"])
+    assert ran["http"].header_read_timeout_s == 3.5 and ran["port"] == 0
+
+
+def test_serve_refuses_a_uvicorn_the_deadline_does_not_fit(monkeypatch, capsys):
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("the server started"))
+    monkeypatch.delattr(H11Protocol, "data_received")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve"])
+    assert exited.value.code == 1
+    assert "does not fit uvicorn" in capsys.readouterr().err

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from .serving.app import create_app
+    from .serving.header_deadline import header_deadline_protocol
     from .serving.settings import ServerSettings
 
     env = dict(os.environ)
@@ -43,7 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:  # (its message names the variable the flag set: name the flag)
         serve.error(str(error).replace("PRISM_MODEL=", "--model ").replace("PRISM_CONFIG=", "--config "))
     logging.basicConfig(level=logging.DEBUG if args.log_level == "trace" else args.log_level.upper())
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn's h11 protocol with the request head's deadline (uvicorn has no setting for one): before the model loads,
+    # a uvicorn it does not fit is an error here
+    try:
+        protocol = header_deadline_protocol(settings.header_read_timeout_s)
+    except RuntimeError as error:
+        parser.exit(1, f"prism serve: {error}\n")
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, http=protocol)
 
 
 def _port(text: str) -> int:

@@ -1,20 +1,35 @@
-"""KV capacity agreement across tensor-parallel ranks.
+"""KV capacity agreement across tensor-parallel ranks, and the pool's allocation where it fits.
 
 Owns invariant 10 (*TP capacity*): every rank allocates the MIN page count over all ranks, agreed
 before any pool is allocated; a rank that has room for no page still joins the agreement, and then
 every rank raises the same `KVCapacityError` (nobody allocates, nobody waits on a rank that left).
 Rank 0's KV manager hands out page ids that address every rank's pool, so a rank with more pages than
 another would let page ids point past the smaller pool (divergent KV, or a rank stuck in a collective).
+
+Also owns *a KV pool is allocated only where it fits* (`allocate_agreed_pool`): the ranks agree on the least
+free device memory before any allocates, and on whether every allocation succeeded after; a pool larger than a
+device (or than what the weights left) makes every rank raise the same `KVCapacityError` naming the setting, the
+bytes asked and the bytes free, instead of torch's allocator error on one rank while the others go on, and no
+rank keeps a pool. `specs/spec_kv_pool_memory.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
+
+import torch
+
+from ..kv.fp8 import KVLayout, KVPool
+
+# What a rank that cannot query its free memory (the CPU) brings to the agreement: no limit.
+UNKNOWN_FREE = 2**62
 
 
 class KVCapacityError(ValueError):
-    """No KV page fits on at least one rank: the engine cannot start on any rank (a configuration
-    problem, hence a ValueError like `ConfigError`)."""
+    """The KV pool cannot be allocated on at least one rank (no page fits its budget, or the pool does not fit in
+    its device's memory): the engine cannot start on any rank (a configuration problem, hence a ValueError like
+    `ConfigError`)."""
 
 
 class MinGroup(Protocol):
@@ -37,3 +52,68 @@ def agree_num_pages(group: MinGroup, local_pages: int) -> int:
             "every rank stops: raise kv_memory_bytes / num_gpu_pages or lower page_size"
         )
     return agreed
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Bytes torch can still allocate on `device`: the driver's free memory plus the blocks torch's caching allocator
+    holds unused (it gives them back before it reports an out-of-memory). None off CUDA: the host's "free" memory
+    says little about what an allocation gets (overcommit, swap, other processes)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def allocate_agreed_pool(group: MinGroup, layout: KVLayout, device: torch.device, *, key: str, value: int,
+                         scratch_pages: int = 0,
+                         free_bytes: Callable[[torch.device], int | None] | None = None,
+                         allocate: Callable[[KVLayout, torch.device], KVPool] | None = None) -> KVPool:
+    """This rank's KV pool: `layout`'s pages plus `scratch_pages` (what the CUDA graphs' padding writes), allocated on
+    `device` only if it fits on every rank. `key`, `value`: the config key that sized it and its value, for the
+    message. `free_bytes`, `allocate`: this module's `device_free_bytes` and `KVPool.allocate` unless given (the
+    specs give each rank its own).
+
+    Two collectives, at the same point on every rank: the least free memory over ranks, before any allocates (a pool
+    larger than it raises before anything is allocated); then whether every rank's allocation succeeded (the free
+    memory is a snapshot: another process may take some, and a large block may not be contiguous), so a rank whose
+    allocation ran out of memory fails every rank, and those that allocated drop their pool first.
+
+    No margin is kept for what the start allocates after the pool (warm-up activations, CUDA graph pools, logits
+    buffers) and what serving fills (the encoder cache): those depend on the model, the configuration and the
+    torch/Triton versions, and a guessed margin would refuse pools that work or pass pools that do not. This check
+    refuses the pools that cannot be allocated at all (a size in the wrong unit, or meant for a larger device);
+    README says how much to leave. Raises KVCapacityError on every rank, with the same message."""
+    whole = layout.with_num_pages(layout.num_pages + scratch_pages)
+    local_free = (free_bytes or device_free_bytes)(device)
+    least_free = group.min_int(UNKNOWN_FREE if local_free is None else max(local_free, 0))
+    fits = whole.total_bytes <= least_free
+    pool, failed = None, None
+    if fits:
+        try:
+            pool = (allocate or KVPool.allocate)(whole, device)
+        except torch.OutOfMemoryError as error:  # caught, not kept: its traceback would hold what was allocated
+            failed = str(error).splitlines()[0] if str(error) else "out of memory"
+    if group.min_int(int(pool is not None)) == 1:
+        return pool
+    del pool  # a rank that allocated keeps nothing while the error lives
+    raise KVCapacityError(_does_not_fit(group, whole, layout.num_pages, key, value, least_free, allocated=fits)
+                          + (f" (the allocator: {failed})" if failed and group.world_size == 1 else ""))
+
+
+def _does_not_fit(group: MinGroup, whole: KVLayout, pages: int, key: str, value: int, least_free: int,
+                  allocated: bool) -> str:
+    """The same message on every rank: the numbers are agreed ones, nothing is rank-specific."""
+    where = "the device" if group.world_size == 1 else f"the device of one of the {group.world_size} tensor-parallel ranks"
+    free = ("no free-memory query off CUDA" if least_free >= UNKNOWN_FREE
+            else f"{_bytes(least_free)} free after the model's weights")
+    scratch = whole.num_pages - pages
+    scratch_note = (f" + {scratch} scratch page(s) that the CUDA graphs' padding writes (cuda_graph_max_batch, "
+                    "cuda_graph_max_packed_tokens)" if scratch else "")
+    what = "ran out of memory allocating it" if allocated else "cannot hold it"
+    return (f"the KV pool does not fit in device memory: {key}={value} gives {pages} pages{scratch_note} of "
+            f"{whole.page_bytes} bytes, {_bytes(whole.total_bytes)} asked, and {where} {what} ({free}); every "
+            f"rank stops: lower {key}, leaving room for activations and CUDA graphs")
+
+
+def _bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.2f} GiB)"

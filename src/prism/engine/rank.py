@@ -53,9 +53,17 @@ def check_rank_devices(config: EngineConfig) -> None:
                       "(device='cpu')")
 
 
+def kv_setting(config: EngineConfig) -> tuple[str, int]:
+    """The config key that sizes the KV pool, and its value (what a pool too large for the device names)."""
+    if config.num_gpu_pages:
+        return "num_gpu_pages", config.num_gpu_pages
+    return "kv_memory_bytes", config.kv_memory_bytes
+
+
 def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup,
                       reach: Callable[[str], None] | None = None) -> tuple[ModelRunner, int]:
-    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room. `reach`:
+    """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room (no page in its
+    budget, or a pool its device's free memory cannot hold: `capacity.allocate_agreed_pool`). `reach`:
     called with LOADED once the model is loaded and sharded, before the first collective (`tp_startup`: rank 0
     waits there for every follower, a follower reports)."""
     model = load_model(Path(model_dir), dtype=config.resolved_dtype(), device=rank_device(config, group.rank))
@@ -86,5 +94,6 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         programmatic_launch=config.programmatic_launch,
         background_encoding=config.encode_media_ahead and config.encodes_ahead_beside_decodes,
         check_invariants=config.check_invariants,
+        kv_setting=kv_setting(config),
     )
     return runner, max_model_len

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.capacity import allocate_agreed_pool
 from ..distributed.encoder_dp import encode_media_items
 from ..distributed.tensor_parallel import TPGroup
 from ..kv.fp8 import KVLayout, KVPool
@@ -80,6 +81,7 @@ class ModelRunner:
         programmatic_launch: bool = False,
         background_encoding: bool = False,
         check_invariants: bool = False,
+        kv_setting: tuple[str, int] | None = None,
     ) -> None:
         self.model = model
         self.device = model.device
@@ -105,7 +107,11 @@ class ModelRunner:
         scratch_rows = (max(cuda_graph_max_batch or 0, packed_graph_max_tokens or 0) if use_graphs
                         else layout.page_size if deterministic else 0)
         scratch = -(-scratch_rows // layout.page_size)
-        self.gpu_pool = KVPool.allocate(layout.with_num_pages(layout.num_pages + scratch), self.device)
+        # Allocated only if it fits on every rank, else every rank raises the same KVCapacityError naming
+        # `kv_setting` (the config key that sized the pool, and its value).
+        key, value = kv_setting or ("num_gpu_pages", layout.num_pages)
+        self.gpu_pool = allocate_agreed_pool(self.group, layout, self.device, key=key, value=value,
+                                             scratch_pages=scratch)
         self.cpu_pool = (
             KVPool.allocate(layout.with_num_pages(num_cpu_pages), "cpu", pin_memory=self.device.type == "cuda")
             if num_cpu_pages

@@ -61,6 +61,10 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
         app.state.prism = state
         restore_signals = abort_requests_on_exit_signals(state.async_engine)
         log.info("serving %s", resolved.served_model_name)
+        if state.engine.inputs.chat_template is None:
+            log.warning("the model %s (%s) has %s: /v1/chat/completions and /v1/decide (chat messages) will be refused "
+                        "with a 400; /v1/completions (raw prompts) works", resolved.served_model_name,
+                        state.engine.model_dir, NO_CHAT_TEMPLATE)
         try:
             yield
         finally:
@@ -191,6 +195,7 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
             decide_request, questions = parse_decide_request(body)
             if decide_request.model != state.settings.served_model_name:
                 raise model_not_found(decide_request.model, state)
+            _require_chat_template(state, "/v1/decide")
             material = await state.async_engine.run_in_media_pool(
                 state.resolver.resolve_messages, decide_request.material, "material"
             )
@@ -245,7 +250,19 @@ async def _parse(request: Request, state: ServerState) -> ChatCompletionRequest:
     chat = parse_chat_request(await read_body(request, state))
     if chat.model != state.settings.served_model_name:
         raise model_not_found(chat.model, state)
+    _require_chat_template(state, "/v1/chat/completions")
     return chat
+
+
+NO_CHAT_TEMPLATE = "no chat template (no chat_template.jinja, chat_template.json or tokenizer_config.json chat_template)"
+
+
+def _require_chat_template(state: ServerState, endpoint: str) -> None:
+    """A 400 for chat messages to a model without a chat template (nothing could render them), before any media is
+    resolved; the server warned at start."""
+    if state.engine.inputs.chat_template is None:
+        raise ProtocolError(f"the model {state.settings.served_model_name!r} has {NO_CHAT_TEMPLATE}, so {endpoint} "
+                            "(chat messages) is refused: send a raw prompt to /v1/completions")
 
 
 def _check_context(chat: ChatCompletionRequest, prompt_tokens: int, max_model_len: int) -> None:

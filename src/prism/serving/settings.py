@@ -20,6 +20,7 @@ at all (local files only under one root; remote URLs only when switched on). A b
 | max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 decoded frame pixels per request |
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
 | body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (+1 s per 128 KiB of body read)   |
+| header_read_timeout_s      | PRISM_HEADER_READ_TIMEOUT_S      | 10.0 (`prism serve` only)              |
 | max_waiting_requests       | PRISM_MAX_WAITING                | 256 (more -> 429)                      |
 | preprocess_workers         | PRISM_PREPROCESS_WORKERS         | 4                                      |
 | data_url_cache_bytes       | PRISM_DATA_URL_CACHE_BYTES       | 256 MiB of recent data URLs (0: none)  |
@@ -61,6 +62,9 @@ class ServerSettings:
     max_video_pixels: int = 2**27
     max_request_bytes: int = 64 * MIB
     body_read_timeout_s: float = 30.0  # the body in that time (+1 s per 128 KiB read), or a 408 (body_deadline.py)
+    # A request head (line and headers) whole in that time, or the connection closed (header_deadline.py): set on
+    # uvicorn's protocol, which `prism serve` runs and `uvicorn src.prism.server:app` does not.
+    header_read_timeout_s: float = 10.0
     max_waiting_requests: int = 256
     preprocess_workers: int = 4
     data_url_cache_bytes: int = 256 * MIB  # decoded payloads of repeated data URLs (serving/data_url_cache.py)
@@ -87,7 +91,7 @@ class ServerSettings:
             object.__setattr__(self, "media_root", root)
         if not isinstance(self.allow_remote_media, bool):
             raise ValueError(f"allow_remote_media must be a bool, got {self.allow_remote_media!r}")
-        for field_name in ("remote_media_timeout_s", "body_read_timeout_s"):
+        for field_name in ("remote_media_timeout_s", "body_read_timeout_s", "header_read_timeout_s"):
             t = getattr(self, field_name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
                 raise ValueError(f"{field_name} must be a finite number > 0, got {t!r}")
@@ -140,7 +144,8 @@ class ServerSettings:
         if (flag := env.get("PRISM_ALLOW_REMOTE_MEDIA")) is not None:
             kwargs["allow_remote_media"] = _parse_bool("PRISM_ALLOW_REMOTE_MEDIA", flag)
         for var, field_name in (("PRISM_REMOTE_MEDIA_TIMEOUT_S", "remote_media_timeout_s"),
-                                ("PRISM_BODY_READ_TIMEOUT_S", "body_read_timeout_s")):
+                                ("PRISM_BODY_READ_TIMEOUT_S", "body_read_timeout_s"),
+                                ("PRISM_HEADER_READ_TIMEOUT_S", "header_read_timeout_s")):
             if (timeout := get(var)) is not None:
                 kwargs[field_name] = _parse_positive_float(var, timeout)
         for var, field_name, minimum in (

@@ -1,11 +1,12 @@
-"""GPU test helpers: give back the memory of engines that are no longer referenced; see which Triton kernel
-variants a process launches for the first time (the GPU tests' no-compile-after-start check, `bench/profile_w4.py`'s
-timeline)."""
+"""GPU test helpers: give back the memory of engines that are no longer referenced; watch the models engines load (a
+failed start must let go of its model, on any device); see which Triton kernel variants a process launches for the
+first time (the GPU tests' no-compile-after-start check, `bench/profile_w4.py`'s timeline)."""
 
 from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,22 @@ def release_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def watch_loaded_models(monkeypatch) -> list[weakref.ref]:
+    """Weak references to every model the engines load from now on (`rank.load_model`, until `monkeypatch` undoes)."""
+    from ..engine import rank
+
+    refs: list[weakref.ref] = []
+    load = rank.load_model
+
+    def recorded(*args, **kwargs):
+        model = load(*args, **kwargs)
+        refs.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(rank, "load_model", recorded)
+    return refs
 
 
 def record_first_launches(record: Callable[[str, float], None]) -> Callable[[], None]:

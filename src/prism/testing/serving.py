@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..serving.app import create_app
+from ..serving.header_deadline import header_deadline_protocol
 from ..serving.settings import ServerSettings
 
 
@@ -31,8 +32,8 @@ class ServedApp:
 
 def serve_in_thread(settings: ServerSettings, *, start_timeout_s: float = 120, **uvicorn_config) -> ServedApp:
     """`create_app(settings)` served on 127.0.0.1 in a daemon thread, once uvicorn has started (RuntimeError if it
-    has not within `start_timeout_s`). `uvicorn_config`: more `uvicorn.Config` arguments (log level "warning"
-    unless given)."""
+    has not within `start_timeout_s`), as `prism serve` serves it (the request head's deadline on uvicorn's h11
+    protocol). `uvicorn_config`: more `uvicorn.Config` arguments (log level "warning" unless given)."""
     import uvicorn
 
     sock = socket.socket()
@@ -40,8 +41,9 @@ def serve_in_thread(settings: ServerSettings, *, start_timeout_s: float = 120, *
     port = sock.getsockname()[1]
     sock.close()
     app = create_app(settings)
+    protocol = header_deadline_protocol(settings.header_read_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           **{"log_level": "warning", **uvicorn_config}))
+                                           **{"log_level": "warning", "http": protocol, **uvicorn_config}))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + start_timeout_s

@@ -1,7 +1,8 @@
 """Tensor-parallel faults planted by the tests and reproducers.
 
 Start-up (`engine/tp_startup.py`): each fault is a stand-in for `tp_workers.serve_worker` (a module-level function,
-so a spawned process can import it): rank 1 dies at the named point of its start-up, any other rank serves as usual.
+so a spawned process can import it): rank 1 dies at the named point of its start-up (or its KV pool does not fit in its
+device's memory), any other rank serves as usual.
 `dying_follower(fault)` makes the engines built inside it spawn that stand-in. Steps: `lose_steps_after_their_payload`
 and `lose_device_token_steps` make rank 0's runner fail a step after its payload went to the followers.
 """
@@ -12,6 +13,8 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
+
+import torch
 
 
 def _kill_myself(*args, **kwargs) -> None:
@@ -48,7 +51,32 @@ def killed_while_loading(rank: int, address: str, model_dir: str, config: dict) 
     serve_worker(rank, address, model_dir, config)
 
 
-FAULTS = {f.__name__: f for f in (killed_before_joining, raises_while_loading, killed_while_loading)}
+def kv_pool_beyond_free_memory(rank: int, address: str, model_dir: str, config: dict) -> None:
+    """Rank 1's device has no memory free for the KV pool (`capacity.device_free_bytes` says 0)."""
+    from ..distributed import capacity
+    from ..engine.tp_workers import serve_worker
+
+    if rank == 1:
+        capacity.device_free_bytes = lambda device: 0
+    serve_worker(rank, address, model_dir, config)
+
+
+def _out_of_memory(*args, **kwargs) -> None:
+    raise torch.OutOfMemoryError("planted: CUDA out of memory. Tried to allocate the KV pool")
+
+
+def kv_pool_allocation_out_of_memory(rank: int, address: str, model_dir: str, config: dict) -> None:
+    """Rank 1's KV pool allocation runs out of memory (torch's error), which the free memory did not foresee."""
+    from ..engine.tp_workers import serve_worker
+    from ..kv.fp8 import KVPool
+
+    if rank == 1:
+        KVPool.allocate = _out_of_memory
+    serve_worker(rank, address, model_dir, config)
+
+
+FAULTS = {f.__name__: f for f in (killed_before_joining, raises_while_loading, killed_while_loading,
+                                  kv_pool_beyond_free_memory, kv_pool_allocation_out_of_memory)}
 
 
 @contextlib.contextmanager

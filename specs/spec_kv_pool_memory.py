@@ -1,0 +1,162 @@
+"""Spec of *a KV pool is allocated only where it fits* (`prism.distributed.capacity.allocate_agreed_pool`), on the real
+code, with its planted bugs.
+
+Ranks are threads whose collectives really exchange values (`prism.testing.thread_ranks`); each rank is given its
+own free device memory (a number, or unknown as on the CPU) and an allocator that may run out of memory (torch's
+`OutOfMemoryError`, which the free-memory snapshot cannot foresee). For any world size, pool and per-rank memory:
+either every rank gets a pool of the layout's pages plus the scratch pages, or every rank raises the same
+`KVCapacityError` naming the config key, the bytes asked and the least free bytes; no rank allocates a pool larger
+than the least free memory, and no pool survives a failed start (not even while its error is held).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prism.distributed import capacity
+from prism.kv.fp8 import KVLayout, KVPool
+from prism.testing.thread_ranks import ThreadWorld
+
+# Tiny fp32 pools: a page of 2 layers x 1 head x 4 dims x 2 slots.
+LAYOUTS = st.builds(lambda pages: KVLayout(2, 1, 4, 2, pages, "fp32"), st.integers(1, 6))
+
+
+@st.composite
+def worlds(draw: st.DrawFn) -> tuple[KVLayout, int, list[int | None], list[bool]]:
+    layout, scratch = draw(LAYOUTS), draw(st.integers(0, 2))
+    need = layout.with_num_pages(layout.num_pages + scratch).total_bytes
+    size = draw(st.integers(1, 3))
+    free = draw(st.lists(st.one_of(st.none(), st.sampled_from([0, need - 1, need, need + 1, 10 * need])),
+                         min_size=size, max_size=size))
+    oom = draw(st.lists(st.booleans() | st.just(False), min_size=size, max_size=size))
+    return layout, scratch, free, oom
+
+
+def set_up(layout: KVLayout, scratch: int, free: list[int | None], oom: list[bool]):
+    """Run the real allocation on every rank: (per-rank results, the pools allocated, the layouts asked for)."""
+    world = ThreadWorld(len(free), timeout_s=5.0)
+    pools: list[weakref.ref] = []
+    asked: list[KVLayout] = []
+
+    def rank_set_up(rank):
+        def allocate(whole: KVLayout, device: torch.device) -> KVPool:
+            asked.append(whole)
+            if oom[rank.rank]:
+                raise torch.OutOfMemoryError("planted: CUDA out of memory. Tried to allocate ...")
+            pool = KVPool.allocate(whole, device)
+            pools.append(weakref.ref(pool.payload))
+            return pool
+
+        return capacity.allocate_agreed_pool(rank, layout, torch.device("cpu"), key="kv_memory_bytes", value=12345,
+                                             scratch_pages=scratch, free_bytes=lambda device: free[rank.rank],
+                                             allocate=allocate)
+
+    return world.run(rank_set_up), pools, asked
+
+
+@settings(max_examples=150, deadline=None, report_multiple_bugs=False)
+@given(world=worlds())
+def spec_a_pool_is_allocated_on_every_rank_or_every_rank_refuses_it(world) -> None:
+    layout, scratch, free, oom = world
+    results, pools, asked = set_up(layout, scratch, free, oom)
+    whole = layout.with_num_pages(layout.num_pages + scratch)
+    known = [f for f in free if f is not None]
+    least = min(known, default=None)
+    fits = least is None or whole.total_bytes <= least
+    kinds = {kind for kind, _ in results}
+    assert len(kinds) == 1, f"free {free}, oom {oom}: ranks disagree on the start: {results}"
+    assert all(a.total_bytes <= least for a in asked) if least is not None else True, (
+        f"free {free}: a rank allocated {[a.total_bytes for a in asked]} bytes, more than the least free {least}")
+    if fits and not any(oom):
+        assert kinds == {"ok"}, f"free {free}: the pool of {whole.total_bytes} bytes fits but: {results}"
+        for _, pool in results:
+            assert pool.layout == whole, f"a rank allocated {pool.layout}, not {whole}"
+        return
+    assert kinds == {"error"}, f"free {free}, oom {oom}: the pool cannot be allocated everywhere but {results}"
+    errors = [e for _, e in results]
+    assert all(isinstance(e, capacity.KVCapacityError) for e in errors), f"free {free}, oom {oom}: {errors}"
+    assert len({str(e) for e in errors}) == 1, f"free {free}, oom {oom}: ranks fail with different errors: {errors}"
+    message = str(errors[0])
+    assert "kv_memory_bytes=12345" in message and f" {whole.total_bytes} bytes (" in message, (
+        f"the message names neither the key nor the bytes asked: {message}")
+    if least is not None:
+        assert f"({least} bytes (" in message, f"the message does not name the {least} bytes free: {message}"
+    gc.collect()
+    kept = [p for p in pools if p() is not None]
+    assert not kept, f"free {free}, oom {oom}: {len(kept)} pool(s) outlived the failed start while its error lives"
+
+
+# ------------------------------------------------------------------------------------------ planted bugs
+def _spec_fails(match: str) -> None:
+    from specs.planted import _spec_fails as fails
+
+    fails(spec_a_pool_is_allocated_on_every_rank_or_every_rank_refuses_it, match)
+
+
+def test_no_check_before_the_allocation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug of the review: the pool went to torch's allocator whatever the device had free."""
+    real = capacity.allocate_agreed_pool
+
+    def unchecked(group, layout, device, **kw):
+        return real(group, layout, device, **{**kw, "free_bytes": lambda device: None})
+
+    monkeypatch.setattr(capacity, "allocate_agreed_pool", unchecked)
+    _spec_fails("more than the least free")
+
+
+class _Alone:
+    """A group of one: a rank that asks it agrees with nobody."""
+
+    world_size = 1
+
+    def min_int(self, value: int) -> int:
+        return value
+
+
+def test_each_rank_checking_only_its_own_memory_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose device cannot hold the pool (or whose allocation ran out of memory) stops alone; the others
+    allocate and go on, to wait for it in their next collective."""
+    real = capacity.allocate_agreed_pool
+    monkeypatch.setattr(capacity, "allocate_agreed_pool", lambda group, *a, **kw: real(_Alone(), *a, **kw))
+    _spec_fails("disagree")
+
+
+def test_an_out_of_memory_on_one_rank_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The free memory agreed, but not the allocation's own out-of-memory (the second collective)."""
+
+    class FirstCollectiveOnly:
+        def __init__(self, group):
+            self.group, self.world_size, self.calls = group, group.world_size, 0
+
+        def min_int(self, value: int) -> int:
+            self.calls += 1
+            return self.group.min_int(value) if self.calls == 1 else value
+
+    real = capacity.allocate_agreed_pool
+    monkeypatch.setattr(capacity, "allocate_agreed_pool",
+                        lambda group, *a, **kw: real(FirstCollectiveOnly(group), *a, **kw))
+    _spec_fails("disagree")
+
+
+def test_a_pool_kept_by_a_failed_start_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank raises, but the pool a rank allocated stays in a frame of the error's traceback (as the pool's own
+    local would without its `del`)."""
+    real = capacity.allocate_agreed_pool
+
+    def keeps_its_pool(group, layout, device, **kw):
+        allocate, allocated = kw["allocate"], []
+
+        def remembered(whole, dev):
+            allocated.append(allocate(whole, dev))
+            return allocated[-1]
+
+        return real(group, layout, device, **{**kw, "allocate": remembered})
+
+    monkeypatch.setattr(capacity, "allocate_agreed_pool", keeps_its_pool)
+    _spec_fails("outlived the failed start")
