@@ -304,7 +304,7 @@ class Engine:
                 log.exception("step failed; failing its requests %s", [s.request.request_id for s in out.slices])
                 # The request whose media were encoded ahead fails with the step: its media may be the cause,
                 # and its own prefill must not fail another step's requests the same way.
-                self._fail([s.request for s in out.slices] + out.media_ahead_requests, error)
+                self._fail_a_lost_step([s.request for s in out.slices] + out.media_ahead_requests, error)
             else:
                 self._fail_a_failed_encoding_ahead(out)
                 self._commit(out.slices, logits)
@@ -346,6 +346,18 @@ class Engine:
             self.runner.encode_ahead([MediaWork(image.digest, image.grid_thw, True, image.pixels)])
         except Exception:  # the request is not accepted yet: its prefill encodes the image, and fails it if need be
             log.exception("encoding an image while its request was prepared failed; its prefill will encode it")
+
+    def _fail_a_lost_step(self, requests: list[Request], error: Exception) -> None:
+        """Fail a lost step's requests. A transfer plan its runner never took (the step failed before: at the runner's
+        entry) runs as the runner runs a lost step's, its pages unpinned: left with the manager, it held them until
+        some later step, for ever on a server that went idle (`reproducers/lost_step_left_its_plan_pinned.py`)."""
+        if not self.kv.plan.is_empty() or self.kv.plan.pinned:
+            plan = self.kv.take_plan()
+            try:
+                self.runner.run_plan_of_a_lost_step(plan)
+            finally:
+                self.kv.finish_plan(plan)
+        self._fail(requests, error)
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         for request in requests:
@@ -409,7 +421,7 @@ class Engine:
             self._stop_every_rank_under_tp(error)
             log.exception("step failed")
             self._accept_tokens(current, pending)
-            self._fail([s.request for s in slices], error)
+            self._fail_a_lost_step([s.request for s in slices], error)
             return
         if rows:
             self.stats.async_steps += 1
@@ -480,7 +492,7 @@ class Engine:
             self._stop_every_rank_under_tp(error)
             log.exception("step failed")
             self._accept_tokens(current, set(pending))
-            self._fail([s.request for s in slices] + out.media_ahead_requests, error)
+            self._fail_a_lost_step([s.request for s in slices] + out.media_ahead_requests, error)
             return True
         self.stats.async_steps += 1
         self.stats.scheduled_ahead_steps += 1
