@@ -3,10 +3,12 @@ code, with its planted bugs.
 
 Ranks are threads whose collectives really exchange values (`prism.testing.thread_ranks`); each rank is given its
 own free device memory (a number, or unknown as on the CPU) and an allocator that may run out of memory (torch's
-`OutOfMemoryError`, which the free-memory snapshot cannot foresee). For any world size, pool and per-rank memory:
-either every rank gets a pool of the layout's pages plus the scratch pages, or every rank raises the same
-`KVCapacityError` naming the config key, the bytes asked and the least free bytes; no rank allocates a pool larger
-than the least free memory, and no pool survives a failed start (not even while its error is held).
+`OutOfMemoryError`, which the free-memory snapshot cannot foresee) or fail otherwise (a CPU allocator's
+`RuntimeError`). For any world size, pool and per-rank memory: either every rank gets a pool of the layout's pages
+plus the scratch pages, or every rank fails: with the same `KVCapacityError` naming the config key, the bytes asked
+and the least free bytes when memory was the reason, else the failing rank with its own error and the others with
+`AnotherRankFailed` (none left waiting in a collective); no rank allocates a pool larger than the least free memory,
+and no pool survives a failed start (not even while its error is held).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def worlds(draw: st.DrawFn) -> tuple[KVLayout, int, list[int | None], list[bool]
     size = draw(st.integers(1, 3))
     free = draw(st.lists(st.one_of(st.none(), st.sampled_from([0, need - 1, need, need + 1, 10 * need])),
                          min_size=size, max_size=size))
-    oom = draw(st.lists(st.booleans() | st.just(False), min_size=size, max_size=size))
+    oom = draw(st.lists(st.sampled_from([False, False, True, "other"]), min_size=size, max_size=size))
     return layout, scratch, free, oom
 
 
@@ -47,6 +49,8 @@ def set_up(layout: KVLayout, scratch: int, free: list[int | None], oom: list[boo
     def rank_set_up(rank):
         def allocate(whole: KVLayout, device: torch.device) -> KVPool:
             asked.append(whole)
+            if oom[rank.rank] == "other":
+                raise RuntimeError("planted: DefaultCPUAllocator: can't allocate memory")
             if oom[rank.rank]:
                 raise torch.OutOfMemoryError("planted: CUDA out of memory. Tried to allocate ...")
             pool = KVPool.allocate(whole, device)
@@ -80,6 +84,11 @@ def spec_a_pool_is_allocated_on_every_rank_or_every_rank_refuses_it(world) -> No
         return
     assert kinds == {"error"}, f"free {free}, oom {oom}: the pool cannot be allocated everywhere but {results}"
     errors = [e for _, e in results]
+    if fits and "other" in oom:
+        for failure, error in zip(oom, errors, strict=True):
+            expected = RuntimeError if failure == "other" else capacity.AnotherRankFailed
+            assert type(error) is expected, f"oom {oom}: a rank failed with {error!r}, not {expected.__name__}"
+        return
     assert all(isinstance(e, capacity.KVCapacityError) for e in errors), f"free {free}, oom {oom}: {errors}"
     assert len({str(e) for e in errors}) == 1, f"free {free}, oom {oom}: ranks fail with different errors: {errors}"
     message = str(errors[0])
@@ -124,7 +133,7 @@ def test_each_rank_checking_only_its_own_memory_is_caught(monkeypatch: pytest.Mo
     allocate and go on, to wait for it in their next collective."""
     real = capacity.allocate_agreed_pool
     monkeypatch.setattr(capacity, "allocate_agreed_pool", lambda group, *a, **kw: real(_Alone(), *a, **kw))
-    _spec_fails("disagree")
+    _spec_fails("disagree|more than the least free")
 
 
 def test_an_out_of_memory_on_one_rank_alone_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,3 +169,28 @@ def test_a_pool_kept_by_a_failed_start_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(capacity, "allocate_agreed_pool", keeps_its_pool)
     _spec_fails("outlived the failed start")
+
+
+def test_a_failure_other_than_out_of_memory_leaving_the_others_waiting_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review of session 30: only torch's `OutOfMemoryError` was caught, so a rank whose allocation failed
+    otherwise (a CPU allocator's RuntimeError) left the agreement, and the others waited in its second collective
+    until the group's timeout. Planted: the function as it was."""
+
+    def only_out_of_memory_caught(group, layout, device, *, key, value, scratch_pages=0, free_bytes=None,
+                                  allocate=None):
+        whole = layout.with_num_pages(layout.num_pages + scratch_pages)
+        local_free = free_bytes(device)
+        least_free = group.min_int(capacity.UNKNOWN_FREE if local_free is None else max(local_free, 0))
+        pool = None
+        if whole.total_bytes <= least_free:
+            try:
+                pool = allocate(whole, device)
+            except torch.OutOfMemoryError:
+                pass
+        if group.min_int(int(pool is not None)) == 1:
+            return pool
+        del pool
+        raise capacity.KVCapacityError(f"kv_memory_bytes={value}: {whole.total_bytes} bytes ({least_free} bytes (")
+
+    monkeypatch.setattr(capacity, "allocate_agreed_pool", only_out_of_memory_caught)
+    _spec_fails("failed with|disagree")

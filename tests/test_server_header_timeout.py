@@ -112,6 +112,37 @@ def test_a_withheld_body_meets_the_bodys_deadline_not_the_heads(live):
     assert BODY_S - 0.05 <= took <= BODY_S + 1, f"answered after {took:.2f} s, not at the body's deadline"
 
 
+
+def test_a_body_nobody_reads_after_its_answer_is_cut_at_the_deadline(live):
+    """The review of session 30: a body whose answer did not wait for it (a 404 here) is read by nobody, so the body's
+    deadline never runs; a byte now and then held the connection for as long as the client kept sending."""
+    sock = _connect(live, timeout_s=10)
+    sock.sendall(b"POST /no-such-path HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n")
+    start, received, closed = time.monotonic(), b"", False
+    for _ in range(40):  # 4 s of a byte every 0.1 s, far past the 0.5 s deadline
+        try:
+            sock.sendall(b" ")
+        except OSError:  # the server has closed the connection
+            closed = True
+        time.sleep(0.1)
+        while not closed and _readable(sock):
+            chunk = sock.recv(65536)
+            closed = not chunk
+            received += chunk
+        if closed:
+            break
+    took = time.monotonic() - start
+    sock.close()
+    assert received.startswith(b"HTTP/1.1 404"), received
+    assert closed and took < HEAD_S + 1.0, f"the connection stayed open {took:.2f} s while the unread body trickled"
+    assert _connections_left(live) == 0
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
 def test_a_response_longer_than_the_deadline_is_not_cut(live, monkeypatch):
     engine = live.engine
     step = engine.step

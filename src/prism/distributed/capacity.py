@@ -84,20 +84,44 @@ def allocate_agreed_pool(group: MinGroup, layout: KVLayout, device: torch.device
     refuses the pools that cannot be allocated at all (a size in the wrong unit, or meant for a larger device);
     README says how much to leave. Raises KVCapacityError on every rank, with the same message."""
     whole = layout.with_num_pages(layout.num_pages + scratch_pages)
-    local_free = (free_bytes or device_free_bytes)(device)
+    # Every rank reaches both collectives whatever fails here: a rank raising between them would leave the others
+    # waiting in the second one until the group's timeout. The second agrees on the worst outcome: a failure that is
+    # not an out-of-memory (a CPU allocator's RuntimeError, a CUDA error) is re-raised as itself by its rank, and the
+    # other ranks raise AnotherRankFailed.
+    other: Exception | None = None
+    try:
+        local_free = (free_bytes or device_free_bytes)(device)
+    except Exception as error:
+        local_free, other = 0, error
     least_free = group.min_int(UNKNOWN_FREE if local_free is None else max(local_free, 0))
-    fits = whole.total_bytes <= least_free
+    fits = whole.total_bytes <= least_free and other is None
     pool, failed = None, None
     if fits:
         try:
             pool = (allocate or KVPool.allocate)(whole, device)
         except torch.OutOfMemoryError as error:  # caught, not kept: its traceback would hold what was allocated
             failed = str(error).splitlines()[0] if str(error) else "out of memory"
-    if group.min_int(int(pool is not None)) == 1:
+        except Exception as error:
+            other = error
+    outcome = group.min_int(_ALLOCATED if pool is not None else _FAILED if other is not None else _NO_ROOM)
+    if outcome == _ALLOCATED:
         return pool
     del pool  # a rank that allocated keeps nothing while the error lives
+    if other is not None:
+        raise other
+    if outcome == _FAILED:
+        raise AnotherRankFailed("another tensor-parallel rank failed to allocate its KV pool (not for want of "
+                                "memory: that rank's error says why); every rank stops")
     raise KVCapacityError(_does_not_fit(group, whole, layout.num_pages, key, value, least_free, allocated=fits)
                           + (f" (the allocator: {failed})" if failed and group.world_size == 1 else ""))
+
+
+# The ranks' outcomes, ordered so that the MIN over ranks is the worst.
+_FAILED, _NO_ROOM, _ALLOCATED = 0, 1, 2
+
+
+class AnotherRankFailed(RuntimeError):
+    """A rank's KV pool allocation failed for another reason than memory: the other ranks stop with this."""
 
 
 def _does_not_fit(group: MinGroup, whole: KVLayout, pages: int, key: str, value: int, least_free: int,

@@ -350,14 +350,21 @@ class Engine:
     def _fail_a_lost_step(self, requests: list[Request], error: Exception) -> None:
         """Fail a lost step's requests. A transfer plan its runner never took (the step failed before: at the runner's
         entry) runs as the runner runs a lost step's, its pages unpinned: left with the manager, it held them until
-        some later step, for ever on a server that went idle (`reproducers/lost_step_left_its_plan_pinned.py`)."""
-        if not self.kv.plan.is_empty() or self.kv.plan.pinned:
-            plan = self.kv.take_plan()
-            try:
-                self.runner.run_plan_of_a_lost_step(plan)
-            finally:
-                self.kv.finish_plan(plan)
-        self._fail(requests, error)
+        some later step, for ever on a server that went idle (`reproducers/lost_step_left_its_plan_pinned.py`).
+        Rank 0 alone runs it: only one rank is reached here, since under TP a lost step has already stopped every
+        rank (`_stop_every_rank_under_tp` raises), and a plan the followers never saw would set the ranks' KV apart.
+        The requests fail even if the plan does."""
+        assert self._followers is None, "a lost step under tensor parallelism must stop every rank first"
+        try:
+            if not self.kv.plan.is_empty() or self.kv.plan.pinned:
+                plan = self.kv.take_plan()
+                try:
+                    with torch.inference_mode():
+                        self.runner.run_plan_of_a_lost_step(plan)
+                finally:
+                    self.kv.finish_plan(plan)
+        finally:
+            self._fail(requests, error)
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         for request in requests:

@@ -5,7 +5,8 @@ Owns *a request head arrives whole in time, or its connection is closed*: the de
 opens and again when a response completes (a kept-alive connection ready for its next request), and is not moved by
 the bytes that arrive meanwhile, so a client trickling a byte now and then gets no more time than one sending nothing.
 A connection that sent part of a head is answered 408 before it is closed; one that sent nothing is just closed (as
-uvicorn closes an idle kept-alive connection). Once the head is in, the app has the request and `body_deadline.py`
+uvicorn closes an idle kept-alive connection), and so is one still sending a body its answer did not wait for (a 404,
+a 413 from the declared length), from when that answer was sent. Once the head is in, the app has the request and `body_deadline.py`
 times its body.
 
 uvicorn (0.55, which this was written against) has no such setting: its h11 protocol starts no timer before a request
@@ -75,8 +76,15 @@ def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
         def _awaits_head(self) -> bool:
             """Whether the connection waits for (the rest of) a request head: h11 has not had one since the
-            connection opened or the last request-response cycle ended."""
-            return self.conn.their_state is h11.IDLE and not self._head_transport.is_closing()
+            connection opened or the last request-response cycle ended; or for the rest of a body nobody reads,
+            its response already sent (a 404, a 413 from the declared length): the body's deadline is the app's
+            reading it, so without this a byte now and then would hold the connection."""
+            if self._head_transport.is_closing():
+                return False
+            return self.conn.their_state is h11.IDLE or self._body_unread()
+
+        def _body_unread(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY and self.conn.our_state in (h11.DONE, h11.MUST_CLOSE)
 
         def _await_head(self) -> None:
             if not self._awaits_head():
@@ -93,7 +101,7 @@ def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             self._head_timer = None
             if not self._awaits_head():
                 return
-            if self.conn.trailing_data[0]:  # part of a head: say why the connection ends
+            if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a head: say why
                 self._head_transport.write(timeout_response)
             self._head_transport.close()
 

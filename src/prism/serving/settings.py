@@ -20,7 +20,7 @@ at all (local files only under one root; remote URLs only when switched on). A b
 | max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 decoded frame pixels per request |
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
 | body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (+1 s per 128 KiB of body read)   |
-| header_read_timeout_s      | PRISM_HEADER_READ_TIMEOUT_S      | 10.0 (`prism serve` only)              |
+| header_read_timeout_s      | PRISM_HEADER_READ_TIMEOUT_S      | 10.0 (needs header_deadline's protocol) |
 | max_waiting_requests       | PRISM_MAX_WAITING                | 256 (more -> 429)                      |
 | preprocess_workers         | PRISM_PREPROCESS_WORKERS         | 4                                      |
 | data_url_cache_bytes       | PRISM_DATA_URL_CACHE_BYTES       | 256 MiB of recent data URLs (0: none)  |
