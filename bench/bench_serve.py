@@ -1,0 +1,275 @@
+"""GPU benchmark in `vllm bench serve`'s terms, over HTTP as deployed: the server in a process of its own (`prism
+serve`), N concurrent clients streaming chat completions through the official `openai` client, each request about
+one of a few image groups (the mission's workload: many independent requests over the same images, a new question
+each time; the images named by `uuid` after each group was sent once, vLLM's convention).
+
+Per request: TTFT (to the first streamed content), TPOT (the time after the first token over the tokens after it,
+usage's `completion_tokens`), ITL (every gap between streamed contents, pooled over requests) and E2E latency;
+reported as mean / median / p99 (numpy's linear percentile, as vLLM), with request, output-token and total-token
+throughput over the measured run. The same requests run against the FP8 KV config and a BF16 KV copy of it, each
+server in a fresh process. `--smoke`: the tiny checkpoint on the CPU (the harness, not a measurement).
+Writes bench/results/<date>-<gpu>-serve.json/.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from results_io import write_results  # noqa: E402
+
+CKPT = Path("/tmp/prism-bench/qwen3vl-8b-random")
+CONFIG = ROOT / "configs" / "tp1_fp8.json"
+MODEL = "qwen3-vl-8b-random"
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the clients send: `num_prompts` requests, at most `concurrency` in flight, each about one of `groups`
+    image groups of `images_per_group` pictures drawn Zipf(`zipf_s`), asking for `output_tokens` tokens."""
+
+    num_prompts: int = 256
+    concurrency: int = 32
+    groups: int = 8
+    images_per_group: int = 4
+    image_size: int = 448
+    zipf_s: float = 1.1
+    output_tokens: int = 64
+    seed: int = 0
+
+
+SMOKE = Load(num_prompts=12, concurrency=4, groups=2, images_per_group=1, image_size=64, output_tokens=6)
+
+
+@dataclass
+class RequestRecord:
+    """One streamed request as its client saw it (seconds)."""
+
+    ttft: float
+    e2e: float
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def serve_metrics(records: list[RequestRecord], duration_s: float) -> dict:
+    """`vllm bench serve`'s figures from the requests of one run: TPOT excludes the first token (a request of one
+    token has none); ITLs are pooled over requests."""
+    if not records or duration_s <= 0:
+        raise ValueError(f"no completed requests to report ({len(records)} in {duration_s} s)")
+
+    def stats(name: str, seconds: list[float]) -> dict:
+        values = np.asarray(seconds, dtype=np.float64) * 1e3
+        if values.size == 0:
+            return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+        return {f"mean_{name}_ms": float(values.mean()), f"median_{name}_ms": float(np.median(values)),
+                f"p99_{name}_ms": float(np.percentile(values, 99))}
+
+    output = sum(r.output_tokens for r in records)
+    prompt = sum(r.prompt_tokens for r in records)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in records if r.output_tokens > 1]
+    return {
+        "completed": len(records), "duration_s": duration_s,
+        "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(records) / duration_s,
+        "output_token_throughput": output / duration_s,
+        "total_token_throughput": (prompt + output) / duration_s,
+        **stats("ttft", [r.ttft for r in records]),
+        **stats("tpot", tpots),
+        **stats("itl", [gap for r in records for gap in r.itls]),
+        **stats("e2el", [r.e2e for r in records]),
+    }
+
+
+def zipf_groups(load: Load) -> list[int]:
+    """The image group of each request: Zipf(s) over the groups, the first most asked about."""
+    rng = np.random.default_rng(load.seed)
+    weights = 1.0 / np.arange(1, load.groups + 1) ** load.zipf_s
+    return [int(g) for g in rng.choice(load.groups, size=load.num_prompts, p=weights / weights.sum())]
+
+
+def group_images(load: Load) -> list[list[str]]:
+    from prism.testing.hf_reference import random_images
+
+    groups = []
+    for g in range(load.groups):
+        urls = []
+        for image in random_images([(load.image_size, load.image_size)] * load.images_per_group, seed=1000 + g):
+            buf = io.BytesIO()
+            image.save(buf, "PNG")
+            urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        groups.append(urls)
+    return groups
+
+
+def messages(urls: list[str], group: int, text: str, send: bool) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u} if send else None, "uuid": f"serve-g{group}-{i}"}
+             for i, u in enumerate(urls)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+class ServerProcess:
+    """`prism serve` on a free local port, in its own process; started and waited for (its /health answering 200)
+    on entry, stopped (SIGTERM) on exit."""
+
+    def __init__(self, model: Path | None, config: Path, log: Path) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "prism.cli", "serve", "--config", str(config), "--port", str(self.port),
+                        "--served-model-name", MODEL, "--log-level", "warning"]
+        if model is not None:
+            self.command += ["--model", str(model)]
+        self.log = log
+
+    def __enter__(self) -> ServerProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                                                           if p)}
+        self.log_file = self.log.open("w")
+        self.process = subprocess.Popen(self.command, env=env, stdout=self.log_file, stderr=subprocess.STDOUT)
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"the server did not answer /health within 600 s: {self.log.read_text()[-3000:]}")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log_file.close()
+
+
+async def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> dict:
+    """Each group sent once with its pixels (not measured), then the measured requests naming them."""
+    from openai import AsyncOpenAI
+    from tqdm import tqdm
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0,
+                         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=load.concurrency)))
+    for g, urls in enumerate(groups):
+        await client.chat.completions.create(model=MODEL, messages=messages(urls, g, "Warm up.", send=True),
+                                             max_tokens=1)
+
+    async def one(i: int, group: int) -> RequestRecord:
+        text = f"Question {i}: what do pictures {group} have in common, and which one stands out?"
+        start = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages(groups[group], group, text, send=False), max_tokens=load.output_tokens,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        record, last = RequestRecord(ttft=0.0, e2e=0.0), None
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                if last is None:
+                    record.ttft = now - start
+                else:
+                    record.itls.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                record.output_tokens = chunk.usage.completion_tokens
+                record.prompt_tokens = chunk.usage.prompt_tokens
+        record.e2e = time.perf_counter() - start
+        if last is None or record.output_tokens != load.output_tokens:
+            raise RuntimeError(f"request {i}: {record.output_tokens} tokens of {load.output_tokens}, "
+                               f"{'no' if last is None else 'some'} content streamed")
+        return record
+
+    gate = asyncio.Semaphore(load.concurrency)
+    bar = tqdm(total=load.num_prompts, desc="requests", disable=not progress)
+
+    async def limited(i: int, group: int) -> RequestRecord:
+        async with gate:
+            record = await one(i, group)
+        bar.update(1)
+        return record
+
+    start = time.perf_counter()
+    records = await asyncio.gather(*(limited(i, g) for i, g in enumerate(zipf_groups(load))))
+    duration = time.perf_counter() - start
+    bar.close()
+    await client.close()
+    return serve_metrics(list(records), duration)
+
+
+def table(results: dict[str, dict], load: Load, gpu: str, date: str) -> str:
+    names = list(results)
+    rows = [
+        ("Successful requests", "completed", "{:.0f}"), ("Benchmark duration (s)", "duration_s", "{:.2f}"),
+        ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
+        ("Output token throughput (tok/s)", "output_token_throughput", "{:.1f}"),
+        ("Total token throughput (tok/s)", "total_token_throughput", "{:.1f}"),
+    ] + [(f"{kind} {label} (ms)", f"{kind.lower()}_{metric}_ms", "{:.2f}")
+         for metric, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
+         for kind in ("Mean", "Median", "P99")]
+    lines = [f"Serving (`prism serve` in its own process, {load.concurrency} concurrent `openai` clients streaming), "
+             f"{gpu}, {date}: {load.num_prompts} chat requests over {load.groups} groups of {load.images_per_group} "
+             f"{load.image_size}x{load.image_size} images (Zipf {load.zipf_s}, named by uuid after one send each), "
+             f"{load.output_tokens} output tokens each", "",
+             "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for label, key, fmt in rows:
+        cells = [fmt.format(results[n][key]) if results[n][key] is not None else "-" for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    smoke = "--smoke" in sys.argv
+    load = SMOKE if smoke else Load()
+    if smoke:
+        model, config = None, ROOT / "configs" / "cpu_tiny.json"
+    else:
+        model, config = CKPT, CONFIG
+        if not (CKPT / "config.json").exists():
+            subprocess.run([sys.executable, str(ROOT / "bench" / "make_checkpoint.py")], check=True)
+    groups = group_images(load)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        bf16 = Path(tmp) / "bf16.json"
+        bf16.write_text(json.dumps({**json.loads(config.read_text()), "kv_dtype": "bf16"}))
+        for name, cfg in (("FP8 KV", config), ("BF16 KV", bf16)):
+            with ServerProcess(model, cfg, Path(tmp) / "server.log") as server:
+                results[name] = asyncio.run(run_load(server.url, load, groups, progress=not smoke))
+    if smoke:
+        gpu = "cpu-smoke"
+    else:
+        import torch
+
+        gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    md = table(results, load, gpu, date)
+    print(md)
+    if not smoke:
+        write_results({"gpu": gpu, "date": date, "load": load.__dict__, **results}, md, gpu, date, "serve")
+
+
+if __name__ == "__main__":
+    main()
