@@ -258,6 +258,7 @@ def main() -> None:
         for name, cfg in (("FP8 KV", config), ("BF16 KV", bf16)):
             with ServerProcess(model, cfg, Path(tmp) / "server.log") as server:
                 results[name] = asyncio.run(run_load(server.url, load, groups, progress=not smoke))
+            print(f"{name}: {json.dumps(results[name])}", flush=True)  # a run cut short still reports it
     if smoke:
         gpu = "cpu-smoke"
     else:
