@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime
 import io
 import json
+import multiprocessing
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -55,11 +58,12 @@ class Load:
     zipf_s: float = 1.1
     output_tokens: int = 64
     warm_requests: int = 64  # sent first, not measured
+    clients: int = 4  # processes of clients, `concurrency / clients` streams each: one could not keep up
     seed: int = 0
 
 
 SMOKE = Load(num_prompts=12, concurrency=4, groups=2, images_per_group=1, image_size=64, output_tokens=6,
-             warm_requests=4)
+             warm_requests=4, clients=2)
 
 
 @dataclass
@@ -172,18 +176,83 @@ class ServerProcess:
         self.log_file.close()
 
 
-async def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> dict:
-    """Each group sent once with its pixels (not measured), then the measured requests naming them."""
-    from openai import AsyncOpenAI
+def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> dict:
+    """Each group sent once with its pixels (not measured), then `load.clients` processes of clients: each sends its
+    share of the warm-up requests, waits for the others (a barrier), then its share of the measured ones, at most
+    `concurrency / clients` in flight. One process of `openai` clients was the bottleneck: on the CPU machine with the
+    model stubbed it spent 85% of a core parsing chunks, and its TTFT read 245 ms where the server's own histogram
+    read 43. Also reported: the server's mean TTFT and ITL over the measured requests, from its /metrics."""
+    from openai import OpenAI
     from tqdm import tqdm
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0,
-                         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=load.concurrency)))
-    for g, urls in enumerate(groups):
-        await client.chat.completions.create(model=MODEL, messages=messages(urls, g, "Warm up.", send=True),
-                                             max_tokens=1)
+    with OpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0) as client:
+        for g, urls in enumerate(groups):
+            client.chat.completions.create(model=MODEL, messages=messages(urls, g, "Warm up.", send=True),
+                                           max_tokens=1)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, done, results = ctx.Barrier(load.clients + 1), ctx.Value("i", 0), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(url, load, groups, k, barrier, done, results), daemon=True)
+               for k in range(load.clients)]
+    for worker in workers:
+        worker.start()
+    barrier.wait(timeout=600)  # every client's warm-up answered: the measured run starts
+    before = server_histograms(url)
+    with tqdm(total=load.num_prompts, desc="requests", disable=not progress) as bar:
+        shares = []
+        while len(shares) < load.clients:
+            try:
+                shares.append(results.get(timeout=0.5))
+            except queue.Empty:
+                if not all(w.is_alive() for w in workers) and results.empty():
+                    raise RuntimeError("a client process died: " + ", ".join(
+                        f"exit code {w.exitcode}" for w in workers if not w.is_alive())) from None
+            bar.update(done.value - bar.n)
+    after = server_histograms(url)
+    for worker in workers:
+        worker.join(timeout=60)
+    failures = [share for share in shares if isinstance(share, str)]
+    if failures:
+        raise RuntimeError(f"a client process failed: {failures[0]}")
+    records = [RequestRecord(**r) for share in shares for r in share[2]]
+    duration = max(share[1] for share in shares) - min(share[0] for share in shares)
+    figures = serve_metrics(records, duration)
+    for name in ("time_to_first_token", "inter_token_latency"):
+        total, count = (after[name][i] - before[name][i] for i in range(2))
+        figures[f"server_mean_{'ttft' if name == 'time_to_first_token' else 'itl'}_ms"] = (
+            total / count * 1e3 if count else None)
+    return figures
 
-    async def one(i: int, group: int, kind: str = "Question") -> RequestRecord:
+
+def server_histograms(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's TTFT and ITL histograms (`prism:` series of /metrics)."""
+    found: dict[str, list[float]] = {"time_to_first_token": [0.0, 0.0], "inter_token_latency": [0.0, 0.0]}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        for name, pair in found.items():
+            if line.startswith(f"prism:{name}_seconds_sum "):
+                pair[0] = float(line.split()[1])
+            elif line.startswith(f"prism:{name}_seconds_count "):
+                pair[1] = float(line.split()[1])
+    return {name: (pair[0], pair[1]) for name, pair in found.items()}
+
+
+def _client_process(url: str, load: Load, groups: list[list[str]], k: int, barrier, done, results) -> None:
+    """Client process `k` of `load.clients`: requests i with i % clients == k. Puts (start, end, records as dicts),
+    or the failure's text."""
+    try:
+        results.put(asyncio.run(_client_requests(url, load, groups, k, barrier, done)))
+    except Exception as error:  # the parent raises it: a failed request must fail the run, not shrink it
+        barrier.abort()
+        results.put(f"client {k}: {type(error).__name__}: {error}")
+
+
+async def _client_requests(url: str, load: Load, groups: list[list[str]], k: int, barrier, done) -> tuple:
+    from openai import AsyncOpenAI
+
+    in_flight = max(1, load.concurrency // load.clients)
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0,
+                         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=in_flight)))
+
+    async def one(i: int, group: int, kind: str) -> RequestRecord:
         text = f"{kind} {i}: what do pictures {group} have in common, and which one stands out?"
         start = time.perf_counter()
         stream = await client.chat.completions.create(
@@ -208,25 +277,27 @@ async def run_load(url: str, load: Load, groups: list[list[str]], progress: bool
                                f"{'no' if last is None else 'some'} token streamed")
         return record
 
-    gate = asyncio.Semaphore(load.concurrency)
-    bar = tqdm(total=load.num_prompts + load.warm_requests, desc="requests", disable=not progress)
+    gate = asyncio.Semaphore(in_flight)
 
     async def limited(i: int, group: int, kind: str = "Question") -> RequestRecord:
         async with gate:
             record = await one(i, group, kind)
-        bar.update(1)
+        if kind == "Question":
+            with done.get_lock():
+                done.value += 1
         return record
 
     # Not measured: a server's first steps at each batch size pay one-time costs (kernel variants launched the
     # first time, allocator growth): the first run on a fresh H200 read FP8 40.4 req/s, the next 49.0.
-    groups_asked = zipf_groups(load)
-    await asyncio.gather(*(limited(i, g, "Warm-up") for i, g in enumerate(groups_asked[:load.warm_requests])))
-    start = time.perf_counter()
-    records = await asyncio.gather(*(limited(i, g) for i, g in enumerate(groups_asked)))
-    duration = time.perf_counter() - start
-    bar.close()
+    asked = [(i, g) for i, g in enumerate(zipf_groups(load)) if i % load.clients == k]
+    warm = [(i, g) for i, g in enumerate(zipf_groups(load)[:load.warm_requests]) if i % load.clients == k]
+    await asyncio.gather(*(limited(i, g, "Warm-up") for i, g in warm))
+    await asyncio.to_thread(barrier.wait, 600)
+    start = time.monotonic()
+    records = await asyncio.gather(*(limited(i, g) for i, g in asked))
+    end = time.monotonic()
     await client.close()
-    return serve_metrics(list(records), duration)
+    return start, end, [dataclasses.asdict(r) for r in records]
 
 
 def table(results: dict[str, dict], load: Load, gpu: str, date: str) -> str:
@@ -238,8 +309,12 @@ def table(results: dict[str, dict], load: Load, gpu: str, date: str) -> str:
         ("Total token throughput (tok/s)", "total_token_throughput", "{:.1f}"),
     ] + [(f"{kind} {label} (ms)", f"{kind.lower()}_{metric}_ms", "{:.2f}")
          for metric, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
-         for kind in ("Mean", "Median", "P99")]
-    lines = [f"Serving (`prism serve` in its own process, {load.concurrency} concurrent `openai` clients streaming), "
+         for kind in ("Mean", "Median", "P99")] + [
+        ("Server's mean TTFT (ms, its /metrics)", "server_mean_ttft_ms", "{:.2f}"),
+        ("Server's mean ITL (ms, its /metrics)", "server_mean_itl_ms", "{:.2f}"),
+    ]
+    lines = [f"Serving (`prism serve` in its own process, {load.concurrency} concurrent `openai` clients streaming from "
+             f"{load.clients} processes), "
              f"{gpu}, {date}: {load.num_prompts} chat requests over {load.groups} groups of {load.images_per_group} "
              f"{load.image_size}x{load.image_size} images (Zipf {load.zipf_s}, named by uuid after one send each), "
              f"{load.output_tokens} output tokens each", "",
@@ -266,7 +341,7 @@ def main() -> None:
         bf16.write_text(json.dumps({**json.loads(config.read_text()), "kv_dtype": "bf16"}))
         for name, cfg in (("FP8 KV", config), ("BF16 KV", bf16)):
             with ServerProcess(model, cfg, Path(tmp) / "server.log") as server:
-                results[name] = asyncio.run(run_load(server.url, load, groups, progress=not smoke))
+                results[name] = run_load(server.url, load, groups, progress=not smoke)
             print(f"{name}: {json.dumps(results[name])}", flush=True)  # a run cut short still reports it
     if smoke:
         gpu = "cpu-smoke"
