@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import re
+import time
 import weakref
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 # The test_tp_startup's helpers: ranks on the CPU (gloo), and a TP engine that starts and generates after a failure.
-from test_tp_startup import _a_tp_engine_starts_and_generates, _llm
+from test_tp_startup import PROMPT_S, TIMEOUT_S, _a_tp_engine_starts_and_generates, _llm
 
 from prism.distributed import capacity
 from prism.distributed.capacity import KVCapacityError
@@ -25,7 +26,7 @@ from prism.engine.llm import LLM
 from prism.kv.fp8 import KVPool
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.gpu import watch_loaded_models
-from prism.testing.tp_faults import dying_follower, live_followers
+from prism.testing.tp_faults import dying_follower, failing_swap_pool, live_followers
 
 FREE = 4096  # bytes "free" on the device: less than any pool of the tiny model
 
@@ -102,6 +103,43 @@ def test_a_pool_that_does_not_fit_on_one_rank_fails_every_rank(fault, why):
     torch.set_num_threads(1)
     with dying_follower(fault), pytest.raises(KVCapacityError, match=rf"num_gpu_pages=32 .*2 tensor-parallel .*{why}"):
         _llm(tensor_parallel_size=2)
+    assert live_followers() == [], "a follower of the failed start is still running"
+    assert not dist.is_initialized(), "the failed start left its group initialized"
+    _a_tp_engine_starts_and_generates()
+
+
+SWAP_PAGES = 7  # num_cpu_pages: no device pool of these tests has 7 pages, so the planted allocator tells them apart
+
+
+def test_a_swap_pool_the_host_cannot_give_is_the_typed_error_and_keeps_no_pool(monkeypatch, loaded_models):
+    """The CPU swap pool is allocated after the device pool: its allocator's out-of-memory is a KVCapacityError
+    naming num_cpu_pages, and the device pool allocated before it goes with the failed start."""
+    device_pools: list[weakref.ref] = []
+    swap_pool_fails = failing_swap_pool(SWAP_PAGES)
+
+    def allocate(layout, *args, **kwargs):
+        pool = swap_pool_fails(layout, *args, **kwargs)
+        device_pools.append(weakref.ref(pool.payload))
+        return pool
+
+    monkeypatch.setattr(KVPool, "allocate", allocate)
+    message = _failed_start(num_gpu_pages=32, num_cpu_pages=SWAP_PAGES)
+    assert message.startswith("the CPU swap pool does not fit in host memory: num_cpu_pages=7 gives 7 pages"), message
+    assert "can't allocate memory" in message, f"the allocator's own line is lost: {message}"
+    assert len(device_pools) == 1 and _released(device_pools), "the failed start kept its device pool"
+    assert _released(loaded_models), "the failed start kept its model"
+
+
+def test_a_swap_pool_that_fails_on_one_rank_fails_every_rank_promptly():
+    """Rank 1's host cannot give its swap pool: rank 0, which allocated its own, raises the same typed error at once
+    (not after distributed_timeout_s in its next collective), the follower is gone and another TP engine starts."""
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    with dying_follower("swap_pool_allocation_fails"), pytest.raises(
+            KVCapacityError, match=r"CPU swap pool .*num_cpu_pages=7 .*2 tensor-parallel .*ran out of memory"):
+        _llm(tensor_parallel_size=2, num_cpu_pages=SWAP_PAGES)
+    took = time.perf_counter() - started
+    assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
     assert live_followers() == [], "a follower of the failed start is still running"
     assert not dist.is_initialized(), "the failed start left its group initialized"
     _a_tp_engine_starts_and_generates()

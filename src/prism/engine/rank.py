@@ -63,9 +63,9 @@ def kv_setting(config: EngineConfig) -> tuple[str, int]:
 def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGroup,
                       reach: Callable[[str], None] | None = None) -> tuple[ModelRunner, int]:
     """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room (no page in its
-    budget, or a pool its device's free memory cannot hold: `capacity.allocate_agreed_pool`). `reach`:
-    called with LOADED once the model is loaded and sharded, before the first collective (`tp_startup`: rank 0
-    waits there for every follower, a follower reports)."""
+    budget, a pool its device's free memory cannot hold, or a swap pool its host cannot give:
+    `capacity.allocate_kv_pools`). `reach`: called with LOADED once the model is loaded and sharded, before the first
+    collective (`tp_startup`: rank 0 waits there for every follower, a follower reports)."""
     model = load_model(Path(model_dir), dtype=config.resolved_dtype(), device=rank_device(config, group.rank))
     text = model.config.text
     kv_heads = text.num_key_value_heads

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed.capacity import allocate_agreed_pool
+from ..distributed.capacity import allocate_kv_pools
 from ..distributed.encoder_dp import encode_media_items
 from ..distributed.tensor_parallel import TPGroup
-from ..kv.fp8 import KVLayout, KVPool
+from ..kv.fp8 import KVLayout
 from ..kv.manager import KVCacheManager
 from ..kv.transfers import TransferPlan, execute_plan
 from ..media.cache import CacheKey, PreprocessCache
@@ -107,16 +107,11 @@ class ModelRunner:
         scratch_rows = (max(cuda_graph_max_batch or 0, packed_graph_max_tokens or 0) if use_graphs
                         else layout.page_size if deterministic else 0)
         scratch = -(-scratch_rows // layout.page_size)
-        # Allocated only if it fits on every rank, else every rank raises the same KVCapacityError naming
-        # `kv_setting` (the config key that sized the pool, and its value).
+        # Allocated only if they fit on every rank, else every rank raises the same KVCapacityError naming
+        # `kv_setting` (the config key that sized the pool, and its value) or num_cpu_pages.
         key, value = kv_setting or ("num_gpu_pages", layout.num_pages)
-        self.gpu_pool = allocate_agreed_pool(self.group, layout, self.device, key=key, value=value,
-                                             scratch_pages=scratch)
-        self.cpu_pool = (
-            KVPool.allocate(layout.with_num_pages(num_cpu_pages), "cpu", pin_memory=self.device.type == "cuda")
-            if num_cpu_pages
-            else None
-        )
+        self.gpu_pool, self.cpu_pool = allocate_kv_pools(self.group, layout, self.device, num_cpu_pages, key=key,
+                                                         value=value, scratch_pages=scratch)
         self.encoder_cache: PreprocessCache = PreprocessCache(encoder_cache_bytes)
         self.background: BackgroundEncoding | None = None
         self._encode_ahead_failure: Exception | None = None

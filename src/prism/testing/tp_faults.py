@@ -2,7 +2,7 @@
 
 Start-up (`engine/tp_startup.py`): each fault is a stand-in for `tp_workers.serve_worker` (a module-level function,
 so a spawned process can import it): rank 1 dies at the named point of its start-up (or its KV pool does not fit in its
-device's memory), any other rank serves as usual.
+device's memory, or its CPU swap pool in its host's), any other rank serves as usual.
 `dying_follower(fault)` makes the engines built inside it spawn that stand-in. Steps: `lose_steps_after_their_payload`
 and `lose_device_token_steps` make rank 0's runner fail a step after its payload went to the followers.
 """
@@ -75,8 +75,38 @@ def kv_pool_allocation_out_of_memory(rank: int, address: str, model_dir: str, co
     serve_worker(rank, address, model_dir, config)
 
 
+CPU_ALLOCATOR_OUT_OF_MEMORY = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate {} bytes (planted)")
+
+
+def failing_swap_pool(pages: int):
+    """`KVPool.allocate` whose pools of `pages` pages (the CPU swap pool's `num_cpu_pages`) fail as the CPU
+    allocator fails for want of memory; other pools are allocated."""
+    from ..kv.fp8 import KVPool
+
+    allocate = KVPool.allocate
+
+    def swap_pool_fails(layout, *args, **kwargs):
+        if layout.num_pages == pages:
+            raise RuntimeError(CPU_ALLOCATOR_OUT_OF_MEMORY.format(layout.total_bytes))
+        return allocate(layout, *args, **kwargs)
+
+    return swap_pool_fails
+
+
+def swap_pool_allocation_fails(rank: int, address: str, model_dir: str, config: dict) -> None:
+    """Rank 1's CPU swap pool (`num_cpu_pages`) cannot be allocated: the CPU allocator's RuntimeError."""
+    from ..engine.tp_workers import serve_worker
+    from ..kv.fp8 import KVPool
+
+    if rank == 1:
+        KVPool.allocate = failing_swap_pool(config["num_cpu_pages"])
+    serve_worker(rank, address, model_dir, config)
+
+
 FAULTS = {f.__name__: f for f in (killed_before_joining, raises_while_loading, killed_while_loading,
-                                  kv_pool_beyond_free_memory, kv_pool_allocation_out_of_memory)}
+                                  kv_pool_beyond_free_memory, kv_pool_allocation_out_of_memory,
+                                  swap_pool_allocation_fails)}
 
 
 @contextlib.contextmanager
