@@ -24,10 +24,14 @@ client that left uncounted, a non-streaming client's work left running.
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import re
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -45,8 +49,10 @@ from prism.serving.completions import CompletionRenderer
 from prism.serving.responses import error_body, sse
 from prism.serving.settings import ServerSettings
 from prism.serving.stream import ChatCompletionStream
-from prism.testing.serving import failing_at, serve_in_thread
+from prism.testing.serving import failing_at, open_request, replaced, serve_in_thread
 from specs.server_clients import (
+    DECIDE,
+    IMAGES,
     Ask,
     any_client,
     chats,
@@ -54,6 +60,7 @@ from specs.server_clients import (
     decides,
     disconnects,
     leavers,
+    named_image,
     perform,
     refusals,
     together,
@@ -114,11 +121,48 @@ def counted(url: str) -> Counter:
     return out
 
 
+# -- a decide whose client leaves ------------------------------------------------------------------------------------
+def leave_a_decide(server, ask: Ask, before: dict[str, int]) -> Counter:
+    """`ask` (a decide) sent on a connection closed once its questions are in the engine, whose steps wait (none
+    runs) until the handler has seen its client go: the questions can only end by abort. Asserts that each did, once
+    the server holds no more than `before`; returns the counters it must move."""
+    engine, ended, handler_done = server.engine, [], threading.Event()
+    in_engine = threading.Event()
+    step = engine.step
+
+    def step_once_the_client_left():
+        if not handler_done.is_set():
+            in_engine.set()
+            deadline = time.time() + IDLE_S
+            while server.server.server_state.tasks and time.time() < deadline:
+                time.sleep(0.01)
+            handler_done.set()
+            return []  # no step: the engine's loop takes the handler's aborts before the next one
+        events = step()
+        ended.extend(event for event in events if event.finished)
+        return events
+
+    body = json.dumps(ask.body).encode()
+    with replaced(engine, "step", step_once_the_client_left):
+        with open_request(server.url, DECIDE, len(body)) as client:
+            client.sendall(body)
+            assert in_engine.wait(30), f"{ask.what}: its questions never reached the engine"
+        held = held_beyond(server, before, IDLE_S)
+    assert handler_done.is_set() and not held, f"{ask.what}: still held {held}"
+    reasons = {event.request_id.rpartition("/")[2]: event.finish_reason for event in ended}
+    questions = {f"q{i}" for i in range(ask.choices)}
+    assert questions <= set(reasons) and set(reasons.values()) == {FinishReason.ABORT}, (
+        f"{ask.what}: its engine requests ended {reasons}, not each by abort (questions {sorted(questions)})")
+    return Counter({("decide_requests", "abandoned"): 1})
+
+
 # -- the machine ------------------------------------------------------------------------------------------------------
 DRAWN: set[str] = set()  # what the machine did, over a run: each kind of action must be there
 EVERY_ACTION = {"chat", "chat streamed", "chat with an image", "chat streamed with an image", "completion",
                 "completion streamed", "decide", "disconnect", "leave", "refused", "two at once", "a failed step",
-                "a failed step streamed"}
+                "a failed step streamed", "a named image sent", "a named image refused", "a known name",
+                "an unknown name", "a decide abandoned"}
+EXAMPLES = itertools.count()  # the server outlives an example: each names its images afresh
 
 
 class NothingLost(RuleBasedStateMachine):
@@ -136,6 +180,8 @@ class NothingLost(RuleBasedStateMachine):
                 self.server.app.state.prism.async_engine.abort(request_id)
         held_beyond(self.server, nothing, IDLE_S)
         self.held, self.before, self.expected = held_for_requests(self.server), counted(self.server.url), Counter()
+        self.names = [f"example-{next(EXAMPLES)}-image-{i}" for i in range(len(IMAGES))]  # IMAGES[i]'s
+        self.known: set[str] = set()  # the names the server knows: a request sending them was accepted
 
     def _do(self, *asks: Ask) -> None:
         DRAWN.update(ask.what for ask in asks)
@@ -149,9 +195,15 @@ class NothingLost(RuleBasedStateMachine):
     def text_completion(self, ask: Ask) -> None:
         self._do(ask)
 
-    @rule(ask=decides())
-    def decide(self, ask: Ask) -> None:
-        self._do(ask)
+    @rule(ask=decides(), abandoned=st.booleans())
+    def decide(self, ask: Ask, abandoned: bool) -> None:
+        """A decide answered, or one whose client leaves before its answer."""
+        if abandoned:
+            ask = replace(ask, what="a decide abandoned")
+            DRAWN.add(ask.what)
+            self.expected += leave_a_decide(self.server, ask, self.held)
+        else:
+            self._do(ask)
 
     @rule(ask=disconnects)
     def disconnect_mid_stream(self, ask: Ask) -> None:
@@ -164,6 +216,37 @@ class NothingLost(RuleBasedStateMachine):
     @rule(ask=refusals)
     def refused(self, ask: Ask) -> None:
         self._do(ask)
+
+    @rule(how=st.sampled_from(["a named image sent", "a named image refused", "a known name", "an unknown name"]),
+          image=st.sampled_from(range(len(IMAGES))), data=st.data())
+    def an_image_named_by_uuid(self, how: str, image: int, data) -> None:
+        """A chat sending an image with its uuid (the name is the server's once the request is accepted: a refused
+        one, here for its max_tokens, names nothing), or naming one by its uuid alone: a known one is served and its
+        prompt hits the prefix cache; an unknown one (never sent, or sent by a refused request) is a 400 that asks
+        for the image, and no engine request."""
+        if how == "a known name" and not self.known:
+            self._send_a_named_image(image, data, refused=False)
+        if how in ("a named image sent", "a named image refused"):
+            self._send_a_named_image(image, data, refused=how == "a named image refused")
+        elif how == "a known name":
+            ask = data.draw(chats(image_part=named_image(data.draw(st.sampled_from(sorted(self.known))), None)))
+            if ask.streamed:  # its usage shows the hit
+                ask = replace(ask, body=ask.body | {"stream_options": {"include_usage": True}})
+            self._do(replace(ask, what=how, hits=True))
+        else:
+            unknown = sorted(set(self.names) - self.known) + [self.names[image] + "-never-sent"]
+            ask = data.draw(chats(image_part=named_image(data.draw(st.sampled_from(unknown)), None)))
+            finished = self.server.engine.stats.requests_finished
+            self._do(replace(ask, what=how, status=400, message="send the image"))
+            assert self.server.engine.stats.requests_finished == finished, f"{how}: it made an engine request"
+
+    def _send_a_named_image(self, image: int, data, refused: bool) -> None:
+        ask = data.draw(chats(image_part=named_image(self.names[image], image)))
+        if refused:
+            ask = replace(ask, status=400, body=ask.body | {"max_tokens": 40_000})
+        self._do(replace(ask, what="a named image refused" if refused else "a named image sent"))
+        if not refused:
+            self.known.add(self.names[image])
 
     @rule(first=any_client, second=any_client)
     def two_at_once(self, first: Ask, second: Ask) -> None:
