@@ -1,24 +1,28 @@
 """Spec of *nothing is lost* over HTTP (`serving/app.py`, `serving/async_engine.py`, `serving/metrics.py`,
 `engine/engine.py` `_fail_a_lost_step`): one real server in a thread (the tiny checkpoint), driven by a stateful
 machine whose rules are what clients do (`server_clients.py`): chat and text completions, decides, a client that
-leaves a stream after its first event, one that gives up before its answer, bodies the server refuses, two of these
-at once, and a request under which a model step fails (planted).
+leaves a stream after its first event, one that gives up before its answer, a decide whose client leaves before its
+answer, bodies the server refuses, images named by uuid (sent with it, by a refused request, named alone: known or
+not; the machine tracks the names the server knows), two of these at once, and a request under which a model step
+fails (planted).
 
 Invariant, once the server is idle after each rule:
 - every client got a well-formed answer: a 200 of the right shape (each choice with a finish reason; a stream of
   `data:` events ending in `data: [DONE]`, each choice's last chunk the one with its finish reason), or a 4xx with an
   OpenAI error body; a request a step failed under, a 500 naming only a request id (streamed: that error event last
-  before [DONE]);
+  before [DONE]); a known image name is served and hits the prefix cache, an unknown one is a 400 asking for the
+  image that makes no engine request;
 - nothing is held for a request: no handler running, no request in the engine (running, waiting, swapped, a question
   not forked, an unread event, a detokenizer) or in the async engine (streams, admission slots), no KV sequence, and
   every KV page in use is only the prefix cache's (evictable); the KV refcounts are exact;
 - the Prometheus counters grew by exactly what the clients' actions made: a choice by its finish reason, a client that
-  left by "abort" (as vLLM counts it), a failed request by "error", a decide answered with its questions, a refusal by
-  its status.
+  left by "abort" (as vLLM counts it), a failed request by "error", a decide answered with its questions, one whose
+  client left by "abandoned" (its questions each ended by abort), a refusal by its status.
 Found by it (session 30): a step lost before the runner took its transfer plan left the plan's pages pinned, on an
 idle server for good (`reproducers/lost_step_left_its_plan_pinned.py`). Planted below, each must make the machine
 fail: that, a close that does not abort, a stream ended by an error without [DONE], an abort that leaks its pages, a
-client that left uncounted, a non-streaming client's work left running.
+client that left uncounted, a non-streaming client's work left running, a uuid bound by a refused request, an
+abandoned decide uncounted, one whose questions run on.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -42,10 +47,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from prometheus_client.parser import text_string_to_metric_families
 
 from prism.engine.engine import Engine
+from prism.engine.inputs import InputProcessor
 from prism.engine.request import FinishReason
 from prism.serving import app as app_module
-from prism.serving.async_engine import GenerationEvents
+from prism.serving.async_engine import AsyncEngine, GenerationEvents
 from prism.serving.completions import CompletionRenderer
+from prism.serving.metrics import ServingMetrics
 from prism.serving.responses import error_body, sse
 from prism.serving.settings import ServerSettings
 from prism.serving.stream import ChatCompletionStream
@@ -228,17 +235,21 @@ class NothingLost(RuleBasedStateMachine):
             self._send_a_named_image(image, data, refused=False)
         if how in ("a named image sent", "a named image refused"):
             self._send_a_named_image(image, data, refused=how == "a named image refused")
-        elif how == "a known name":
+        if how == "a known name":
             ask = data.draw(chats(image_part=named_image(data.draw(st.sampled_from(sorted(self.known))), None)))
             if ask.streamed:  # its usage shows the hit
                 ask = replace(ask, body=ask.body | {"stream_options": {"include_usage": True}})
             self._do(replace(ask, what=how, hits=True))
-        else:
+        elif how != "a named image sent":  # (after a refused one, its name if still unknown)
             unknown = sorted(set(self.names) - self.known) + [self.names[image] + "-never-sent"]
-            ask = data.draw(chats(image_part=named_image(data.draw(st.sampled_from(unknown)), None)))
+            if how == "an unknown name":
+                name = data.draw(st.sampled_from(unknown))
+            else:
+                name = unknown[0] if self.names[image] in self.known else self.names[image]
+            ask = data.draw(chats(image_part=named_image(name, None)))
             finished = self.server.engine.stats.requests_finished
-            self._do(replace(ask, what=how, status=400, message="send the image"))
-            assert self.server.engine.stats.requests_finished == finished, f"{how}: it made an engine request"
+            self._do(replace(ask, what="an unknown name", status=400, message="send the image"))
+            assert self.server.engine.stats.requests_finished == finished, f"{ask.what}: it made an engine request"
 
     def _send_a_named_image(self, image: int, data, refused: bool) -> None:
         ask = data.draw(chats(image_part=named_image(self.names[image], image)))
@@ -380,3 +391,42 @@ def test_a_lost_step_that_leaves_its_plan_pinned_is_caught(monkeypatch: pytest.M
     transfer plan failed its requests and left the plan's pages pinned, on an idle server for good."""
     monkeypatch.setattr(Engine, "_fail_a_lost_step", Engine._fail)
     _machine_fails("KV pages held not only by the prefix cache")
+
+
+def test_a_uuid_bound_by_a_refused_request_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 27's review (reproducers/refused_request_binds_its_uuid.py): a chat's image uuids were bound as its
+    prompt was prepared, so a request refused afterwards named its image anyway."""
+    prepare_chat = InputProcessor.prepare_chat
+    monkeypatch.setattr(InputProcessor, "prepare_chat",
+                        lambda self, messages, **kwargs: prepare_chat(self, messages, **kwargs | {"bind_names": True}))
+    _machine_fails("an unknown name .*: 200")
+
+
+def test_an_abandoned_decide_uncounted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decide whose client left in no outcome of `prism:decide_requests`."""
+    init = ServingMetrics.__init__
+
+    def init_not_counting_the_abandoned(self, engine) -> None:
+        init(self, engine)
+        decides, nothing = self.decides, SimpleNamespace(inc=lambda: None)
+        self.decides = SimpleNamespace(labels=lambda outcome: nothing if outcome == "abandoned"
+                                       else decides.labels(outcome=outcome))
+
+    monkeypatch.setattr(ServingMetrics, "__init__", init_not_counting_the_abandoned)
+    _machine_fails("counters moved by")
+
+
+def test_an_abandoned_decide_left_to_run_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decide whose client left, its questions not aborted: they run on for nobody (to their answers here)."""
+
+    async def decide_not_aborting(self, decision_id, branches):
+        stream = await self._submit(tuple(b.request_id for b in branches),
+                                    lambda engine: engine.add_decision(decision_id, branches))
+        finals = {}
+        while len(finals) < len(branches):
+            event = await stream.queue.get()
+            finals |= {event.request_id: event} if event.finished else {}
+        return finals
+
+    monkeypatch.setattr(AsyncEngine, "decide", decide_not_aborting)
+    _machine_fails("not each by abort")
