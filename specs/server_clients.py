@@ -51,6 +51,7 @@ class Ask:
     status: int = 200  # what a refusal must get
     choices: int = 1  # its completion's choices (an engine request each), or its decide's questions
     fails: bool = False  # a planted step failure hits it: a 500
+    may_fail: bool = False  # it runs beside a planted step failure: a 500 as `fails` says, or its answer
     message: str = ""  # what a refusal's message must say (a regex)
     hits: bool = False  # its prompt must hit the prefix cache (where its usage is read)
 
@@ -162,6 +163,8 @@ def perform(url: str, ask: Ask) -> Counter:
     response = httpx.post(url + ask.path, timeout=60, **post)
     if ask.status != 200:
         return _refused(ask, response)
+    if ask.may_fail and _failed(ask, response):
+        ask = replace(ask, fails=True)
     if ask.fails and not ask.streamed:
         assert response.status_code == 500, f"{ask.what} under a failed step: {response.status_code} {response.text}"
         _internal_error(ask, response.json())
@@ -180,6 +183,14 @@ def _refused(ask: Ask, response: httpx.Response) -> Counter:
     assert isinstance(error, dict) and error.get("message") and error.get("type"), f"not an error body: {response.text}"
     assert re.search(ask.message, error["message"]), f"{ask.what}: the refusal does not say {ask.message!r}: {error}"
     return Counter({("requests_rejected", str(ask.status)): 1})
+
+
+def _failed(ask: Ask, response: httpx.Response) -> bool:
+    """Whether `response` is a failed request's: a 500, or a stream holding an error event."""
+    if not ask.streamed:
+        return response.status_code == 500
+    return any("error" in json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+               if line.startswith("data: {"))
 
 
 def _internal_error(ask: Ask, answer: dict) -> None:
