@@ -291,12 +291,18 @@ class NothingLost(RuleBasedStateMachine):
             return
         pair = [replace(failing, may_fail=True),
                 replace(_one_choice(beside[0], "a failed step beside another", beside[1]), may_fail=True)]
-        lost: list[tuple] = []
-        with failing_at(self.server.engine.runner, "execute", RuntimeError("planted: a lost step"), at_call, lost):
-            before = self.expected[("request_success", "error")]
+        engine, lost = self.server.engine, []
+        fail_a_lost_step = engine._fail_a_lost_step
+
+        def failing_its_requests(requests, error) -> None:  # (those of its slices, and one whose media it encoded)
+            lost.extend(request.request_id for request in requests)
+            fail_a_lost_step(requests, error)
+
+        before = self.expected[("request_success", "error")]
+        with (replaced(engine, "_fail_a_lost_step", failing_its_requests),
+              failing_at(engine.runner, "execute", RuntimeError("planted: a lost step"), at_call)):
             self._do(*pair)
-        (slices, *_), = lost
-        in_the_step = {s.request.request_id for s in slices}
+        in_the_step = set(lost)
         failed = self.expected[("request_success", "error")] - before
         assert failed == len(in_the_step), f"a step lost {sorted(in_the_step)}, but {failed} of its clients failed"
 

@@ -128,17 +128,14 @@ def replaced(owner, name: str, value):
 
 
 @contextmanager
-def failing_at(owner, name: str, error: BaseException, at_call: int = 1, failed_with: list | None = None):
+def failing_at(owner, name: str, error: BaseException, at_call: int = 1):
     """While the block runs, `owner.name` (a module's, a class's or an object's callable) raises `error` at its
-    `at_call`-th call and is itself at the others: a failure planted in a served app. `failed_with`: the failing
-    call's positional arguments are appended to it."""
+    `at_call`-th call and is itself at the others: a failure planted in a served app."""
     real, calls = getattr(owner, name), []
 
     def failing(*args, **kwargs):
         calls.append(None)
         if len(calls) == at_call:
-            if failed_with is not None:
-                failed_with.append(args)
             raise error
         return real(*args, **kwargs)
 
