@@ -1,6 +1,6 @@
 """What the clients of `spec_server_nothing_lost.py` do, and what each must get back: chat and text completions
-(streamed or not, with an image or not, n of 1-2, stop strings, logprobs), decides, a client that leaves a stream
-after its first event, one that gives up before its answer, bodies the server refuses; `perform` does one as its
+(streamed or not, with an image or not, n of 1-2, stop strings, logprobs), images named by uuid, decides, a client
+that leaves a stream after its first event, one that gives up before its answer, bodies the server refuses; `perform` does one as its
 client would, asserts that the answer is well-formed, and returns the counters of `/metrics` it must move.
 """
 
@@ -51,21 +51,32 @@ class Ask:
     status: int = 200  # what a refusal must get
     choices: int = 1  # its completion's choices (an engine request each), or its decide's questions
     fails: bool = False  # a planted step failure hits it: a 500
+    may_fail: bool = False  # it runs beside a planted step failure: a 500 as `fails` says, or its answer
+    message: str = ""  # what a refusal's message must say (a regex)
+    hits: bool = False  # its prompt must hit the prefix cache (where its usage is read)
 
     @property
     def streamed(self) -> bool:
         return isinstance(self.body, dict) and bool(self.body.get("stream"))
 
 
-def _message(text: str, image: str | None) -> list[dict]:
+def _message(text: str, image: str | dict | None) -> list[dict]:
+    """A user message of `text` after `image` (a URL, or a whole image part)."""
     if image is None:
         return [{"role": "user", "content": text}]
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": text}]}]
+    part = image if isinstance(image, dict) else {"type": "image_url", "image_url": {"url": image}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+
+def named_image(uuid: str, image: int | None) -> dict:
+    """An image part naming `IMAGES[image]` `uuid` as it sends it, or (`image` None) naming it by `uuid` alone."""
+    return {"type": "image_url", "image_url": None if image is None else {"url": IMAGES[image]}, "uuid": uuid}
 
 
 @st.composite
-def chats(draw, how: str = "answer", stream: bool | None = None) -> Ask:
-    image = draw(st.sampled_from([None, *IMAGES]))
+def chats(draw, how: str = "answer", stream: bool | None = None, image_part: dict | None = None) -> Ask:
+    """`image_part`: the image the message holds (one drawn, or none, without it)."""
+    image = image_part or draw(st.sampled_from([None, *IMAGES]))
     stream = draw(st.booleans()) if stream is None else stream
     n = draw(st.integers(1, 2))
     body = {"model": MODEL, "messages": _message(draw(st.sampled_from(["Hi", "What is it?"])), image), "n": n,
@@ -152,6 +163,8 @@ def perform(url: str, ask: Ask) -> Counter:
     response = httpx.post(url + ask.path, timeout=60, **post)
     if ask.status != 200:
         return _refused(ask, response)
+    if ask.may_fail and _failed(ask, response):
+        ask = replace(ask, fails=True)
     if ask.fails and not ask.streamed:
         assert response.status_code == 500, f"{ask.what} under a failed step: {response.status_code} {response.text}"
         _internal_error(ask, response.json())
@@ -168,7 +181,16 @@ def _refused(ask: Ask, response: httpx.Response) -> Counter:
     assert response.status_code == ask.status, f"{ask.what} {ask.body!r:.200}: {response.status_code} {response.text}"
     error = response.json().get("error")
     assert isinstance(error, dict) and error.get("message") and error.get("type"), f"not an error body: {response.text}"
+    assert re.search(ask.message, error["message"]), f"{ask.what}: the refusal does not say {ask.message!r}: {error}"
     return Counter({("requests_rejected", str(ask.status)): 1})
+
+
+def _failed(ask: Ask, response: httpx.Response) -> bool:
+    """Whether `response` is a failed request's: a 500, or a stream holding an error event."""
+    if not ask.streamed:
+        return response.status_code == 500
+    return any("error" in json.loads(line.removeprefix("data: ")) for line in response.text.splitlines()
+               if line.startswith("data: {"))
 
 
 def _internal_error(ask: Ask, answer: dict) -> None:
@@ -183,6 +205,9 @@ def _max_tokens(ask: Ask) -> int:
 def _check_usage(ask: Ask, usage: dict) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
     assert 0 < usage["prompt_tokens"] and usage["completion_tokens"] <= ask.choices * _max_tokens(ask), usage
+    if ask.hits:
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        assert cached > 0, f"{ask.what}: its prompt did not hit the prefix cache: {usage}"
 
 
 def _asked_logprobs(ask: Ask) -> bool:

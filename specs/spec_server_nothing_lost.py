@@ -1,33 +1,42 @@
 """Spec of *nothing is lost* over HTTP (`serving/app.py`, `serving/async_engine.py`, `serving/metrics.py`,
 `engine/engine.py` `_fail_a_lost_step`): one real server in a thread (the tiny checkpoint), driven by a stateful
 machine whose rules are what clients do (`server_clients.py`): chat and text completions, decides, a client that
-leaves a stream after its first event, one that gives up before its answer, bodies the server refuses, two of these
-at once, and a request under which a model step fails (planted).
+leaves a stream after its first event, one that gives up before its answer, a decide whose client leaves before its
+answer, bodies the server refuses, images named by uuid (sent with it, by a refused request, named alone: known or
+not; the machine tracks the names the server knows), two of these at once, and a request under which a model step
+fails (planted), alone or beside another.
 
 Invariant, once the server is idle after each rule:
 - every client got a well-formed answer: a 200 of the right shape (each choice with a finish reason; a stream of
   `data:` events ending in `data: [DONE]`, each choice's last chunk the one with its finish reason), or a 4xx with an
   OpenAI error body; a request a step failed under, a 500 naming only a request id (streamed: that error event last
-  before [DONE]);
+  before [DONE]), and beside another, as many such answers as the lost step held requests; a known image name is
+  served and hits the prefix cache, an unknown one is a 400 asking for the image that makes no engine request;
 - nothing is held for a request: no handler running, no request in the engine (running, waiting, swapped, a question
   not forked, an unread event, a detokenizer) or in the async engine (streams, admission slots), no KV sequence, and
   every KV page in use is only the prefix cache's (evictable); the KV refcounts are exact;
 - the Prometheus counters grew by exactly what the clients' actions made: a choice by its finish reason, a client that
-  left by "abort" (as vLLM counts it), a failed request by "error", a decide answered with its questions, a refusal by
-  its status.
+  left by "abort" (as vLLM counts it), a failed request by "error", a decide answered with its questions, one whose
+  client left by "abandoned" (its questions each ended by abort), a refusal by its status.
 Found by it (session 30): a step lost before the runner took its transfer plan left the plan's pages pinned, on an
 idle server for good (`reproducers/lost_step_left_its_plan_pinned.py`). Planted below, each must make the machine
 fail: that, a close that does not abort, a stream ended by an error without [DONE], an abort that leaks its pages, a
-client that left uncounted, a non-streaming client's work left running.
+client that left uncounted, a non-streaming client's work left running, a uuid bound by a refused request, an
+abandoned decide uncounted, one whose questions run on, a lost step failing only one of its requests.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import re
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -38,15 +47,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from prometheus_client.parser import text_string_to_metric_families
 
 from prism.engine.engine import Engine
+from prism.engine.inputs import InputProcessor
 from prism.engine.request import FinishReason
 from prism.serving import app as app_module
-from prism.serving.async_engine import GenerationEvents
+from prism.serving.async_engine import AsyncEngine, GenerationEvents
 from prism.serving.completions import CompletionRenderer
+from prism.serving.metrics import ServingMetrics
 from prism.serving.responses import error_body, sse
 from prism.serving.settings import ServerSettings
 from prism.serving.stream import ChatCompletionStream
-from prism.testing.serving import failing_at, serve_in_thread
+from prism.testing.serving import failing_at, open_request, replaced, serve_in_thread
 from specs.server_clients import (
+    DECIDE,
+    IMAGES,
     Ask,
     any_client,
     chats,
@@ -54,6 +67,7 @@ from specs.server_clients import (
     decides,
     disconnects,
     leavers,
+    named_image,
     perform,
     refusals,
     together,
@@ -114,11 +128,56 @@ def counted(url: str) -> Counter:
     return out
 
 
+def _one_choice(ask: Ask, what: str, stream: bool) -> Ask:
+    """`ask` as one choice of one prompt, `stream`ed or not, running 8 tokens (no stop)."""
+    body = {key: value for key, value in ask.body.items() if key not in ("stop", "stream_options")}
+    body |= {"n": 1, "stream": stream, "max_tokens": 8, "ignore_eos": True}
+    if isinstance(body.get("prompt"), list):
+        body["prompt"] = body["prompt"][0]
+    return Ask(what, ask.path, body)
+
+
+# -- a decide whose client leaves ------------------------------------------------------------------------------------
+def leave_a_decide(server, ask: Ask, before: dict[str, int]) -> Counter:
+    """`ask` (a decide) sent on a connection closed once its questions are in the engine, which runs no step until
+    the handler has seen its client go (and returned): the questions can only end by abort. Asserts that each did, once
+    the server holds no more than `before`; returns the counters it must move."""
+    engine, ended, handler_done = server.engine, [], threading.Event()
+    in_engine = threading.Event()
+    step = engine.step
+
+    def step_once_the_client_left():
+        if not handler_done.is_set():
+            in_engine.set()
+            time.sleep(0.01)
+            if len(server.server.server_state.tasks) <= before["request handlers running"]:
+                handler_done.set()
+            return []  # no step: after the handler, the engine's loop takes its aborts before the next one
+        events = step()
+        ended.extend(event for event in events if event.finished)
+        return events
+
+    body = json.dumps(ask.body).encode()
+    with replaced(engine, "step", step_once_the_client_left):
+        with open_request(server.url, DECIDE, len(body)) as client:
+            client.sendall(body)
+            assert in_engine.wait(30), f"{ask.what}: its questions never reached the engine"
+        held = held_beyond(server, before, IDLE_S)
+    assert not held, f"{ask.what}: {IDLE_S} s after its client left, the server still holds {held}"
+    reasons = {event.request_id.rpartition("/")[2]: event.finish_reason for event in ended}
+    questions = {f"q{i}" for i in range(ask.choices)}
+    assert questions <= set(reasons) and set(reasons.values()) == {FinishReason.ABORT}, (
+        f"{ask.what}: its engine requests ended {reasons}, not each by abort (questions {sorted(questions)})")
+    return Counter({("decide_requests", "abandoned"): 1})
+
+
 # -- the machine ------------------------------------------------------------------------------------------------------
 DRAWN: set[str] = set()  # what the machine did, over a run: each kind of action must be there
 EVERY_ACTION = {"chat", "chat streamed", "chat with an image", "chat streamed with an image", "completion",
                 "completion streamed", "decide", "disconnect", "leave", "refused", "two at once", "a failed step",
-                "a failed step streamed"}
+                "a failed step streamed", "a failed step beside another", "a named image sent", "a named image refused", "a known name",
+                "an unknown name", "a decide abandoned"}
+EXAMPLES = itertools.count()  # the server outlives an example: each names its images afresh
 
 
 class NothingLost(RuleBasedStateMachine):
@@ -136,6 +195,9 @@ class NothingLost(RuleBasedStateMachine):
                 self.server.app.state.prism.async_engine.abort(request_id)
         held_beyond(self.server, nothing, IDLE_S)
         self.held, self.before, self.expected = held_for_requests(self.server), counted(self.server.url), Counter()
+        self.names = [f"example-{next(EXAMPLES)}-image-{i}" for i in range(len(IMAGES))]  # IMAGES[i]'s
+        self.known: set[str] = set()  # the names the server knows: a request sending them was accepted
+        self.refused: list[str] = []  # names only refused requests sent
 
     def _do(self, *asks: Ask) -> None:
         DRAWN.update(ask.what for ask in asks)
@@ -149,9 +211,15 @@ class NothingLost(RuleBasedStateMachine):
     def text_completion(self, ask: Ask) -> None:
         self._do(ask)
 
-    @rule(ask=decides())
-    def decide(self, ask: Ask) -> None:
-        self._do(ask)
+    @rule(ask=decides(), abandoned=st.booleans())
+    def decide(self, ask: Ask, abandoned: bool) -> None:
+        """A decide answered, or one whose client leaves before its answer."""
+        if abandoned:
+            ask = replace(ask, what="a decide abandoned")
+            DRAWN.add(ask.what)
+            self.expected += leave_a_decide(self.server, ask, self.held)
+        else:
+            self._do(ask)
 
     @rule(ask=disconnects)
     def disconnect_mid_stream(self, ask: Ask) -> None:
@@ -165,22 +233,78 @@ class NothingLost(RuleBasedStateMachine):
     def refused(self, ask: Ask) -> None:
         self._do(ask)
 
+    @rule(how=st.sampled_from(["a named image sent", "a named image refused", "a known name", "an unknown name"]),
+          image=st.sampled_from(range(len(IMAGES))), data=st.data())
+    def an_image_named_by_uuid(self, how: str, image: int, data) -> None:
+        """A chat sending an image with its uuid (the name is the server's once the request is accepted: a refused
+        one, here for its max_tokens, names nothing), or naming one by its uuid alone: a known one is served and its
+        prompt hits the prefix cache; an unknown one (never sent, or sent by a refused request) is a 400 that asks
+        for the image, and no engine request."""
+        if how == "a known name" and not self.known:
+            self._send_a_named_image(image, self.names[image], data)
+        if how == "a named image sent":
+            self._send_a_named_image(image, self.names[image], data)
+        elif how == "a named image refused":  # under a name of its own, then named alone: it names nothing
+            self.refused.append(f"{self.names[image]}-refused-{len(self.refused)}")
+            self._send_a_named_image(image, self.refused[-1], data, refused=True)
+            self._name_an_unknown_image(self.refused[-1], data)
+        elif how == "a known name":
+            ask = data.draw(chats(image_part=named_image(data.draw(st.sampled_from(sorted(self.known))), None)))
+            if ask.streamed:  # its usage shows the hit
+                ask = replace(ask, body=ask.body | {"stream_options": {"include_usage": True}})
+            self._do(replace(ask, what=how, hits=True))
+        else:
+            unknown = sorted(set(self.names) - self.known) + self.refused + [self.names[image] + "-never-sent"]
+            self._name_an_unknown_image(data.draw(st.sampled_from(unknown)), data)
+
+    def _send_a_named_image(self, image: int, name: str, data, refused: bool = False) -> None:
+        ask = data.draw(chats(image_part=named_image(name, image)))
+        if refused:
+            ask = replace(ask, status=400, body=ask.body | {"max_tokens": 40_000})
+        self._do(replace(ask, what="a named image refused" if refused else "a named image sent"))
+        if not refused:
+            self.known.add(name)
+
+    def _name_an_unknown_image(self, name: str, data) -> None:
+        ask = data.draw(chats(image_part=named_image(name, None)))
+        finished = self.server.engine.stats.requests_finished
+        self._do(replace(ask, what="an unknown name", status=400, message="send the image"))
+        assert self.server.engine.stats.requests_finished == finished, f"{ask.what}: it made an engine request"
+
     @rule(first=any_client, second=any_client)
     def two_at_once(self, first: Ask, second: Ask) -> None:
         DRAWN.add("two at once")
         self._do(first, second)
 
-    @rule(ask=st.one_of(chats(), completions()), stream=st.booleans(), at_call=FAILING_STEPS)
-    def a_step_fails_under_a_request(self, ask: Ask, stream: bool, at_call: int) -> None:
+    @rule(ask=st.one_of(chats(), completions()), stream=st.booleans(), at_call=FAILING_STEPS,
+          beside=st.one_of(st.none(), st.tuples(st.one_of(chats(), completions()), st.booleans())))
+    def a_step_fails_under_a_request(self, ask: Ask, stream: bool, at_call: int,
+                                     beside: tuple[Ask, bool] | None) -> None:
         """The engine idle, its `at_call`-th model step from now raises at the runner's entry: one of this request's
-        (one choice of one prompt, more tokens than `at_call`)."""
-        body = {key: value for key, value in ask.body.items() if key not in ("stop", "stream_options")}
-        body |= {"n": 1, "stream": stream, "max_tokens": 8, "ignore_eos": True}
-        if isinstance(body.get("prompt"), list):
-            body["prompt"] = body["prompt"][0]
-        failing = Ask("a failed step" + " streamed" * stream, ask.path, body, fails=True)
-        with failing_at(self.server.engine.runner, "execute", RuntimeError("planted: a lost step"), at_call):
-            self._do(failing)
+        (one choice of one prompt, more tokens than `at_call`). Or `beside` another such request at once: the step
+        is either's or both's, and it loses only its own (each client in it gets the internal error, the other its
+        answer)."""
+        failing = _one_choice(ask, "a failed step" + " streamed" * stream, stream)
+        if beside is None:
+            with failing_at(self.server.engine.runner, "execute", RuntimeError("planted: a lost step"), at_call):
+                self._do(replace(failing, fails=True))
+            return
+        pair = [replace(failing, may_fail=True),
+                replace(_one_choice(beside[0], "a failed step beside another", beside[1]), may_fail=True)]
+        engine, lost = self.server.engine, []
+        fail_a_lost_step = engine._fail_a_lost_step
+
+        def failing_its_requests(requests, error) -> None:  # (those of its slices, and one whose media it encoded)
+            lost.extend(request.request_id for request in requests)
+            fail_a_lost_step(requests, error)
+
+        before = self.expected[("request_success", "error")]
+        with (replaced(engine, "_fail_a_lost_step", failing_its_requests),
+              failing_at(engine.runner, "execute", RuntimeError("planted: a lost step"), at_call)):
+            self._do(*pair)
+        in_the_step = set(lost)
+        failed = self.expected[("request_success", "error")] - before
+        assert failed == len(in_the_step), f"a step lost {sorted(in_the_step)}, but {failed} of its clients failed"
 
     @invariant()
     def nothing_is_lost(self) -> None:
@@ -297,3 +421,51 @@ def test_a_lost_step_that_leaves_its_plan_pinned_is_caught(monkeypatch: pytest.M
     transfer plan failed its requests and left the plan's pages pinned, on an idle server for good."""
     monkeypatch.setattr(Engine, "_fail_a_lost_step", Engine._fail)
     _machine_fails("KV pages held not only by the prefix cache")
+
+
+def test_a_uuid_bound_by_a_refused_request_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 27's review (reproducers/refused_request_binds_its_uuid.py): a chat's image uuids were bound as its
+    prompt was prepared, so a request refused afterwards named its image anyway."""
+    prepare_chat = InputProcessor.prepare_chat
+    monkeypatch.setattr(InputProcessor, "prepare_chat",
+                        lambda self, messages, **kwargs: prepare_chat(self, messages, **kwargs | {"bind_names": True}))
+    _machine_fails("an unknown name .*: 200")
+
+
+def test_an_abandoned_decide_uncounted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decide whose client left in no outcome of `prism:decide_requests`."""
+    init = ServingMetrics.__init__
+
+    def init_not_counting_the_abandoned(self, engine) -> None:
+        init(self, engine)
+        decides, nothing = self.decides, SimpleNamespace(inc=lambda: None)
+        self.decides = SimpleNamespace(labels=lambda outcome: nothing if outcome == "abandoned"
+                                       else decides.labels(outcome=outcome))
+
+    monkeypatch.setattr(ServingMetrics, "__init__", init_not_counting_the_abandoned)
+    _machine_fails("counters moved by")
+
+
+def test_an_abandoned_decide_left_to_run_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decide whose client left, its questions not aborted: they run on for nobody (to their answers here)."""
+
+    async def decide_not_aborting(self, decision_id, branches):
+        stream = await self._submit(tuple(b.request_id for b in branches),
+                                    lambda engine: engine.add_decision(decision_id, branches))
+        finals = {}
+        while len(finals) < len(branches):
+            event = await stream.queue.get()
+            finals |= {event.request_id: event} if event.finished else {}
+        return finals
+
+    monkeypatch.setattr(AsyncEngine, "decide", decide_not_aborting)
+    _machine_fails("not each by abort")
+
+
+def test_a_lost_step_failing_one_of_its_requests_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost step that fails only the first of its requests: the others go on from a step never computed (the
+    pair's other client gets an answer rather than the internal error)."""
+    fail_a_lost_step = Engine._fail_a_lost_step
+    monkeypatch.setattr(Engine, "_fail_a_lost_step", lambda self, requests, error: fail_a_lost_step(
+        self, requests[:1], error))
+    _machine_fails("of its clients failed")

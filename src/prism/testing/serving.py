@@ -113,11 +113,24 @@ def handlers_left_after(served: ServedApp, seconds: float) -> tuple[int, list[st
 
 
 @contextmanager
+def replaced(owner, name: str, value):
+    """While the block runs, `owner.name` (a module's, a class's or an object's attribute) is `value`; after it,
+    what it was (an object's own attribute restored, one it did not have removed)."""
+    own, had_own = vars(owner).get(name, None), name in vars(owner)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(owner, name, own)
+        else:
+            delattr(owner, name)
+
+
+@contextmanager
 def failing_at(owner, name: str, error: BaseException, at_call: int = 1):
     """While the block runs, `owner.name` (a module's, a class's or an object's callable) raises `error` at its
     `at_call`-th call and is itself at the others: a failure planted in a served app."""
-    own = vars(owner).get(name, None)
-    had_own = name in vars(owner)
     real, calls = getattr(owner, name), []
 
     def failing(*args, **kwargs):
@@ -126,11 +139,5 @@ def failing_at(owner, name: str, error: BaseException, at_call: int = 1):
             raise error
         return real(*args, **kwargs)
 
-    setattr(owner, name, failing)
-    try:
+    with replaced(owner, name, failing):
         yield
-    finally:
-        if had_own:
-            setattr(owner, name, own)
-        else:
-            delattr(owner, name)
