@@ -34,15 +34,7 @@ def _hit_equals_miss_fails(spec_name: str, match: str) -> None:
 
 def test_tail_copy_dropping_a_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Invariant 11 on the real engine: a tail copy one row short leaves the hit reading a row nobody wrote."""
-    from prism.engine import runner
-
-    execute = runner.execute_plan
-
-    def execute_one_row_short(plan, gpu, cpu):
-        short = [(s, d, rows - 1) for s, d, rows in plan.copy_prefix]
-        execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
-
-    monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
+    _copy_tail_pages_one_row_short(monkeypatch)
     _hit_equals_miss_fails("spec_a_prefix_hit_gives_the_logits_of_a_miss", "a prefix hit changed")
 
 
@@ -50,6 +42,12 @@ def test_partial_hits_with_a_tail_copy_one_row_short_are_caught(monkeypatch: pyt
     """Partial hits (each prompt its own images, some shared): a hit's partly filled tail page is copied into a
     private page, all its cached rows. Planted (found by a review of the specs: the partial specs had no planted
     check): the copy one row short."""
+    _copy_tail_pages_one_row_short(monkeypatch)
+    _hit_equals_miss_fails("spec_partial_hits_give_the_logits_of_misses", "a prefix hit changed")
+
+
+def _copy_tail_pages_one_row_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted in the runner's transfer plans: every tail copy (`copy_prefix`) one row short."""
     from prism.engine import runner
 
     execute = runner.execute_plan
@@ -59,7 +57,6 @@ def test_partial_hits_with_a_tail_copy_one_row_short_are_caught(monkeypatch: pyt
         execute(dataclasses.replace(plan, copy_prefix=short), gpu, cpu)
 
     monkeypatch.setattr(runner, "execute_plan", execute_one_row_short)
-    _hit_equals_miss_fails("spec_partial_hits_give_the_logits_of_misses", "a prefix hit changed")
 
 
 def test_deterministic_tile_starting_at_the_hit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
