@@ -31,9 +31,10 @@ CKPT = Path("/tmp/prism-bench/qwen3vl-8b-random")
 CONFIG = ROOT / "configs" / "tp1_fp8.json"
 
 
-def data_urls(seed: int) -> list[str]:
+def data_urls(seed: int, count: int = 8, size: int = 448) -> list[str]:
+    """`count` random `size` x `size` pictures (seeded) as PNG data URLs."""
     urls = []
-    for image in random_images([(448, 448)] * 8, seed=seed):
+    for image in random_images([(size, size)] * count, seed=seed):
         buf = io.BytesIO()
         image.save(buf, "PNG")
         urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())

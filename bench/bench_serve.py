@@ -15,10 +15,8 @@ Writes bench/results/<date>-<gpu>-serve.json/.md.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import datetime
-import io
 import json
 import multiprocessing
 import os
@@ -37,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from bench_http import data_urls, image_message  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 CKPT = Path("/tmp/prism-bench/qwen3vl-8b-random")
@@ -114,23 +113,11 @@ def zipf_groups(load: Load) -> list[int]:
 
 
 def group_images(load: Load) -> list[list[str]]:
-    from prism.testing.hf_reference import random_images
-
-    groups = []
-    for g in range(load.groups):
-        urls = []
-        for image in random_images([(load.image_size, load.image_size)] * load.images_per_group, seed=1000 + g):
-            buf = io.BytesIO()
-            image.save(buf, "PNG")
-            urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
-        groups.append(urls)
-    return groups
+    return [data_urls(1000 + g, load.images_per_group, load.image_size) for g in range(load.groups)]
 
 
 def messages(urls: list[str], group: int, text: str, send: bool) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": u} if send else None, "uuid": f"serve-g{group}-{i}"}
-             for i, u in enumerate(urls)]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    return image_message(urls, text, [f"serve-g{group}-{i}" for i in range(len(urls))], send)
 
 
 class ServerProcess:
