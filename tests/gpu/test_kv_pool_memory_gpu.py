@@ -84,3 +84,16 @@ def test_a_pool_that_fits_still_starts():
         llm.engine.shutdown()
         del llm
         release_gpu_memory()
+
+
+def test_a_pinned_swap_pool_larger_than_the_host_is_the_same_typed_error(loaded_models):
+    """The CPU swap pool is pinned on CUDA: a pinned allocation past the host's memory is CUDA's "out of memory"
+    RuntimeError, not torch's OutOfMemoryError. `capacity` counts that line as out of memory: the start is a
+    KVCapacityError naming `num_cpu_pages` (unchecked on a GPU until this test)."""
+    release_gpu_memory()
+    before = torch.cuda.memory_allocated()
+    pages = 10**9  # terabytes of pages of the tiny model: past any host
+    message = _failed_start(kv_memory_bytes=2**30, num_cpu_pages=pages)
+    assert f"num_cpu_pages={pages}" in message and "CPU swap pool" in message, message
+    assert "ran out of memory allocating it" in message and "(the allocator: " in message, message
+    _gives_back(loaded_models, before)
