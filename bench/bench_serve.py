@@ -168,7 +168,8 @@ def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> d
     share of the warm-up requests, waits for the others (a barrier), then its share of the measured ones, at most
     `concurrency / clients` in flight. One process of `openai` clients was the bottleneck: on the CPU machine with the
     model stubbed it spent 85% of a core parsing chunks, and its TTFT read 245 ms where the server's own histogram
-    read 43. Also reported: the server's mean TTFT and ITL over the measured requests, from its /metrics."""
+    read 43. Also reported, from the server's /metrics over the measured requests: its mean TTFT (and its parts) and
+    ITL, its prefix-cache hit rate, the media its vision encoder ran and its preemptions."""
     from openai import OpenAI
     from tqdm import tqdm
 
@@ -183,7 +184,7 @@ def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> d
     for worker in workers:
         worker.start()
     barrier.wait(timeout=600)  # every client's warm-up answered: the measured run starts
-    before = server_histograms(url)
+    before = server_series(url)
     with tqdm(total=load.num_prompts, desc="requests", disable=not progress) as bar:
         shares = []
         while len(shares) < load.clients:
@@ -194,7 +195,7 @@ def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> d
                     raise RuntimeError("a client process died: " + ", ".join(
                         f"exit code {w.exitcode}" for w in workers if not w.is_alive())) from None
             bar.update(done.value - bar.n)
-    after = server_histograms(url)
+    after = server_series(url)
     for worker in workers:
         worker.join(timeout=60)
     failures = [share for share in shares if isinstance(share, str)]
@@ -202,24 +203,44 @@ def run_load(url: str, load: Load, groups: list[list[str]], progress: bool) -> d
         raise RuntimeError(f"a client process failed: {failures[0]}")
     records = [RequestRecord(**r) for share in shares for r in share[2]]
     duration = max(share[1] for share in shares) - min(share[0] for share in shares)
-    figures = serve_metrics(records, duration)
-    for name in ("time_to_first_token", "inter_token_latency"):
-        total, count = (after[name][i] - before[name][i] for i in range(2))
-        figures[f"server_mean_{'ttft' if name == 'time_to_first_token' else 'itl'}_ms"] = (
-            total / count * 1e3 if count else None)
-    return figures
+    return serve_metrics(records, duration) | server_figures(before, after)
 
 
-def server_histograms(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the server's TTFT and ITL histograms (`prism:` series of /metrics)."""
-    found: dict[str, list[float]] = {"time_to_first_token": [0.0, 0.0], "inter_token_latency": [0.0, 0.0]}
+# The server's series read before and after the measured run: histograms as (sum, count), counters as a value.
+SERVER_HISTOGRAMS = {"ttft": "time_to_first_token", "itl": "inter_token_latency",
+                     "preparation": "request_preparation_time", "queue": "request_queue_time",
+                     "prefill": "request_prefill_time"}
+SERVER_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "vision_encoder_items", "num_preemptions")
+
+
+def server_series(url: str) -> dict[str, float]:
+    """The `prism:` series of SERVER_HISTOGRAMS (`<name>_sum`, `<name>_count`) and SERVER_COUNTERS from /metrics."""
+    wanted = {f"prism:{name}_seconds_{part}": f"{name}_{part}" for name in SERVER_HISTOGRAMS.values()
+              for part in ("sum", "count")}
+    wanted |= {f"prism:{name}_total": name for name in SERVER_COUNTERS}
+    found = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        for name, pair in found.items():
-            if line.startswith(f"prism:{name}_seconds_sum "):
-                pair[0] = float(line.split()[1])
-            elif line.startswith(f"prism:{name}_seconds_count "):
-                pair[1] = float(line.split()[1])
-    return {name: (pair[0], pair[1]) for name, pair in found.items()}
+        series, _, value = line.partition(" ")
+        if series in wanted:
+            found[wanted[series]] = float(value)
+    missing = set(wanted.values()) - set(found)
+    if missing:
+        raise RuntimeError(f"the server's /metrics lacks {sorted(missing)}")
+    return found
+
+
+def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Over the measured run: the server's mean of each histogram (ms), its prefix-cache hit rate (tokens), the
+    media items its vision encoder ran and its preemptions."""
+    delta = {key: after[key] - before[key] for key in after}
+    figures = {f"server_mean_{short}_ms": (delta[f"{name}_sum"] / delta[f"{name}_count"] * 1e3
+                                           if delta[f"{name}_count"] else None)
+               for short, name in SERVER_HISTOGRAMS.items()}
+    queries = delta["prefix_cache_queries"]
+    figures["server_prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queries if queries else None
+    figures["server_vision_encoder_items"] = delta["vision_encoder_items"]
+    figures["server_preemptions"] = delta["num_preemptions"]
+    return figures
 
 
 def _client_process(url: str, load: Load, groups: list[list[str]], k: int, barrier, done, results) -> None:
@@ -298,7 +319,13 @@ def table(results: dict[str, dict], load: Load, gpu: str, date: str) -> str:
          for metric, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
          for kind in ("Mean", "Median", "P99")] + [
         ("Server's mean TTFT (ms, its /metrics)", "server_mean_ttft_ms", "{:.2f}"),
+        ("- of which preparation (arrival to the engine)", "server_mean_preparation_ms", "{:.2f}"),
+        ("- of which the engine's queue", "server_mean_queue_ms", "{:.2f}"),
+        ("- of which prefill (scheduled to first token)", "server_mean_prefill_ms", "{:.2f}"),
         ("Server's mean ITL (ms, its /metrics)", "server_mean_itl_ms", "{:.2f}"),
+        ("Prefix-cache hit rate (prompt tokens)", "server_prefix_cache_hit_rate", "{:.3f}"),
+        ("Media items through the vision encoder", "server_vision_encoder_items", "{:.0f}"),
+        ("Preemptions", "server_preemptions", "{:.0f}"),
     ]
     lines = [f"Serving (`prism serve` in its own process, {load.concurrency} concurrent `openai` clients streaming from "
              f"{load.clients} processes), "

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench_serve import Load, RequestRecord, serve_metrics, zipf_groups  # noqa: E402
+from bench_serve import Load, RequestRecord, serve_metrics, server_figures, zipf_groups  # noqa: E402
 
 
 def test_figures_of_two_requests_by_hand():
@@ -41,3 +41,20 @@ def test_the_groups_follow_zipf_and_are_the_same_for_each_config():
     assert groups == zipf_groups(load), "each config must get the same requests"
     counts = [groups.count(g) for g in range(8)]
     assert counts[0] > counts[1] > counts[7] > 0, counts
+
+
+def test_the_servers_figures_are_over_the_measured_run_only():
+    """Deltas of /metrics between before and after the run: histogram means of the run's observations, the hit rate
+    of the run's lookups."""
+    names = ("time_to_first_token", "inter_token_latency", "request_preparation_time", "request_queue_time",
+             "request_prefill_time")
+    before = {f"{n}_{p}": 1.0 for n in names for p in ("sum", "count")} | {
+        "prefix_cache_queries": 100.0, "prefix_cache_hits": 0.0, "vision_encoder_items": 8.0, "num_preemptions": 1.0}
+    after = {f"{n}_{p}": 1.0 + (0.5 if p == "sum" else 10) for n in names for p in ("sum", "count")} | {
+        "prefix_cache_queries": 1100.0, "prefix_cache_hits": 900.0, "vision_encoder_items": 8.0, "num_preemptions": 1.0}
+    after["request_queue_time_count"] = 1.0  # nothing observed in the run
+    f = server_figures(before, after)
+    assert f["server_mean_ttft_ms"] == pytest.approx(50) and f["server_mean_prefill_ms"] == pytest.approx(50)
+    assert f["server_mean_queue_ms"] is None
+    assert f["server_prefix_cache_hit_rate"] == pytest.approx(0.9)
+    assert f["server_vision_encoder_items"] == 0 and f["server_preemptions"] == 0

@@ -15,7 +15,7 @@ import itertools
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -72,6 +72,9 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     readout: list[float] | None = None  # probabilities over the request's candidate tokens
+    # A copy of the request's times on its first token's event and on its terminal event (None on the others): what
+    # the server's queue / prefill histograms read, without a reference to the engine thread's mutable record.
+    times: RequestTimes | None = None
 
     @classmethod
     def of(cls, request: Request, new_tokens: list[int], text: str,
@@ -89,6 +92,9 @@ class RequestOutput:
             cached_tokens=request.cached_tokens,
             completion_tokens=len(request.output_token_ids),
             readout=request.readout,
+            times=(replace(request.times)
+                   if request.is_finished or (new_tokens and len(request.output_token_ids) == len(new_tokens))
+                   else None),
         )
 
 

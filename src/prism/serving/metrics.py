@@ -3,6 +3,10 @@
 Latency histograms are observed from each request's event stream (on the event loop); cache and
 pool figures are read from the engine's own counters at scrape time, so they cost nothing per step.
 Prefix-cache queries and hits count tokens; media-cache queries and hits count images.
+A request's TTFT is split at its first token into the server's preparation (arrival to the engine's taking it:
+parsing, media, tokenizing, the hand-over to the engine thread), the engine's queue (taken to first scheduled: vLLM's
+`request_queue_time_seconds`) and its prefill (first scheduled to its first token read: vLLM's
+`request_prefill_time_seconds`), so a slow TTFT says which of the three it is.
 Decides (`/v1/decide`) are not completions: they have no tokens to time, so they have series of their own (their
 latency from arrival to the answer, and their outcomes), and their engine requests are not in the completion series.
 """
@@ -75,6 +79,15 @@ class ServingMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("prism:e2e_request_latency_seconds", "Time from arrival to the terminal event.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.preparation = Histogram("prism:request_preparation_time_seconds",
+                                     "Time from a request's arrival to the engine's taking it (parsing, media, "
+                                     "tokenizing, hand-over), of requests that produced a token.",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("prism:request_queue_time_seconds", "Time a request waited in the engine before it "
+                               "was first scheduled, of requests that produced a token.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("prism:request_prefill_time_seconds", "Time from a request's first scheduling to "
+                                 "its first token.", buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("prism:request_success", "Finished requests by reason.", ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("prism:prompt_tokens", "Prompt tokens of finished requests (a prompt once, however "
                                      "many choices).", registry=r)
@@ -113,6 +126,7 @@ class RequestTracker:
         if event.new_token_ids:
             if self.last_token is None:
                 m.ttft.observe(now - self.arrival)
+                self._observe_first_token_parts(event)
             else:
                 m.itl.observe((now - self.last_token) / len(event.new_token_ids))
             self.last_token = now
@@ -122,6 +136,17 @@ class RequestTracker:
             if self.count_prompt:
                 m.prompt_tokens.inc(event.prompt_tokens)
             m.finished.labels(finished_reason=event.finish_reason.value if event.finish_reason else "unknown").inc()
+
+    def _observe_first_token_parts(self, event: RequestOutput) -> None:
+        """TTFT's parts (the engine's times, on the same perf_counter clock as `arrival`); the part after them is
+        the event's way to the event loop."""
+        times = event.times
+        if times is None or times.first_scheduled is None or times.first_token is None:
+            return
+        m = self.metrics
+        m.preparation.observe(times.arrival - self.arrival)
+        m.queue.observe(times.first_scheduled - times.arrival)
+        m.prefill.observe(times.first_token - times.first_scheduled)
 
     def abandoned(self, now: float) -> None:
         """The client left before the request's terminal event was read (its request is aborted): counted as vLLM
