@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import IMAGES, chat, hf_greedy
+from test_engine import IMAGES, _one_thread, chat, hf_greedy  # noqa: F401 (_one_thread: an autouse fixture)
 
 from prism.engine.llm import LLM
 from prism.engine.sampling import SamplingParams, SamplingParamsError
@@ -18,21 +18,9 @@ PROMPTS = ["Tell me a story about paged attention.", "Count to twenty please.", 
            "Name three colours, please."]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI machine has 2 cores shared with the test runner
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def ckpt():
-    return ensure_tiny_checkpoint()
-
-
 @pytest.mark.parametrize("case", ["text", "images"])
-def test_greedy_with_a_repetition_penalty_matches_hf_generate(ckpt, case):
+def test_greedy_with_a_repetition_penalty_matches_hf_generate(case):
+    ckpt = ensure_tiny_checkpoint()
     from transformers import Qwen3VLForConditionalGeneration
 
     hf_model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32,
@@ -58,10 +46,11 @@ def mixed_params(max_tokens: int) -> list[SamplingParams]:
     ]
 
 
-def test_async_scheduling_gives_a_penalized_request_its_whole_history(ckpt):
+def test_async_scheduling_gives_a_penalized_request_its_whole_history():
     """With async scheduling each step is sampled after the step in flight's tokens were appended: greedy with a
     large presence penalty never repeats a token it emitted, and every request's tokens and logprobs are those of
     the engine that reads each step's tokens before launching the next."""
+    ckpt = ensure_tiny_checkpoint()
     common = dict(kv_dtype="fp8", page_size=16, num_gpu_pages=64, graph_rows_without_cuda=True, check_invariants=True)
     params = mixed_params(40)
     want = LLM(ckpt, async_scheduling=False, **common).generate(PROMPTS, params)
@@ -79,9 +68,10 @@ def test_async_scheduling_gives_a_penalized_request_its_whole_history(ckpt):
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_a_preempted_request_keeps_its_history(ckpt, preemption):
+def test_a_preempted_request_keeps_its_history(preemption):
     """A pool too small for four growing requests: each preempted one resumes with its prompt and every token it
     had output, so its penalized tokens are those of a pool where nobody was preempted."""
+    ckpt = ensure_tiny_checkpoint()
     # fp32 KV: with FP8 KV a recomputed sequence's logits differ from the decoded ones' (without any knob, up to 1.5
     # in a logprob here), enough to move a seeded draw; this test is about the history, not the KV's rounding
     common = dict(kv_dtype="fp32", page_size=4, max_num_batched_tokens=160, max_num_seqs=4, check_invariants=True)
@@ -94,7 +84,8 @@ def test_a_preempted_request_keeps_its_history(ckpt, preemption):
     assert got == want
 
 
-def test_a_logit_bias_id_outside_the_vocabulary_is_refused(ckpt):
+def test_a_logit_bias_id_outside_the_vocabulary_is_refused():
+    ckpt = ensure_tiny_checkpoint()
     llm = LLM(ckpt, kv_dtype="fp32", page_size=16, num_gpu_pages=32)
     vocab = llm.engine.runner.model.config.text.vocab_size
     with pytest.raises(SamplingParamsError, match=f"logit_bias token ids must be below the vocabulary size {vocab}"):
