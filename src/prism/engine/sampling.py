@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -79,6 +79,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # token id -> bias; given as a mapping (or pairs), kept as (id, bias) pairs sorted by id (hashable, frozen)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Derived on construction (read for every row of every step: an attribute, not a property):
+    # a repetition, frequency or presence penalty is on (the row's token history is read) ...
+    has_penalties: bool = field(default=False, init=False, repr=False, compare=False)
+    # ... or a logit_bias: the logits are changed before sampling.
+    adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Normalise the forms callers naturally pass (a single stop string, lists) before validating.
@@ -103,6 +108,9 @@ class SamplingParams:
                 object.__setattr__(self, name, float(value))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         self.validate()
+        penalized = self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        object.__setattr__(self, "has_penalties", penalized)
+        object.__setattr__(self, "adjusts_logits", penalized or bool(self.logit_bias))
 
     def validate(self) -> SamplingParams:
         """Raise `SamplingParamsError` for the first bad field; return self when all are valid."""
@@ -192,16 +200,6 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
-    def has_penalties(self) -> bool:
-        """True when a repetition, frequency or presence penalty is on (the row's token history is read)."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """True when the logits are changed before sampling (a penalty, or a logit_bias)."""
-        return self.has_penalties or bool(self.logit_bias)
-
-    @property
     def max_stop_len(self) -> int:
         """Length in characters of the longest stop string (0 when there is none)."""
         return max((len(s) for s in self.stop), default=0)
@@ -215,7 +213,7 @@ class SamplingParams:
 
     def with_(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in fields(self)}
+        unknown = set(changes) - {f.name for f in fields(self) if f.init}
         if unknown:
             raise SamplingParamsError(f"unknown sampling fields: {sorted(unknown)}")
         return replace(self, **changes)  # type: ignore[arg-type]
