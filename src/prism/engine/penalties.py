@@ -12,7 +12,9 @@ logit -= frequency * count + presence * (count > 0)). Temperature and the filter
 
 Cost: a step where no row adjusts its logits does nothing here (not one kernel or copy). Otherwise the rows that
 do are taken out (one index copy), and every host value the step needs crosses in two non-blocking copies: the
-int64 scatter indices of every history token and bias entry, and the float32 knob values and biases.
+int64 positions of every history token and bias entry, and the float32 knob values and biases. The device holds an
+int32 [rows, vocab] table of output counts (and a bool one of the tokens seen, for a repetition penalty): as large
+as the rows' fp32 logits.
 """
 
 from __future__ import annotations
@@ -51,67 +53,65 @@ def adjusted_logits(
     if not rows:
         return x
     batch, vocab = x.shape
-    chosen = [params[i] for i in rows]
     idx = None if len(rows) == batch else host_copy.to_device(rows, x.device, torch.int64)
     sub = x.clone() if idx is None else x.index_select(0, idx)
-    plan = _Plan.of(chosen, [histories[i] for i in rows], vocab)
+    plan = _Plan.of([params[i] for i in rows], [histories[i] for i in rows], vocab)
     ints = host_copy.to_device(plan.ints, x.device, torch.int64)
     floats = host_copy.to_device(plan.floats, x.device, torch.float32)
     n = len(rows)
-    flat = sub.view(-1)
+    output_at, prompt_at, bias_at = ints.split([plan.num_output, plan.num_prompt, plan.num_bias])
     if plan.num_bias:
-        flat.index_add_(0, ints[plan.num_counted:], floats[3 * n:])
-    if plan.planes:
-        counts = torch.zeros(plan.planes * n * vocab, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, ints[: plan.num_counted], torch.ones(1, dtype=torch.int32, device=x.device)
-                            .expand(plan.num_counted))
-        counts = counts.view(plan.planes, n, vocab)
-        output_counts = counts[0]
-        knobs = floats[: 3 * n].view(3, n, 1)
-        if plan.repetition:
-            seen = (output_counts + counts[1]) > 0
-            r = knobs[0]
-            sub = torch.where(seen, torch.where(sub < 0, sub * r, sub / r), sub)
-        if plan.frequency:
-            sub = sub - knobs[1] * output_counts.float()
-        if plan.presence:
-            sub = sub - knobs[2] * (output_counts > 0).float()
+        sub.view(-1).index_add_(0, bias_at, floats[3 * n :])
+    if not plan.penalized:
+        return sub if idx is None else x.index_copy(0, idx, sub)
+    counts = torch.zeros(n * vocab, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, output_at, torch.ones(1, dtype=torch.int32, device=x.device).expand(plan.num_output))
+    counts = counts.view(n, vocab)  # row j's output count of each token
+    knobs = floats[: 3 * n].view(3, n, 1)
+    if plan.repetition:
+        seen = counts > 0
+        seen.view(-1).index_fill_(0, prompt_at, True)
+        r = knobs[0]
+        sub = torch.where(seen, torch.where(sub < 0, sub * r, sub / r), sub)
+    if plan.frequency:
+        sub = sub - knobs[1] * counts.float()
+    if plan.presence:
+        sub = sub - knobs[2] * (counts > 0).float()
     return sub if idx is None else x.index_copy(0, idx, sub)
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """The host side of one step's adjustments over its n adjusting rows (numbered 0..n-1 here).
+    """The host side of one step's adjustments over its n adjusting rows (numbered 0..n-1 here), positions flat in
+    [n, V].
 
-    ints:   the flat positions in a [planes, n, V] count table of every output token (plane 0) and, when a row has a
-            repetition penalty, of its prompt's distinct tokens (plane 1); then the flat positions in the [n, V]
-            logits of every logit_bias entry.
+    ints:   the position of every output token of a penalized row, then of every distinct prompt token of a row with
+            a repetition penalty, then of every logit_bias entry.
     floats: the n repetition, n frequency and n presence penalties, then the logit_bias values.
     """
 
     ints: np.ndarray
     floats: np.ndarray
-    num_counted: int
+    num_output: int
+    num_prompt: int
     num_bias: int
-    planes: int
+    penalized: bool
     repetition: bool
     frequency: bool
     presence: bool
 
     @classmethod
     def of(cls, params: list[SamplingParams], histories: list[TokenHistory | None], vocab: int) -> _Plan:
-        n = len(params)
-        repetition = any(p.repetition_penalty != 1.0 for p in params)
-        planes = (2 if repetition else 1) if any(p.has_penalties for p in params) else 0
-        counted: list[np.ndarray] = []
+        outputs: list[np.ndarray] = []
+        prompts: list[np.ndarray] = []
         for j, (p, history) in enumerate(zip(params, histories, strict=True)):
             if not p.has_penalties:
                 continue
             if not isinstance(history, TokenHistory):
                 raise SamplerError(f"row {j} has penalties but no TokenHistory")
-            counted.append(_in_vocab(history.output, vocab, "output") + j * vocab)
+            outputs.append(_in_vocab(history.output, vocab, "output") + j * vocab)
             if p.repetition_penalty != 1.0:
-                counted.append(_in_vocab(history.prompt, vocab, "prompt") + (n + j) * vocab)
+                prompts.append(_in_vocab(history.prompt, vocab, "prompt") + j * vocab)
         bias_at, bias = [], []
         for j, p in enumerate(params):
             for token, value in p.logit_bias:
@@ -119,13 +119,15 @@ class _Plan:
                     raise SamplerError(f"logit_bias token id {token} is outside the vocabulary of {vocab}")
                 bias_at.append(j * vocab + token)
                 bias.append(value)
-        counted_at = np.concatenate(counted) if counted else np.empty(0, dtype=np.int64)
+        output_at, prompt_at = (np.concatenate(a) if a else np.empty(0, dtype=np.int64) for a in (outputs, prompts))
         knobs = [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                  [p.presence_penalty for p in params]]
         return cls(
-            ints=np.concatenate([counted_at, np.asarray(bias_at, dtype=np.int64)]),
+            ints=np.concatenate([output_at, prompt_at, np.asarray(bias_at, dtype=np.int64)]),
             floats=np.concatenate([np.asarray(knobs, dtype=np.float32).reshape(-1), np.asarray(bias, dtype=np.float32)]),
-            num_counted=len(counted_at), num_bias=len(bias), planes=planes, repetition=repetition,
+            num_output=len(output_at), num_prompt=len(prompt_at), num_bias=len(bias),
+            penalized=any(p.has_penalties for p in params),
+            repetition=any(p.repetition_penalty != 1.0 for p in params),
             frequency=any(p.frequency_penalty != 0.0 for p in params),
             presence=any(p.presence_penalty != 0.0 for p in params),
         )
