@@ -44,7 +44,8 @@ def test_prompt_forms(prompt, prompts):
     ({"logprobs": True}, "logprobs", "valid integer"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
-    ({"presence_penalty": 1}, "presence_penalty", "not implemented"),
+    ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"logit_bias": {"1": -101}}, "logit_bias", "must be in [-100, 100]"),
     ({"messages": []}, "messages", "unknown or unsupported field"),
 ])
 def test_bad_fields_are_refused_with_their_name(changes, param, words):

@@ -45,7 +45,7 @@ IMAGES = random_images([(64, 96), (96, 64), (64, 64)], seed=3)
 FRAMES = np.random.default_rng(5).integers(0, 256, (4, 64, 64, 3), dtype=np.uint8)
 
 
-def hf_greedy(hf_model, prompt, max_new_tokens: int) -> list[int]:
+def hf_greedy(hf_model, prompt, max_new_tokens: int, **generate_kwargs) -> list[int]:
     kwargs = {
         "input_ids": torch.tensor([prompt.token_ids]),
         "attention_mask": torch.ones(1, len(prompt.token_ids), dtype=torch.long),
@@ -58,7 +58,7 @@ def hf_greedy(hf_model, prompt, max_new_tokens: int) -> list[int]:
         kwargs["pixel_values_videos"] = torch.cat([m.pixel_values for m in prompt.videos])
         kwargs["video_grid_thw"] = prompt.video_grid_thw
     with torch.no_grad():
-        out = hf_model.generate(**kwargs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = hf_model.generate(**kwargs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
     return out[0, len(prompt.token_ids) :].tolist()
 
 

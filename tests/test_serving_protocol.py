@@ -131,6 +131,7 @@ def test_minimal_request_gets_openai_defaults():
     assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.n) == (1.0, 1.0, 0, 77, 1)
     assert sp.logprobs is None and sp.stop == () and sp.seed is None and not sp.ignore_eos
     assert not req.include_usage and not req.stream
+    assert not sp.adjusts_logits and sp.min_p == 0.0, "no penalty, bias or min-p unless asked"
 
 
 @pytest.mark.parametrize(
@@ -201,12 +202,19 @@ BAD_CASES = [
     ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
     ({"stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than or equal to 0"),
     ({"ignore_eos": 1}, "ignore_eos", "valid boolean"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", "not implemented"),
-    ({"presence_penalty": -1}, "presence_penalty", "not implemented"),
-    ({"logit_bias": {"42": 5}}, "logit_bias", "not implemented"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
+    ({"presence_penalty": -2.1}, "presence_penalty", "greater than or equal to -2"),
+    ({"presence_penalty": "1.5"}, "presence_penalty", "valid number"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"min_p": 1.1}, "min_p", "less than or equal to 1"),
+    ({"min_p": -0.1}, "min_p", "greater than or equal to 0"),
+    ({"logit_bias": {"42": 101}}, "logit_bias", "bias of token 42 must be in [-100, 100]"),
+    ({"logit_bias": {"4x": 1}}, "logit_bias", "token ids written in digits"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids written in digits"),
+    ({"logit_bias": {"7": 1, "007": 2}}, "logit_bias", "token id 7 is given twice"),
+    ({"logit_bias": {"7": "1"}}, "logit_bias.7", "valid number"),
     ({"response_format": {"type": "json_object"}}, "response_format.type", "'text'"),
     ({"tools": [{"type": "function"}]}, "tools", "unknown or unsupported field"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty", "unknown or unsupported field"),
     ({"model": ""}, "model", "at least 1 character"),
     ({"model": _DROP}, "model", "Field required"),
     ({"messages": []}, "messages", "at least 1 item"),
@@ -589,6 +597,18 @@ def test_official_client_round_trip(client_and_seen):
     assert [m.id for m in client.models.list()] == ["prism-tiny"]
 
 
+def test_official_client_penalties_min_p_and_logit_bias_reach_the_sampling_params(client_and_seen):
+    """OpenAI's penalties and logit_bias as the client sends them, vLLM's min_p / repetition_penalty in extra_body."""
+    client, seen = client_and_seen
+    client.chat.completions.create(
+        model="prism-tiny", messages=[{"role": "user", "content": "hi"}], presence_penalty=1.5,
+        frequency_penalty=-0.5, logit_bias={"42": -100, "7": 5}, extra_body={"min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    sp = seen[-1].to_sampling_params(100)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.min_p, sp.repetition_penalty) == (1.5, -0.5, 0.05, 1.1)
+    assert sp.logit_bias == ((7, 5.0), (42, -100.0))
+
+
 def test_official_client_streaming(client_and_seen):
     client, _ = client_and_seen
     chunks = list(
@@ -612,7 +632,7 @@ def test_official_client_sees_400_with_param(client_and_seen):
     assert info.value.param == "top_p" and "top_p" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=0.3
+            model="m", messages=[{"role": "user", "content": "x"}], presence_penalty=2.5
         )
     assert info.value.param == "presence_penalty"
 

@@ -53,7 +53,7 @@ from .request import (
     material_length,
 )
 from .sampler import make_generator, sample, take_rows, token_logprobs
-from .sampling import SamplingParams
+from .sampling import SamplingParams, SamplingParamsError
 from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
 from .step_payload import MediaWork
 from .tp_workers import Followers, TensorParallelFailure, launch_followers
@@ -184,6 +184,9 @@ class Engine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}, got "
                                f"{[t for t in params.stop_token_ids if t >= vocab]}")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            raise SamplingParamsError(f"logit_bias token ids must be below the vocabulary size {vocab}, got "
+                                      f"{[t for t, _ in params.logit_bias if t >= vocab][:8]}")
         if isinstance(prompt, dict) or (isinstance(prompt, list) and not all(isinstance(m, dict) for m in prompt)):
             raise RequestError("a prompt's chat messages are a list of dicts ({'role': ..., 'content': ...}): one "
                                "conversation is [message, ...]")
@@ -402,8 +405,9 @@ class Engine:
         return True
 
     def _sample(self, slices, logits: torch.Tensor):
-        return sample(logits, [s.request.params for s in slices],
-                      [self._generators.get(s.request.request_id) for s in slices])
+        requests = [s.request for s in slices]
+        return sample(logits, [r.params for r in requests], [self._generators.get(r.request_id) for r in requests],
+                      [r.token_history() if r.params.has_penalties else None for r in requests])
 
     # -- async scheduling --------------------------------------------------------------------------
     def _advance_inflight(self) -> None:

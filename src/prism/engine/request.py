@@ -18,6 +18,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+import numpy as np
+
+from .penalties import TokenHistory, distinct_token_ids
+
 
 class RequestState(Enum):
     WAITING = "waiting"
@@ -147,6 +151,7 @@ class Request:
         # The chain keys of its prompt's full pages (`kv.keys.chain_keys`), made once when the scheduler first
         # compares its prompt with another's.
         self.prompt_page_keys: list[bytes] | None = None
+        self._distinct_prompt_ids: np.ndarray | None = None  # made once, when a penalty first reads them
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -155,6 +160,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return list(self.prompt.token_ids) + self.output_token_ids
+
+    def token_history(self) -> TokenHistory:
+        """What its penalties read when its next token is sampled: its prompt's distinct ids and every token it has
+        output. Complete then under async scheduling too: the engine appends the tokens of the step in flight
+        (`Engine._accept_tokens`) before it samples the step launched on them."""
+        if self._distinct_prompt_ids is None:
+            self._distinct_prompt_ids = distinct_token_ids(self.prompt.token_ids)
+        return TokenHistory(self._distinct_prompt_ids, self.output_token_ids)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (a decode step asks for one id per sequence)."""

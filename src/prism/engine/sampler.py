@@ -1,17 +1,27 @@
-"""Token sampling over a batch of logits: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling over a batch of logits: logit adjustments, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, logprobs.
 
 Owns *seeded sampling is batch-independent*: a row's token depends only on its own logits, its own
-`SamplingParams` and its own generator, never on its batch companions. Three choices guarantee it:
+`SamplingParams`, its own generator and its own token history, never on its batch companions. Four choices
+guarantee it:
 - every tensor op is row-wise (sort, softmax, cumsum, searchsorted along the vocabulary axis), and which
   path a row takes (greedy / plain / filtered) depends only on its own parameters;
+- a row's logit_bias and penalties are built from its own history only (`penalties`, which owns that rule);
 - a sampled row draws exactly one uniform per step, from its own generator when it has one (inverse-CDF
   sampling), so a companion cannot advance or shift another row's random stream;
 - the draw for a seeded row comes from its generator on the generator's device (a CPU
   `torch.Generator().manual_seed(seed)` gives the same stream whatever device the logits are on).
 
-All probability arithmetic is fp32. Greedy is `argmax` of the fp32 logits (ties -> lowest token id).
-Reported logprobs are the log-softmax of the *unmodified* fp32 logits (vLLM's default "raw" logprobs),
-whatever temperature / top-k / top-p did to the sampling distribution.
+The order of the transformations (vLLM's for the first two, HF transformers' `_get_logits_processor` warper order,
+5.17, for the rest):
+1. `logit_bias`, then the repetition, frequency and presence penalties, on the raw fp32 logits (`penalties`);
+2. greedy rows take the argmax of those adjusted logits (ties -> lowest token id);
+3. sampled rows: temperature, then top-k, then top-p over the renormalised top-k mass, then min-p (a token is
+   dropped when its probability is below min_p times the most likely token's), then one inverse-CDF draw.
+A row using none of these knobs costs nothing more than before they existed: no kernel, no copy.
+
+All probability arithmetic is fp32. Reported logprobs are the log-softmax of the *unmodified* fp32 logits (vLLM's
+default "raw" logprobs), whatever the bias, penalties, temperature and filters did to the sampling distribution.
 """
 
 from __future__ import annotations
@@ -23,12 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import host_copy
+from .penalties import TokenHistory, adjusted_logits
 from .request import TokenLogprobs
-from .sampling import SamplingParams
-
-
-class SamplerError(ValueError):
-    """The sampler's inputs disagree (shapes, lengths, dtypes, or a seeded request without a generator)."""
+from .sampling import SamplerError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,13 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> SampleResult:
-    """Pick one token per row of `logits` [B, V] under `params[i]`, drawing from `generators[i]`."""
-    gens = _check_inputs(logits, params, generators)
-    x = logits.float()  # a no-op view for fp32 input: never modified in place below
+    """Pick one token per row of `logits` [B, V] under `params[i]`, drawing from `generators[i]`; a row with a
+    penalty reads its tokens so far in `histories[i]` (None for rows without)."""
+    gens, hists = _check_inputs(logits, params, generators, histories)
+    raw = logits.float()  # a no-op view for fp32 input: never modified in place below
+    x = adjusted_logits(raw, params, hists)  # raw itself unless a row has a logit_bias or a penalty
     batch, vocab = x.shape
     device = x.device
 
@@ -93,7 +103,7 @@ def sample(
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     if not wanted:
         return SampleResult(token_ids=token_ids, logprobs=None, top_token_ids=None, top_logprobs=None)
-    logp = torch.log_softmax(x, dim=-1)
+    logp = torch.log_softmax(raw, dim=-1)
     chosen_logprobs = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top_lp, top_ids = torch.topk(logp, min(max(wanted), vocab), dim=-1, largest=True, sorted=True)
     return SampleResult(
@@ -105,7 +115,8 @@ def _check_inputs(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None,
-) -> list[torch.Generator | None]:
+    histories: Sequence[TokenHistory | None] | None,
+) -> tuple[list[torch.Generator | None], list[TokenHistory | None]]:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise SamplerError(
             f"logits must be a 2-D tensor [B, V], got {getattr(logits, 'shape', type(logits))}"
@@ -120,7 +131,10 @@ def _check_inputs(
     gens = [None] * batch if generators is None else list(generators)
     if len(gens) != batch:
         raise SamplerError(f"got {len(gens)} generators for {batch} logit rows")
-    for i, (p, g) in enumerate(zip(params, gens, strict=True)):
+    hists = [None] * batch if histories is None else list(histories)
+    if len(hists) != batch:
+        raise SamplerError(f"got {len(hists)} token histories for {batch} logit rows")
+    for i, (p, g, h) in enumerate(zip(params, gens, hists, strict=True)):
         if not isinstance(p, SamplingParams):
             raise SamplerError(f"params[{i}] is not a SamplingParams: {type(p).__name__}")
         if g is not None and not isinstance(g, torch.Generator):
@@ -128,11 +142,14 @@ def _check_inputs(
         # A silently unseeded draw would break the reproducibility the request asked for.
         if p.seed is not None and not p.is_greedy and g is None:
             raise SamplerError(f"row {i} has seed={p.seed} but no generator (use make_generator)")
-    return gens
+        # A penalty over a missing history would silently penalize nothing.
+        if p.has_penalties and not isinstance(h, TokenHistory):
+            raise SamplerError(f"row {i} has a repetition, frequency or presence penalty but no TokenHistory")
+    return gens, hists
 
 
 def _needs_filter(p: SamplingParams, vocab: int) -> bool:
-    return 0 < p.top_k < vocab or p.top_p < 1.0
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -186,7 +203,16 @@ def _sample_plain(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
 
 
 def _sample_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, then top-p over the renormalised top-k mass, then sample."""
+    """Temperature, then top-k, top-p and min-p (`filtered_distribution`), then sample."""
+    probs, order = filtered_distribution(x, params)
+    pos = _inverse_cdf(probs, u)
+    return order.gather(1, pos.unsqueeze(1)).squeeze(1)
+
+
+def filtered_distribution(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, order): each row's probabilities in decreasing order of its tempered logits (unnormalised, 0 for a
+    dropped token), and the token id of each position. Temperature, then top-k, then top-p over the renormalised
+    top-k mass, then min-p (HF's warper order)."""
     rows, vocab = x.shape
     temps = _column([p.temperature for p in params], x, torch.float32)
     # Stable descending sort: among equal logits the lower id ranks first, so cut-offs are deterministic.
@@ -201,8 +227,11 @@ def _sample_filtered(x: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     drop = (mass_before >= top_ps) & (top_ps < 1.0)
     drop[:, 0] = False  # the most likely token always survives (rounding cannot empty the set)
     probs = probs.masked_fill(drop, 0.0)
-    pos = _inverse_cdf(probs, u)
-    return order.gather(1, pos.unsqueeze(1)).squeeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        # probs[:, 0] is the most likely token's, kept above: the threshold compares within one normalisation.
+        min_ps = _column([p.min_p for p in params], x, torch.float32)
+        probs = probs.masked_fill(probs < min_ps * probs[:, :1], 0.0)
+    return probs, order
 
 
 def token_logprobs(result: SampleResult, row: int, token: int, alternatives: int) -> list[TokenLogprobs]:

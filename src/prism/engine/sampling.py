@@ -12,13 +12,21 @@ Conventions:
   k most likely alternatives (vLLM semantics: 0 = only the chosen token).
 - `stop` strings are matched on the detokenized text and excluded from it; `stop_token_ids` end the
   request without their text; EOS does too unless `ignore_eos`.
+- Logit adjustments (`engine/penalties.py`), on the raw logits before temperature, in this order:
+  `logit_bias` (OpenAI: token id -> bias in [-100, 100], added), `repetition_penalty` (vLLM / HF, > 0, 1 = off:
+  each token of the prompt or the output so far has its logit divided by it when positive, multiplied when not),
+  `frequency_penalty` and `presence_penalty` (OpenAI, in [-2, 2], 0 = off: over the output tokens only,
+  logit -= frequency * count + presence * (count > 0)). Greedy takes the argmax of the adjusted logits.
+- `min_p` (in [0, 1], 0 = off) drops the tokens whose probability after temperature is below `min_p` times the
+  most likely token's.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -29,10 +37,18 @@ MAX_STOP_STRING_CHARS = 256
 MAX_N = 128
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts unsigned 64-bit seeds
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # |a logit_bias value| (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries in one request's logit_bias: each costs host work on every step
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter has a bad type or value (the message names the field and the value)."""
+
+
+class SamplerError(ValueError):
+    """The sampler's inputs disagree (shapes, lengths, dtypes, a seeded request without a generator, a penalized one
+    without its token history, a token id outside the vocabulary)."""
 
 
 def _is_int(x: object) -> bool:
@@ -57,6 +73,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # token id -> bias; given as a mapping (or pairs), kept as (id, bias) pairs sorted by id (hashable, frozen)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Derived on construction (read for every row of every step: an attribute, not a property):
+    # a repetition, frequency or presence penalty is on (the row's token history is read) ...
+    has_penalties: bool = field(default=False, init=False, repr=False, compare=False)
+    # ... or a logit_bias: the logits are changed before sampling.
+    adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Normalise the forms callers naturally pass (a single stop string, lists) before validating.
@@ -75,11 +102,15 @@ class SamplingParams:
                 object.__setattr__(self, name, int(value))
         if isinstance(self.stop_token_ids, tuple) and all(isinstance(t, numbers.Integral) for t in self.stop_token_ids):
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
                 object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         self.validate()
+        penalized = self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        object.__setattr__(self, "has_penalties", penalized)
+        object.__setattr__(self, "adjusts_logits", penalized or bool(self.logit_bias))
 
     def validate(self) -> SamplingParams:
         """Raise `SamplingParamsError` for the first bad field; return self when all are valid."""
@@ -106,7 +137,38 @@ class SamplingParams:
             )
         if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
             raise SamplingParamsError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        self._validate_logit_adjustments()
         return self
+
+    def _validate_logit_adjustments(self) -> None:
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):  # NaN fails the comparison too
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        rep = self.repetition_penalty
+        if not _is_real(rep) or not math.isfinite(rep) or rep <= 0:
+            raise SamplingParamsError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rep!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not (-MAX_PENALTY <= value <= MAX_PENALTY):
+                raise SamplingParamsError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not isinstance(self.logit_bias, tuple):
+            raise SamplingParamsError(
+                f"logit_bias must be a mapping of token id -> bias, got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise SamplingParamsError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(self.logit_bias)}")
+        previous = -1
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise SamplingParamsError(f"logit_bias entries are (token id, bias) pairs, got {pair!r}")
+            token, bias = pair
+            if not _is_int(token) or token < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if token <= previous:
+                raise SamplingParamsError(f"logit_bias has token id {token} more than once")
+            previous = token
+            if not _is_real(bias) or not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise SamplingParamsError(
+                    f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
 
     def _validate_stop(self) -> None:
         if not isinstance(self.stop, tuple):
@@ -151,7 +213,30 @@ class SamplingParams:
 
     def with_(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - {f.name for f in fields(self)}
+        unknown = set(changes) - {f.name for f in fields(self) if f.init}
         if unknown:
             raise SamplingParamsError(f"unknown sampling fields: {sorted(unknown)}")
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _logit_bias_pairs(value: object) -> object:
+    """A mapping (or iterable of pairs) of token id -> bias as (id, float bias) pairs sorted by id; anything else
+    as it is, for `validate` to name. Ids are not converted (a string key is refused: over HTTP the protocol turns
+    the JSON object's string keys into ids), and a repeated id stays repeated (refused)."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        return value
+
+    def number(x: object) -> object:
+        if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)):
+            return int(x)
+        return x
+
+    pairs = [(number(t), float(b) if isinstance(b, numbers.Real) and not isinstance(b, (bool, np.bool_)) else b)
+             for t, b in items]
+    if all(_is_int(t) for t, _ in pairs):
+        pairs.sort(key=lambda pair: pair[0])
+    return tuple(pairs)

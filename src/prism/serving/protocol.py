@@ -7,9 +7,12 @@ Validation is strict (no "1" for 1, no 1.5 for an int, no NaN): OpenAI rejects t
 
 Accepted and ignored (the official client sends them or they change nothing here): `user`, `metadata`, `store`,
 `service_tier`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls`, `stream_options.include_obfuscation`,
-`image_url.detail` (the checkpoint's processor decides the resolution), message `name`, zero penalties, an empty
-`logit_bias`, `modalities=["text"]`, `response_format={"type": "text"}`. Anything else unknown is refused.
-Extensions (vLLM names): `top_k`, `ignore_eos`, `stop_token_ids`, and the content part
+`image_url.detail` (the checkpoint's processor decides the resolution), message `name`, `modalities=["text"]`,
+`response_format={"type": "text"}`. Anything else unknown is refused.
+Sampling as OpenAI: `frequency_penalty` and `presence_penalty` in [-2, 2] (over the output tokens), `logit_bias` as
+a JSON object of token id (a string of digits) -> bias in [-100, 100] (an id outside the vocabulary is a 400 when the
+engine takes the request). Extensions (vLLM names): `top_k`, `min_p`, `repetition_penalty` (> 0, over the prompt
+and the output), `ignore_eos`, `stop_token_ids`, and the content part
 `{"type": "video", "video": {"frames": [image URL, ...], "fps": float}}`.
 
 The response, chunk and error shapes are in `prism.serving.responses`.
@@ -34,6 +37,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_SEED,
@@ -226,6 +231,11 @@ class SamplingFields(_In):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # extension: 0 / -1 disable
+    min_p: float | None = Field(default=None, ge=0, le=1)  # extension: 0 disables
+    repetition_penalty: float | None = Field(default=None, gt=0)  # extension: 1 disables
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (digits) -> bias
     seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: (
         Annotated[
@@ -244,11 +254,7 @@ class SamplingFields(_In):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # extension
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
-    # Accepted so the official client's usual fields do not fail; they change nothing (or only their no-op value).
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, int] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, ignored
 
     @field_validator("stop")
     @classmethod
@@ -263,22 +269,24 @@ class SamplingFields(_In):
                 raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError(
-                "penalties are not implemented by this server; only 0 (or omitting it) is accepted"
-            )
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, int] | None) -> dict[str, int] | None:
-        if value:
-            raise ValueError(
-                "not implemented by this server; only an empty object (or omitting it) is accepted"
-            )
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids may be biased, got {len(value)}")
+        seen: dict[int, str] = {}
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                shown = key if len(key) <= 20 else key[:17] + "..."
+                raise ValueError(f"keys are token ids written in digits (at most 10), got {shown!r}")
+            if int(key) in seen:
+                raise ValueError(f"token id {int(key)} is given twice ({seen[int(key)]!r} and {key!r})")
+            seen[int(key)] = key
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias!r}")
         return value
 
     @model_validator(mode="after")
@@ -309,6 +317,11 @@ class SamplingFields(_In):
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             n=self.num_choices,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
 
 

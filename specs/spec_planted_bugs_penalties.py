@@ -1,0 +1,88 @@
+"""Proof that the logit adjustments' spec bites (`specs/spec_sampling_penalties.py`): plausible bugs of the penalties,
+planted. Each test monkeypatches one buggy variant into the real sampler or engine and requires the spec to fail
+(see `specs/planted.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism.engine import penalties, sampler
+from prism.engine.penalties import TokenHistory
+from specs import spec_sampling_penalties
+from specs.planted import _spec_fails
+
+
+def _plant_histories(monkeypatch: pytest.MonkeyPatch, change) -> None:
+    """The adjusting rows' histories as `change(histories)` makes them, where the count table is built."""
+    of = penalties._Plan.of.__func__
+
+    def planted(cls, params, histories, vocab):
+        return of(cls, params, change(list(histories)), vocab)
+
+    monkeypatch.setattr(penalties._Plan, "of", classmethod(planted))
+
+
+def test_counts_from_the_wrong_row_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each adjusting row scattered its neighbour's history into its line of the count table."""
+    _plant_histories(monkeypatch, lambda hs: hs[1:] + hs[:1])
+    _spec_fails(spec_sampling_penalties.spec_a_row_is_adjusted_from_its_own_history_only, "alone|adjusted logits")
+
+
+def test_presence_and_frequency_over_the_prompt_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frequency and presence penalties counted the prompt's tokens (only the repetition penalty reads them)."""
+    _plant_histories(monkeypatch, lambda hs: [h if h is None else TokenHistory(h.prompt, [*h.prompt, *h.output])
+                                              for h in hs])
+    _spec_fails(spec_sampling_penalties.spec_a_row_is_adjusted_from_its_own_history_only, "adjusted logits")
+
+
+def test_logprobs_of_the_penalized_logits_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reported logprobs were the log-softmax of the adjusted logits, not of the raw ones."""
+    adjusted: list[torch.Tensor] = []
+    adjusted_logits = sampler.adjusted_logits
+
+    def keeping(x, params, histories):
+        adjusted.append(adjusted_logits(x, params, histories))
+        return adjusted[-1]
+
+    class TorchOnTheAdjusted:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def log_softmax(x, dim):
+            return torch.log_softmax(adjusted[-1], dim=dim)
+
+    monkeypatch.setattr(sampler, "adjusted_logits", keeping)
+    monkeypatch.setattr(sampler, "torch", TorchOnTheAdjusted())
+    _spec_fails(spec_sampling_penalties.spec_a_row_is_adjusted_from_its_own_history_only, "raw logits")
+
+
+def test_a_history_taken_at_launch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async scheduling: the penalty inputs were taken when a step was launched, before the host read the step in
+    flight, so the history missed that step's token (in flight then, appended before the launched step samples)."""
+    from prism.engine.request import Request
+    from prism.engine.runner import ModelRunner
+
+    at_launch: dict[str, list[int]] = {}
+
+    def recording(method):
+        def launch(self, slices, *args, **kwargs):
+            chunk = kwargs.get("chunk")
+            for s in [*slices, *([chunk] if chunk is not None else [])]:
+                at_launch[s.request.request_id] = list(s.request.output_token_ids)
+            return method(self, slices, *args, **kwargs)
+        return launch
+
+    monkeypatch.setattr(ModelRunner, "execute", recording(ModelRunner.execute))
+    monkeypatch.setattr(ModelRunner, "execute_decode_rows", recording(ModelRunner.execute_decode_rows))
+    token_history = Request.token_history
+    monkeypatch.setattr(Request, "token_history", lambda self: TokenHistory(
+        token_history(self).prompt, at_launch.get(self.request_id, self.output_token_ids)))
+    spec_sampling_penalties.engine.cache_clear()
+    try:
+        _spec_fails(spec_sampling_penalties.spec_async_scheduling_samples_on_the_whole_history,
+                    "async scheduling changed the tokens")
+    finally:
+        spec_sampling_penalties.engine.cache_clear()

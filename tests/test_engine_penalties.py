@@ -1,0 +1,95 @@
+"""The logit adjustments in the engine (tiny checkpoint, CPU, fp32 weights): greedy decoding with a repetition
+penalty is HF `generate`'s token for token (text and images: the prompt's image tokens are penalized too); a
+penalized request's history is complete under async scheduling (the token of the step in flight included), after
+a preemption and a swap, and beside requests with other knobs or none; a logit_bias id outside the vocabulary is
+refused when the request is added."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import IMAGES, _one_thread, chat, hf_greedy  # noqa: F401 (_one_thread: an autouse fixture)
+
+from prism.engine.llm import LLM
+from prism.engine.sampling import SamplingParams, SamplingParamsError
+from prism.testing.checkpoints import ensure_tiny_checkpoint
+
+PROMPTS = ["Tell me a story about paged attention.", "Count to twenty please.", "What is two plus two?",
+           "Name three colours, please."]
+
+
+@pytest.mark.parametrize("case", ["text", "images"])
+def test_greedy_with_a_repetition_penalty_matches_hf_generate(case):
+    ckpt = ensure_tiny_checkpoint()
+    from transformers import Qwen3VLForConditionalGeneration
+
+    hf_model = Qwen3VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    llm = LLM(ckpt, kv_dtype="fp32", page_size=4, num_gpu_pages=128, max_num_batched_tokens=96, check_invariants=True)
+    messages = chat(PROMPTS[0]) if case == "text" else chat(IMAGES[1], "Describe it.")
+    prompt = llm.engine.inputs.prepare_chat(messages)
+    expected = hf_greedy(hf_model, prompt, 32, repetition_penalty=1.3)
+    (ours,) = llm.generate([prompt], SamplingParams.greedy(max_tokens=32, ignore_eos=True, repetition_penalty=1.3))
+    assert len(expected) >= 8, f"HF stopped early: {expected}"
+    assert ours.token_ids[: len(expected)] == expected, f"{case}: ours {ours.token_ids} vs HF {expected}"
+    (plain,) = llm.generate([prompt], SamplingParams.greedy(max_tokens=32, ignore_eos=True))
+    assert plain.token_ids != ours.token_ids, "the penalty must change this generation, or the test shows nothing"
+
+
+def mixed_params(max_tokens: int) -> list[SamplingParams]:
+    """A presence-penalized greedy request beside others: frequency + bias, seeded repetition + min_p, none."""
+    return [
+        SamplingParams.greedy(max_tokens=max_tokens, ignore_eos=True, presence_penalty=2.0, logprobs=1),
+        SamplingParams.greedy(max_tokens=max_tokens, ignore_eos=True, frequency_penalty=1.0, logit_bias={364: -100}),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=5, repetition_penalty=1.5, min_p=0.1),
+        SamplingParams.greedy(max_tokens=max_tokens, ignore_eos=True, logprobs=1),
+    ]
+
+
+def test_async_scheduling_gives_a_penalized_request_its_whole_history():
+    """With async scheduling each step is sampled after the step in flight's tokens were appended: greedy with a
+    large presence penalty never repeats a token it emitted, and every request's tokens and logprobs are those of
+    the engine that reads each step's tokens before launching the next."""
+    ckpt = ensure_tiny_checkpoint()
+    common = dict(kv_dtype="fp8", page_size=16, num_gpu_pages=64, graph_rows_without_cuda=True, check_invariants=True)
+    params = mixed_params(40)
+    want = LLM(ckpt, async_scheduling=False, **common).generate(PROMPTS, params)
+    llm = LLM(ckpt, **common)
+    got = llm.generate(PROMPTS, params)
+    assert llm.engine.stats.async_steps > 20, llm.engine.stats
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want, strict=True):
+        if g.logprobs is not None:
+            assert [e.logprob for e in g.logprobs] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-5)
+    penalized, plain = got[0].token_ids, got[3].token_ids
+    assert len(set(penalized)) == len(penalized), f"a presence penalty of 2 repeated a token: {penalized}"
+    assert len(set(plain)) < len(plain), "without the penalty the tiny model repeats itself: the test needs that"
+    assert 364 not in got[1].token_ids
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_a_preempted_request_keeps_its_history(preemption):
+    """A pool too small for four growing requests: each preempted one resumes with its prompt and every token it
+    had output, so its penalized tokens are those of a pool where nobody was preempted."""
+    ckpt = ensure_tiny_checkpoint()
+    # fp32 KV: with FP8 KV a recomputed sequence's logits differ from the decoded ones' (without any knob, up to 1.5
+    # in a logprob here), enough to move a seeded draw; this test is about the history, not the KV's rounding
+    common = dict(kv_dtype="fp32", page_size=4, max_num_batched_tokens=160, max_num_seqs=4, check_invariants=True)
+    params = mixed_params(24)
+    want = [c.token_ids for c in LLM(ckpt, num_gpu_pages=256, **common).generate(PROMPTS, params)]
+    swap = dict(num_cpu_pages=64, preemption="swap") if preemption == "swap" else {}
+    llm = LLM(ckpt, num_gpu_pages=24, **swap, **common)
+    got = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    assert llm.engine.stats.preemptions > 0, "the scenario must preempt"
+    assert got == want
+
+
+def test_a_logit_bias_id_outside_the_vocabulary_is_refused():
+    ckpt = ensure_tiny_checkpoint()
+    llm = LLM(ckpt, kv_dtype="fp32", page_size=16, num_gpu_pages=32)
+    vocab = llm.engine.runner.model.config.text.vocab_size
+    with pytest.raises(SamplingParamsError, match=f"logit_bias token ids must be below the vocabulary size {vocab}"):
+        llm.generate(["Hi"], SamplingParams.greedy(max_tokens=2, logit_bias={5: 1.0, vocab: 2.0}))
+    assert not llm.engine.has_unfinished_requests()
+    (done,) = llm.generate(["Hi"], SamplingParams.greedy(max_tokens=2, logit_bias={vocab - 1: 1.0}))
+    assert len(done.token_ids) >= 1
