@@ -8,7 +8,8 @@ even when its text is empty, as a random model's often is; vLLM's tool counts ch
 usage's `completion_tokens`), ITL (every gap between streamed contents, pooled over requests) and E2E latency;
 reported as mean / median / p99 (numpy's linear percentile, as vLLM), with request, output-token and total-token
 throughput over the measured run. The same requests run against the FP8 KV config and a BF16 KV copy of it, each
-server in a fresh process. `--smoke`: the tiny checkpoint on the CPU (the harness, not a measurement).
+server in a fresh process (`--fp8-only` / `--bf16-only`: one of them). `--smoke`: the tiny checkpoint on the CPU (the
+harness, not a measurement).
 Writes bench/results/<date>-<gpu>-serve.json/.md.
 """
 
@@ -353,7 +354,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bf16 = Path(tmp) / "bf16.json"
         bf16.write_text(json.dumps({**json.loads(config.read_text()), "kv_dtype": "bf16"}))
-        for name, cfg in (("FP8 KV", config), ("BF16 KV", bf16)):
+        kinds = [kind for kind in ("fp8", "bf16") if f"--{kind}-only" in sys.argv] or ["fp8", "bf16"]
+        for name, cfg in ((f"{kind.upper()} KV", config if kind == "fp8" else bf16) for kind in kinds):
             with ServerProcess(model, cfg, Path(tmp) / "server.log") as server:
                 results[name] = run_load(server.url, load, groups, progress=not smoke)
             print(f"{name}: {json.dumps(results[name])}", flush=True)  # a run cut short still reports it

@@ -304,6 +304,15 @@ class AsyncEngine:
             for request_id in list(self._streams):
                 self.engine.abort(request_id)
                 events.append(RequestOutput(request_id, [], "", True, FinishReason.ERROR, f"engine failure: {error}"))
+        self._hand_over(events)
+
+    def _hand_over(self, events: list[RequestOutput]) -> None:
+        """A step's events to their streams' event loops (a finished one gives its slot back).
+
+        One hand-over per event loop per step, not one per event: each `call_soon_threadsafe` writes to the loop's
+        wake-up socket, a system call that releases the GIL, and with the loop busy rendering streams the engine
+        thread may then wait up to the interpreter's switch interval (5 ms) to get it back, in every step."""
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
@@ -311,7 +320,15 @@ class AsyncEngine:
             if event.finished:
                 del self._streams[event.request_id]
                 self._give_back_slots(1)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            deliveries.setdefault(stream.loop, []).append((stream.queue, event))
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the event loop: each event into its stream's queue, in the engine's order."""
+    for stream_queue, event in items:
+        stream_queue.put_nowait(event)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
