@@ -30,3 +30,6 @@ def liveness_verdict(requests, arrivals, what: str, **run_kwargs) -> None:
         ok, detail = False, str(error)
     verdict(ok, f"{what} ({detail})", detail)
 
+
+
+TP_CPU = dict(tensor_parallel_size=2, device="cpu", num_gpu_pages=32, page_size=4, max_num_batched_tokens=160)
