@@ -68,9 +68,23 @@ def test_a_start_up_wait_blind_to_dead_followers_is_caught(monkeypatch: pytest.M
     from prism.engine import tp_startup
     from specs import spec_tp_startup
 
-    monkeypatch.setattr(tp_startup, "exited", lambda processes: [])
+    def reports_only(processes, error_of=tp_startup.no_errors):  # the followers' reported errors, not their exits
+        return [f"rank {r} failed: {error}" for r in range(1, len(processes) + 1) if (error := error_of(r))]
+
+    monkeypatch.setattr(tp_startup, "failed", reports_only)
     _spec_fails(spec_tp_startup.spec_a_dead_follower_fails_the_wait_at_once_naming_it,
                 "does not name rank|had exited|a follower exited at")
+
+
+def test_a_start_returning_before_its_followers_finished_theirs_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (session 30): the ranks' last meeting in the start was the KV pools' agreement, so rank 0's start
+    returned an engine whose follower had died after its pools (or failed in its warm-up) and nothing noticed until
+    the first step. The start without its final READY report and wait (`rank.finish_start`) is that."""
+    from prism.engine import rank
+    from specs import spec_tp_startup
+
+    monkeypatch.setattr(rank, "finish_start", lambda reach: None)
+    _spec_fails(spec_tp_startup.spec_a_start_returns_only_once_every_follower_finished_its_own, "start returned")
 
 
 def test_encoder_dp_losing_the_item_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

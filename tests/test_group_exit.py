@@ -8,6 +8,7 @@ holders (`graph_rows_without_cuda`), with the bug planted once to show the check
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -107,6 +108,9 @@ def test_a_follower_destroys_its_graphs_before_it_leaves(monkeypatch):
     class Rendezvous:
         def reach(self, stage: str) -> None:
             pass
+
+        def reporting(self):
+            return contextlib.nullcontext()
 
     monkeypatch.setattr(tp_workers, "FollowerRendezvous", lambda rank, address, timeout_s: Rendezvous())
     monkeypatch.setattr(tp_workers, "join_group", lambda rank, cfg, rendezvous: (None, Channel()))

@@ -9,6 +9,10 @@ clear error instead of hanging. Capacity and encoder-DP units: tests/test_tp_ran
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -19,7 +23,12 @@ from prism.engine.step_payload import StepPayload
 from prism.engine.tp_workers import TensorParallelFailure
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
-from prism.testing.tp_faults import LOST_STEP, lose_device_token_steps, lose_steps_after_their_payload
+from prism.testing.tp_faults import (
+    LOST_STEP,
+    live_followers,
+    lose_device_token_steps,
+    lose_steps_after_their_payload,
+)
 
 IMAGES = random_images([(64, 96), (96, 64), (64, 64)], seed=3)
 GREEDY = SamplingParams.greedy(max_tokens=6, ignore_eos=True, logprobs=2)
@@ -118,15 +127,81 @@ def test_tp2_swap_preemption_equals_tp1():
     assert results[2] == results[1]
 
 
-def test_a_dead_follower_fails_rank_0_clearly():
+KILLED = r"rank 1 exited with code -9 \(SIGKILL\)"
+
+
+def _killed(process) -> float:
+    """SIGKILL a follower, not reaped here (the engine must notice by itself); when."""
+    os.kill(process.pid, signal.SIGKILL)
+    return time.perf_counter()
+
+
+def test_a_follower_killed_while_the_engine_is_idle_is_noticed_before_the_next_step():
+    """A follower killed after a successful start, while no step runs: the engine says at once that it is stopped
+    (what /health reads), a new request is refused naming the follower's exit, and the step of a request accepted
+    before the death fails before its payload goes out (under NCCL, inside the step's first collective, rank 0 would
+    wait out `distributed_timeout_s`, 300 s here), stopping every rank; the request then ends."""
+    from prism.engine.engine import EngineStopped
+
     torch.set_num_threads(1)
-    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32, **COMMON)
-    follower = llm.engine._followers.processes[0]
-    follower.kill()
-    follower.join(10)
-    with pytest.raises(TensorParallelFailure, match="rank 1 exited"):
-        llm.generate(["Hello there"], SamplingParams.greedy(max_tokens=2))
-    llm.engine.shutdown()
+    llm = LLM(ensure_tiny_checkpoint(), tensor_parallel_size=2, num_gpu_pages=32,
+              **dict(COMMON, distributed_timeout_s=300))
+    engine = llm.engine
+    try:
+        engine.add_request("before", "Hello there", SamplingParams.greedy(max_tokens=2))
+        killed = _killed(engine._followers.processes[0])
+        while not engine.is_stopped:
+            assert time.perf_counter() - killed < 10, "the engine did not notice its follower's death"
+            time.sleep(0.05)
+        with pytest.raises(EngineStopped, match=KILLED):
+            engine.add_request("after", "Hello again", SamplingParams.greedy(max_tokens=2))
+        with pytest.raises(TensorParallelFailure, match=rf"before this step went out.*{KILLED}"):
+            engine.step()
+        assert time.perf_counter() - killed < 30, "rank 0 waited for the step's collectives to time out"
+        assert engine._followers.closed and live_followers() == []
+        engine.abort("before")  # what the server's engine thread and `LLM` do after a failed step
+        (event,) = engine.step()
+        assert event.request_id == "before" and event.finished
+    finally:
+        engine.shutdown()
+
+
+def test_a_follower_killed_under_a_live_server_fails_its_stream_health_and_the_next_request(tmp_path):
+    """Over HTTP: a follower killed while a stream runs ends that stream with an error (its terminal event), `/health`
+    answers 503 and the next request a 503 naming the follower's exit, well within `distributed_timeout_s`; the
+    server's stop leaves no follower behind."""
+    import json
+
+    import httpx
+
+    from prism.serving.settings import ServerSettings
+    from prism.testing.serving import serve_in_thread
+
+    torch.set_num_threads(1)
+    config = tmp_path / "tp2.json"
+    config.write_text(json.dumps(dict(COMMON, tensor_parallel_size=2, device="cpu", num_gpu_pages=32,
+                                      distributed_timeout_s=300)))
+    server = serve_in_thread(ServerSettings(engine_config_path=config))
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        body = {"model": "prism-tiny", "messages": [{"role": "user", "content": "Talk."}], "ignore_eos": True,
+                "stream": True}  # up to max_model_len: it runs when the follower is killed
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            killed = _killed(server.engine._followers.processes[0])
+            rest = [line for line in lines if line]
+        assert time.perf_counter() - killed < 30, "the stream waited for the step's collectives to time out"
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503 and "restart" in health.text
+        refused = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "prism-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert refused.status_code == 503, refused.text
+    finally:
+        server.stop()
+    assert live_followers() == []
 
 
 def test_each_rank_gets_only_the_pixels_it_encodes():
@@ -278,8 +353,6 @@ def test_a_rank_0_failure_inside_a_step_stops_every_rank_without_waiting_out_the
     message none could take (each was inside the lost step's collectives): rank 0 raised only when
     `distributed_timeout_s` (300 s by default) ran out. The followers are now terminated. After it, and after a
     shutdown, a new request is refused with a clear error."""
-    import time
-
     from prism.engine.engine import EngineStopped
 
     torch.set_num_threads(1)

@@ -5,16 +5,20 @@ Capacity: ranks with different KV budgets both allocate the MIN page count; a ra
 page still joins, and then both ranks raise the same KVCapacityError (neither hangs: the spawn has a
 deadline). Encoder DP: main and DeepStack features of 3 images of different sizes (more items than
 ranks), of 1 image (fewer items than ranks), and one item at a time (deterministic mode) equal the
-replicated encoder's, fp32, in the original item order.
+replicated encoder's, fp32, in the original item order. The step channel: a follower waits for rank 0's next step
+for longer than the group's timeout (an idle engine), and takes the steps in order.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from prism.distributed.capacity import KVCapacityError, agree_num_pages
 from prism.distributed.encoder_dp import encode_media_items
+from prism.distributed.step_channel import StepChannel
 from prism.distributed.tensor_parallel import TPGroup, init_tp_group
 from prism.engine.config import EngineConfig
 from prism.engine.rank import build_rank_runner
@@ -97,3 +101,26 @@ def test_encoder_data_parallel_equals_replicated(ranks, name, one_at_a_time):
         res = r[name, one_at_a_time]
         assert res["shapes"] == res["ref_shapes"]
         assert res["diff"] <= FEATURE_ATOL, f"{name}: encoder DP differs from the replicated encoder by {res['diff']}"
+
+
+CHANNEL_TIMEOUT_S = 2  # the group's timeout: gloo's receive timed out after it
+
+
+def _idle_then_steps(rank: int, init_method: str) -> list:
+    group = init_tp_group(rank, WORLD, init_method, backend="gloo", timeout_s=CHANNEL_TIMEOUT_S)
+    channel = StepChannel(group)
+    if rank == 0:
+        time.sleep(2 * CHANNEL_TIMEOUT_S)  # idle: no step to send
+        for step in ({"step": 1, "pixels": torch.arange(6.0)}, {"step": 2}, None):
+            channel.send(lambda r, step=step: step)
+        return []
+    return [channel.recv() for _ in range(3)]
+
+
+def test_a_follower_waits_for_the_next_step_longer_than_the_groups_timeout():
+    """Found in session 31: a follower's receive of the next step timed out after the group's timeout
+    (`distributed_timeout_s` on the CPU, 30 minutes for NCCL's gloo side group), so every follower of an engine idle
+    that long exited and the next request failed (`reproducers/tp_idle_engine_lost_its_followers.py`)."""
+    _, received = run_ranks(_idle_then_steps, WORLD, timeout_s=60)
+    assert [r if r is None else r["step"] for r in received] == [1, 2, None]
+    assert torch.equal(received[0]["pixels"], torch.arange(6.0))

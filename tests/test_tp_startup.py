@@ -11,10 +11,14 @@ in rank 1 (`prism.testing.tp_faults`).
 
 from __future__ import annotations
 
+import gc
+import re
 import time
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from prism.engine.config import ConfigError, EngineConfig
 from prism.engine.engine import Engine
@@ -22,8 +26,10 @@ from prism.engine.llm import LLM
 from prism.engine.rank import check_rank_devices, rank_device
 from prism.engine.sampling import SamplingParams
 from prism.engine.tp_workers import TensorParallelFailure
+from prism.kv.fp8 import KVPool
 from prism.testing.checkpoints import ensure_tiny_checkpoint
-from prism.testing.tp_faults import dying_follower, live_followers
+from prism.testing.gpu import watch_loaded_models
+from prism.testing.tp_faults import WARM_UP_FAILED, dying_follower, live_followers
 
 TIMEOUT_S = 30.0  # distributed_timeout_s: the start-up waited all of it for a follower that died before joining
 PROMPT_S = 15.0  # ... rank 0 must fail well before it (spawning and loading a tiny model take a few seconds)
@@ -89,12 +95,15 @@ def test_a_follower_killed_before_joining_fails_rank_0_at_once_and_leaves_nothin
     _a_tp_engine_starts_and_generates()
 
 
-@pytest.mark.parametrize("fault, exit_code", [("raises_while_loading", "1"), ("killed_while_loading", r"-9 \(SIGKILL\)")])
-def test_a_follower_dying_while_it_loads_fails_rank_0_naming_it(fault, exit_code):
+@pytest.mark.parametrize("fault, named", [
+    ("raises_while_loading", "rank 1 failed: RuntimeError: planted: rank 1 could not load its model"),  # its error
+    ("killed_while_loading", r"rank 1 exited with code -9 \(SIGKILL\)"),
+])
+def test_a_follower_dying_while_it_loads_fails_rank_0_naming_it(fault, named):
     torch.set_num_threads(1)
     started = time.perf_counter()
     with dying_follower(fault), \
-            pytest.raises(TensorParallelFailure, match=rf"rank 1 exited with code {exit_code} .*load"):
+            pytest.raises(TensorParallelFailure, match=rf"{named} .*before every rank loaded its model"):
         _llm(tensor_parallel_size=2)
     took = time.perf_counter() - started
     assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
@@ -121,3 +130,40 @@ def test_a_start_failing_after_the_group_formed_leaves_no_group(monkeypatch):
     assert live_followers() == []
     monkeypatch.undo()
     _a_tp_engine_starts_and_generates()
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("killed_after_the_kv_pools", r"rank 1 exited with code -9 \(SIGKILL\) before every rank finished its start"),
+    ("raises_while_warming_up", rf"rank 1 failed: RuntimeError: {re.escape(WARM_UP_FAILED)}.* finished its start"),
+])
+def test_a_follower_failing_after_its_kv_pools_fails_rank_0s_start_and_leaves_nothing(monkeypatch, fault, named):
+    """Session 30: rank 0's start returned an engine whose follower had died after its KV pools (on the CPU the
+    pools' agreement is a rank's last collective; nothing watched the followers until the first step). Every rank
+    now ends its start reporting READY, rank 0 waits for every follower's report watching their exits and the
+    errors they report: the start fails at once, naming rank 1's exit or its error, with nothing left behind (rank
+    0's pools not even while the error lives, as a failed pool agreement's). On the CPU rank 1's graph capture (its
+    warm-up on CUDA) runs with `graph_rows_without_cuda`."""
+    torch.set_num_threads(1)
+    models = watch_loaded_models(monkeypatch)
+    pools: list[weakref.ref] = []  # rank 0's (this process's)
+    allocate = KVPool.allocate
+    monkeypatch.setattr(KVPool, "allocate", lambda *args, **kwargs: _watched(pools, allocate(*args, **kwargs)))
+    started = time.perf_counter()
+    with dying_follower(fault), pytest.raises(TensorParallelFailure, match=named) as failed:
+        _llm(tensor_parallel_size=2, graph_rows_without_cuda=True)
+    took = time.perf_counter() - started
+    assert took < PROMPT_S, f"rank 0 took {took:.1f} s to fail (distributed_timeout_s={TIMEOUT_S})"
+    assert live_followers() == [], "a follower of the failed start is still running"
+    assert not dist.is_initialized(), "the failed start left its group initialized"
+    gc.collect()
+    assert pools and all(r() is None for r in pools), "rank 0's KV pool outlived the failed start"
+    del failed
+    gc.collect()
+    assert models and all(r() is None for r in models), "the failed start kept rank 0's model"
+    monkeypatch.undo()
+    _a_tp_engine_starts_and_generates()
+
+
+def _watched(refs: list[weakref.ref], pool):
+    refs.append(weakref.ref(pool.payload))
+    return pool

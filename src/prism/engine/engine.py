@@ -56,7 +56,7 @@ from .sampler import make_generator, sample, take_rows, token_logprobs
 from .sampling import SamplingParams, SamplingParamsError
 from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
 from .step_payload import MediaWork
-from .tp_workers import Followers, TensorParallelFailure, launch_followers
+from .tp_workers import Followers, TensorParallelFailure, build_rank_0_runner, launch_followers
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +98,11 @@ class Engine:
         if self.config.tensor_parallel_size > 1:
             self._followers = launch_followers(self.model_dir, self.config)
             group = self._followers.group
+            self.runner, self.max_model_len = build_rank_0_runner(self._followers, self.model_dir, self.config)
         else:
             check_rank_devices(self.config)
             group = TPGroup.single(self.config.resolved_device())
-        try:
-            self.runner, self.max_model_len = build_rank_runner(
-                self.model_dir, self.config, group, reach=self._followers.rendezvous.reach if self._followers else None)
-        except Exception as error:
-            if self._followers is None:
-                raise
-            failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error, "start")
-            agreed = isinstance(error, ValueError)  # a configuration problem every rank agreed on (capacity)
-            self._followers.close(graceful=agreed)  # else the followers may wait inside a collective: stopped
-            if agreed or failure is error:
-                raise
-            raise failure from error
+            self.runner, self.max_model_len = build_rank_runner(self.model_dir, self.config, group)
         if self._followers is not None:
             self.runner.publish = self._followers.send
             self._followers.release_graphs = self.runner.release_cuda_graphs
@@ -153,8 +143,9 @@ class Engine:
 
     @property
     def is_stopped(self) -> bool:
-        """Whether the engine can serve no more (its tensor-parallel ranks were stopped: a shutdown, or a lost step)."""
-        return self._followers is not None and self._followers.closed
+        """Whether the engine can serve no more: its tensor-parallel ranks were stopped (a shutdown, or a lost step),
+        or a follower has died (noticed here, by its exit code, though no step has run since: `/health` reads it)."""
+        return self._followers is not None and self._followers.why_stopped() is not None
 
     def shutdown(self) -> bool:
         """Stop the tensor-parallel follower ranks (a no-op with one rank). The engine is unusable after. False
@@ -173,8 +164,9 @@ class Engine:
     ) -> Request:
         """Accept a request (a prepared prompt, a raw prompt string, or chat messages)."""
         if self.is_stopped:
-            raise EngineStopped("this engine's tensor-parallel ranks were stopped (it was shut down, or a step "
-                                "failed): build a new engine")
+            why = self._followers.why_stopped() if self._followers is not None else None
+            raise EngineStopped(f"this engine's tensor-parallel ranks were stopped "
+                                f"({why or 'it was shut down, or a step failed'}): build a new engine")
         if self._id_in_use(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params

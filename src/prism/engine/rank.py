@@ -3,7 +3,8 @@
 Owns the order of a rank's start-up, the same on every rank (rank 0 in the engine, followers in
 `engine/tp_workers.py`): the text decoder is sharded before the KV pool is sized (a rank holds
 num_kv_heads / tp heads), and the page count is the MIN over ranks, agreed before any pool is
-allocated (invariant 10, `distributed/capacity.py`). With one rank the group is trivial and this is
+allocated (invariant 10, `distributed/capacity.py`), and a rank's start ends with READY (`finish_start`: rank 0
+returns only once every follower has finished its own). With one rank the group is trivial and this is
 the single-GPU engine's set-up. Also owns *every rank has a device of its own*: on CUDA the ranks take
 `tensor_parallel_size` devices from the configured one on, and a host without them is a ConfigError before any
 rank starts (`check_rank_devices`); on the CPU the ranks are processes of this host over gloo (how the tests run
@@ -23,7 +24,7 @@ from ..model.loading import load_model
 from ..model.text import set_batch1_gemv
 from .config import ConfigError, EngineConfig
 from .runner import ModelRunner
-from .tp_startup import LOADED
+from .tp_startup import LOADED, READY
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -65,7 +66,8 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
     """(this rank's runner, max_model_len). Raises KVCapacityError on every rank if one has no room (no page in its
     budget, a pool its device's free memory cannot hold, or a swap pool its host cannot give:
     `capacity.allocate_kv_pools`). `reach`: called with LOADED once the model is loaded and sharded, before the first
-    collective (`tp_startup`: rank 0 waits there for every follower, a follower reports)."""
+    collective, and with READY once the runner is built (`finish_start`) (`tp_startup`: rank 0 waits there for every
+    follower, a follower reports)."""
     model = load_model(Path(model_dir), dtype=config.resolved_dtype(), device=rank_device(config, group.rank))
     text = model.config.text
     kv_heads = text.num_key_value_heads
@@ -96,4 +98,19 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
         check_invariants=config.check_invariants,
         kv_setting=kv_setting(config),
     )
+    try:
+        finish_start(reach)
+    except BaseException:
+        runner.release_cuda_graphs()  # they pin the communicators that leaving the group aborts (`tp_workers`)
+        del runner  # its KV pools do not outlive the failed start while its error lives
+        raise
     return runner, max_model_len
+
+
+def finish_start(reach: Callable[[str], None] | None) -> None:
+    """The last step of a rank's start, once its runner is built (pools, warm-up, CUDA graphs): `reach(READY)`. A
+    follower reports it has finished; rank 0 waits until every follower has, and fails if one died or raised at any
+    point of its start (without it rank 0's start returned an engine whose follower had died after its KV pools:
+    `reproducers/tp_start_returned_with_dead_follower.py`)."""
+    if reach is not None:
+        reach(READY)

@@ -4,8 +4,11 @@ Owns *rank 0 schedules, followers follow, and a failed rank fails every rank*. T
 ranks 1..tp-1 (`launch_followers`, vLLM-style: the user only sets tensor_parallel_size); each follower
 sets itself up exactly as rank 0 does (`rank.build_rank_runner`) and then runs every step payload rank 0
 broadcasts, in order, until a None payload (`serve_worker`). Every collective is bounded by
-`distributed_timeout_s`, and a rank-0 error names the followers that died, so nothing hangs silently; while the
-ranks start, rank 0 watches the followers live at each stage (`tp_startup`), so one that dies fails it at once.
+`distributed_timeout_s`, and a rank-0 error names the followers that died (and the error a follower reported), so
+nothing hangs silently; while the ranks start, rank 0 watches the followers live at each stage up to the end of
+their start (`tp_startup`), so one that dies or raises fails it at once; after it, a follower that died while the
+engine was idle fails the next step before its payload goes out, and stops the engine (`Followers.check_alive`,
+`Followers.why_stopped`: what `/health` reads).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from ..distributed.step_channel import StepChannel
 from ..distributed.tensor_parallel import TPGroup, init_tp_group
 from .config import EngineConfig
 from .rank import build_rank_runner, check_rank_devices, rank_device
+from .runner import ModelRunner
 from .step_payload import StepPayload
-from .tp_startup import JOINING, FollowerRendezvous, Rendezvous, TensorParallelFailure, exited
+from .tp_startup import JOINING, FollowerRendezvous, Rendezvous, TensorParallelFailure, exited, failed
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,13 @@ def serve_worker(rank: int, address: str, model_dir: str, config: dict) -> None:
     if cfg.resolved_device().type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads() // cfg.tensor_parallel_size))
     rendezvous = FollowerRendezvous(rank, address, cfg.distributed_timeout_s)
-    group, channel = join_group(rank, cfg, rendezvous)
     runner = None
     try:
-        runner, _ = build_rank_runner(model_dir, cfg, group, reach=rendezvous.reach)
-        while (payload := channel.recv()) is not None:
-            runner.run(payload)
+        with rendezvous.reporting():  # rank 0 learns this rank's error before the group is left (its start fails)
+            group, channel = join_group(rank, cfg, rendezvous)
+            runner, _ = build_rank_runner(model_dir, cfg, group, reach=rendezvous.reach)  # ends reporting READY
+            while (payload := channel.recv()) is not None:
+                runner.run(payload)
     finally:
         leave_group(runner.release_cuda_graphs if runner is not None else None, cfg.distributed_timeout_s)
 
@@ -83,16 +88,35 @@ class Followers:
         if self.closed:
             raise TensorParallelFailure("this engine's tensor-parallel ranks were stopped (the engine was shut down, "
                                         "or a step failed): build a new engine")
+        self.check_alive()
         world = self.group.world_size
         try:
             self.channel.send(lambda rank: payload.for_rank(rank, world))
         except Exception as error:
             raise self.failure(error) from error
 
+    def check_alive(self) -> None:
+        """Raise `TensorParallelFailure` naming the followers that have exited (one died while the engine was idle):
+        a step must not go out to ranks that will not run it, where rank 0 would learn it inside the step's
+        collectives (under NCCL, when `distributed_timeout_s` runs out). A poll of the processes' exit codes."""
+        if exited(self.processes):
+            raise TensorParallelFailure(f"tensor-parallel rank(s) gone before this step went out (died while the "
+                                        f"engine was idle or between steps): "
+                                        f"{'; '.join(failed(self.processes, self.rendezvous.error_of))}; every rank "
+                                        "is stopped: build a new engine")
+
+    def why_stopped(self) -> str | None:
+        """Why these ranks can serve no more (closed, or a follower has exited), None while they can. A poll of the
+        exit codes only: safe from another thread than the engine's (`/health`)."""
+        if self.closed:
+            return "the engine was shut down, or a step failed"
+        dead = exited(self.processes)
+        return '; '.join(dead) if dead else None
+
     def failure(self, error: BaseException, during: str = "step") -> TensorParallelFailure:
         """A clear error for a collective that failed on rank 0 (`during` a step, or the engine's start), naming
-        followers that exited."""
-        dead = exited(self.processes)
+        the followers that exited or reported an error (waiting a moment to learn it: `Rendezvous.failures_within`)."""
+        dead = self.rendezvous.failures_within()
         why = "; ".join(dead) if dead else "all followers still running"
         return TensorParallelFailure(f"tensor-parallel {during} failed on rank 0 ({why}): {type(error).__name__}: "
                                      f"{error}")
@@ -101,18 +125,19 @@ class Followers:
         """Tell the followers to stop, leave the group, wait for them. Idempotent. False if leaving the group
         did not finish in time (`leave_group`). `graceful=False` (rank 0 failed, at start or inside a step): the
         followers are terminated instead, since one inside the lost step's collectives would not take the stop
-        message until `distributed_timeout_s` (300 s by default) ran out."""
+        message until `distributed_timeout_s` (300 s by default) ran out; so are they when one has already exited
+        (the others wait for their next step with no time limit, `StepChannel.recv`, and would get no message)."""
         if self.closed:
             return True
         self.closed = True
         left = False
         try:
             try:
-                if not graceful:
+                if graceful and not exited(self.processes):
+                    self.channel.send(lambda rank: None)
+                else:
                     for p in self.processes:
                         p.terminate()
-                elif all(p.exitcode is None for p in self.processes):
-                    self.channel.send(lambda rank: None)
             except Exception:  # a follower is already gone: nothing left to tell
                 log.warning("tensor-parallel shutdown: a follower did not take the stop message", exc_info=True)
             release, self.release_graphs = self.release_graphs, None  # it refers to the runner, which refers to us
@@ -211,6 +236,23 @@ def launch_followers(model_dir: str | Path, config: EngineConfig) -> Followers:
             raise
         raise TensorParallelFailure(f"could not form the tensor-parallel group of {tp}: {error}") from error
     return Followers(processes, group, channel, rendezvous)
+
+
+def build_rank_0_runner(followers: Followers, model_dir: str | Path, config: EngineConfig) -> tuple[ModelRunner, int]:
+    """Rank 0's start once the group formed: `rank.build_rank_runner`, which returns only once every follower has
+    finished its own start (READY). On a failure every follower is stopped and rank 0 raises a
+    `TensorParallelFailure` naming the followers that failed and their errors (a failed wait's own, or one made from
+    the collective that broke), or, for a configuration problem every rank agreed on (a `KVCapacityError`), that
+    error itself once the followers were told to stop."""
+    try:
+        return build_rank_runner(model_dir, config, followers.group, reach=followers.rendezvous.reach)
+    except Exception as error:
+        failure = error if isinstance(error, TensorParallelFailure) else followers.failure(error, "start")
+        agreed = isinstance(error, ValueError)  # a configuration problem every rank agreed on (capacity)
+        followers.close(graceful=agreed)  # else the followers may wait inside a collective: stopped
+        if agreed or failure is error:
+            raise
+        raise failure from error
 
 
 def forget_process_group() -> None:

@@ -3,7 +3,8 @@
 `ThreadWorld(n).ranks()` gives n `ThreadRank`s whose collectives (`min_int`, `all_gather`,
 `all_reduce_sum`) really exchange values between the rank threads through a barrier, so the real
 agreement and gather code runs unmodified, thousands of times per second. A rank that never joins a
-collective makes the others fail with BrokenBarrierError after `timeout_s` (a hang becomes an error).
+collective makes the others fail with BrokenBarrierError after `timeout_s` (a hang becomes an error); one that leaves
+(`ThreadWorld.abort`: its process died, its sockets closed) makes every collective fail at once, as gloo's do.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class ThreadWorld:
         values = list(self._slots)
         self._barrier.wait()  # nobody overwrites a slot before everyone has read them
         return values
+
+    def abort(self) -> None:
+        """A rank left: every collective waiting, and every later one, raises BrokenBarrierError at once."""
+        self._barrier.abort()
 
     def ranks(self) -> list[ThreadRank]:
         return [ThreadRank(r, self.world_size, self) for r in range(self.world_size)]

@@ -2,7 +2,8 @@
 
 Start-up (`engine/tp_startup.py`): each fault is a stand-in for `tp_workers.serve_worker` (a module-level function,
 so a spawned process can import it): rank 1 dies at the named point of its start-up (or its KV pool does not fit in its
-device's memory, or its CPU swap pool in its host's), any other rank serves as usual.
+device's memory, or its CPU swap pool in its host's; or it dies after its KV pools, or raises while it warms up, both
+after the last collective of a CPU rank's start), any other rank serves as usual.
 `dying_follower(fault)` makes the engines built inside it spawn that stand-in. Steps: `lose_steps_after_their_payload`
 and `lose_device_token_steps` make rank 0's runner fail a step after its payload went to the followers.
 """
@@ -104,9 +105,45 @@ def swap_pool_allocation_fails(rank: int, address: str, model_dir: str, config: 
     serve_worker(rank, address, model_dir, config)
 
 
+def killed_after_the_kv_pools(rank: int, address: str, model_dir: str, config: dict) -> None:
+    """Rank 1 allocates its KV pools (every rank agreeing), then is killed: rank 0's start had nothing left to wait on
+    the followers for, and returned an engine whose follower was dead (the bug of session 30)."""
+    from ..engine import runner as runner_module
+    from ..engine.tp_workers import serve_worker
+
+    if rank == 1:
+        allocate = runner_module.allocate_kv_pools
+
+        def allocated_then_killed(*args, **kwargs):
+            pools = allocate(*args, **kwargs)
+            _kill_myself()
+            return pools
+
+        runner_module.allocate_kv_pools = allocated_then_killed
+    serve_worker(rank, address, model_dir, config)
+
+
+WARM_UP_FAILED = "planted: rank 1's warm-up failed"
+
+
+def _warm_up_fails(*args, **kwargs) -> None:
+    raise RuntimeError(WARM_UP_FAILED)
+
+
+def raises_while_warming_up(rank: int, address: str, model_dir: str, config: dict) -> None:
+    """Rank 1's runner raises once its KV pools are allocated, where it captures its decode graphs (on CUDA, with the
+    warm-up forwards before each capture; on the CPU the capture is reached with `graph_rows_without_cuda`)."""
+    from ..engine.cuda_graphs import RowGraphs
+    from ..engine.tp_workers import serve_worker
+
+    if rank == 1:
+        RowGraphs.capture = _warm_up_fails
+    serve_worker(rank, address, model_dir, config)
+
+
 FAULTS = {f.__name__: f for f in (killed_before_joining, raises_while_loading, killed_while_loading,
                                   kv_pool_beyond_free_memory, kv_pool_allocation_out_of_memory,
-                                  swap_pool_allocation_fails)}
+                                  swap_pool_allocation_fails, killed_after_the_kv_pools, raises_while_warming_up)}
 
 
 @contextlib.contextmanager
