@@ -309,9 +309,9 @@ class AsyncEngine:
     def _hand_over(self, events: list[RequestOutput]) -> None:
         """A step's events to their streams' event loops (a finished one gives its slot back).
 
-        One hand-over per event loop per step, not one per event: each `call_soon_threadsafe` writes to the loop's
-        wake-up socket, a system call that releases the GIL, and with the loop busy rendering streams the engine
-        thread may then wait up to the interpreter's switch interval (5 ms) to get it back, in every step."""
+        One hand-over per event loop per step, not one per event: each `call_soon_threadsafe` is a write to the loop's
+        wake-up socket and a wake-up of the loop (32 per step with 32 streams). On the H200 this measured within the
+        run-to-run spread of `bench_serve` (bench/NOTES.md, session 31), so it is kept for its fewer wake-ups only."""
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for event in events:
             stream = self._streams.get(event.request_id)
