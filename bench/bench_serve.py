@@ -369,7 +369,9 @@ def main() -> None:
     md = table(results, load, gpu, date)
     print(md)
     if not smoke:
-        write_results({"gpu": gpu, "date": date, "load": load.__dict__, **results}, md, gpu, date, "serve")
+        # a run of one kind is named for it: it must not replace the day's run of both
+        name = "serve" if len(results) == 2 else "serve-" + next(iter(results)).split()[0].lower()
+        write_results({"gpu": gpu, "date": date, "load": load.__dict__, **results}, md, gpu, date, name)
 
 
 if __name__ == "__main__":

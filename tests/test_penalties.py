@@ -42,6 +42,8 @@ def test_defaults_are_off_and_a_bias_mapping_is_kept_sorted():
     ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
     ({"logit_bias": {True: 1.0}}, "logit_bias keys must be token ids"),
+    # a bad key among unsorted ids is named itself, not as a repeat of an id it made unsorted
+    ({"logit_bias": {5: 1.0, 3: 1.0, "x": 1.0}}, "logit_bias keys must be token ids (integers >= 0), got 'x'"),
     ({"logit_bias": {5: 100.5}}, "logit_bias of token 5 must be in [-100, 100]"),
     ({"logit_bias": {5: float("nan")}}, "logit_bias of token 5"),
     ({"logit_bias": ((5, 1.0), (5, 2.0))}, "token id 5 more than once"),

@@ -101,8 +101,10 @@ def build_rank_runner(model_dir: str | Path, config: EngineConfig, group: TPGrou
     try:
         finish_start(reach)
     except BaseException:
-        runner.release_cuda_graphs()  # they pin the communicators that leaving the group aborts (`tp_workers`)
-        del runner  # its KV pools do not outlive the failed start while its error lives
+        try:
+            runner.release_cuda_graphs()  # they pin the communicators that leaving the group aborts (`tp_workers`)
+        finally:
+            del runner  # its KV pools do not outlive the failed start while its error lives
         raise
     return runner, max_model_len
 

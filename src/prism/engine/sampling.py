@@ -156,13 +156,13 @@ class SamplingParams:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise SamplingParamsError(
                 f"logit_bias may have at most {MAX_LOGIT_BIAS_TOKENS} entries, got {len(self.logit_bias)}")
-        previous = -1
-        for pair in self.logit_bias:
+        for pair in self.logit_bias:  # every key an id first: the pairs are sorted only when all are
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise SamplingParamsError(f"logit_bias entries are (token id, bias) pairs, got {pair!r}")
-            token, bias = pair
-            if not _is_int(token) or token < 0:
-                raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not _is_int(pair[0]) or pair[0] < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {pair[0]!r}")
+        previous = -1
+        for token, bias in self.logit_bias:
             if token <= previous:
                 raise SamplingParamsError(f"logit_bias has token id {token} more than once")
             previous = token

@@ -247,10 +247,11 @@ def build_rank_0_runner(followers: Followers, model_dir: str | Path, config: Eng
     try:
         return build_rank_runner(model_dir, config, followers.group, reach=followers.rendezvous.reach)
     except Exception as error:
-        failure = error if isinstance(error, TensorParallelFailure) else followers.failure(error, "start")
         agreed = isinstance(error, ValueError)  # a configuration problem every rank agreed on (capacity)
+        # (only a failure not agreed looks for a follower to name: that waits up to FAILURE_GRACE_S)
+        failure = error if agreed or isinstance(error, TensorParallelFailure) else followers.failure(error, "start")
         followers.close(graceful=agreed)  # else the followers may wait inside a collective: stopped
-        if agreed or failure is error:
+        if failure is error:
             raise
         raise failure from error
 

@@ -322,7 +322,14 @@ class AsyncEngine:
                 self._give_back_slots(1)
             deliveries.setdefault(stream.loop, []).append((stream.queue, event))
         for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody reads its streams; the other loops still get theirs
+                log.warning("an event loop closed under %d stream(s): their requests are aborted", len(items))
+                for _, event in items:
+                    if self._streams.pop(event.request_id, None) is not None:
+                        self._give_back_slots(1)
+                        self.engine.abort(event.request_id)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
