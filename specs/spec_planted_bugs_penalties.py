@@ -1,16 +1,18 @@
-"""Proof that the logit adjustments' spec bites (`specs/spec_sampling_penalties.py`): plausible bugs of the penalties,
-planted. Each test monkeypatches one buggy variant into the real sampler or engine and requires the spec to fail
-(see `specs/planted.py`).
+"""Proof that the logit adjustments' specs bite (`specs/spec_sampling_penalties.py`, `specs/spec_penalty_counts.py`):
+plausible bugs of the penalties and of their count table, planted. Each test monkeypatches one buggy variant into the
+real sampler, table or engine and requires the spec to fail (see `specs/planted.py`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
-from prism.engine import penalties, sampler
+from prism.engine import penalties, penalty_counts, sampler
 from prism.engine.penalties import TokenHistory
-from specs import spec_sampling_penalties
+from specs import spec_penalty_counts, spec_sampling_penalties
 from specs.planted import _spec_fails
 
 
@@ -86,3 +88,34 @@ def test_a_history_taken_at_launch_is_caught(monkeypatch: pytest.MonkeyPatch) ->
                     "async scheduling changed the tokens")
     finally:
         spec_sampling_penalties.engine.cache_clear()
+
+
+# -- the count table ---------------------------------------------------------------------------------------------------
+def _table_machine_fails(match: str) -> None:
+    planted = settings(spec_penalty_counts.STEPS, phases=[Phase.generate], report_multiple_bugs=False, database=None,
+                       derandomize=True)
+    with pytest.raises(AssertionError, match=match):
+        run_state_machine_as_test(spec_penalty_counts.PenaltyCountsMachine, settings=planted)
+
+
+def test_new_tokens_counted_twice_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step scattered a slot's new tokens but did not record them as counted: the next step counts them again."""
+
+    def commit_forgetting_counted(self) -> None:
+        for slot in self.prompt_slots:
+            slot.prompt_filled = True
+
+    monkeypatch.setattr(penalty_counts._Update, "commit", commit_forgetting_counted)
+    _table_machine_fails("recount as|from its whole history")
+
+
+def test_a_reused_slot_not_zeroed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A released row was given to the next request with its last owner's counts."""
+    monkeypatch.setattr(penalty_counts.PenaltyCounts, "_zero", lambda self, rows: None)
+    _table_machine_fails("recount as|from its whole history|prompt plane")
+
+
+def test_a_slot_kept_after_its_request_ends_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that ended kept its row (the release forgotten): the table fills with rows nobody reads."""
+    monkeypatch.setattr(penalty_counts.CountsSlot, "release", lambda self: None)
+    _table_machine_fails("a slot leaked")

@@ -1,8 +1,9 @@
 """The logit adjustments in the engine (tiny checkpoint, CPU, fp32 weights): greedy decoding with a repetition
 penalty is HF `generate`'s token for token (text and images: the prompt's image tokens are penalized too); a
 penalized request's history is complete under async scheduling (the token of the step in flight included), after
-a preemption and a swap, and beside requests with other knobs or none; a logit_bias id outside the vocabulary is
-refused when the request is added."""
+a preemption and a swap, and beside requests with other knobs or none; each holds a row of the count table while it
+runs and gives it back however it ends; a logit_bias id outside the vocabulary is refused when the request is
+added."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from test_engine import IMAGES, _one_thread, chat, hf_greedy  # noqa: F401 (_one_thread: an autouse fixture)
 
 from prism.engine.llm import LLM
+from prism.engine.penalty_counts import table_for
+from prism.engine.request import FinishReason
 from prism.engine.sampling import SamplingParams, SamplingParamsError
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
@@ -93,3 +96,32 @@ def test_a_logit_bias_id_outside_the_vocabulary_is_refused():
     assert not llm.engine.has_unfinished_requests()
     (done,) = llm.generate(["Hi"], SamplingParams.greedy(max_tokens=2, logit_bias={vocab - 1: 1.0}))
     assert len(done.token_ids) >= 1
+
+
+def test_every_slot_goes_back_however_its_request_ends():
+    """Penalized requests hold one row of the count table each while they run (preempted ones included), and give it
+    back when they end: at their budget, or aborted mid-way."""
+    ckpt = ensure_tiny_checkpoint()
+    # without async scheduling a request has output tokens exactly when it has been sampled
+    llm = LLM(ckpt, kv_dtype="fp32", page_size=4, num_gpu_pages=24, max_num_batched_tokens=160, max_num_seqs=4,
+              async_scheduling=False)
+    engine = llm.engine
+    table = table_for(torch.device("cpu"), engine.runner.model.config.text.vocab_size)
+    before = table.in_use
+    params = mixed_params(24)
+    for i, (text, p) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(f"r{i}", text, p)
+    held = steps = 0
+    ends = {}
+    while engine.has_unfinished_requests():
+        ends.update((e.request_id, e.finish_reason) for e in engine.step() if e.finished)
+        steps += 1
+        holding = [r for r in engine.requests.values() if r.output_token_ids and r.params.has_penalties]
+        held = max(held, len(holding))
+        assert table.in_use - before == len(holding), "a slot for each penalized request sampled and not ended"
+        if steps == 6:
+            engine.abort("r1")
+    assert held == 3 and engine.stats.preemptions > 0, "the scenario must hold three slots and preempt"
+    assert ends == {"r0": FinishReason.LENGTH, "r1": FinishReason.ABORT, "r2": FinishReason.LENGTH,
+                    "r3": FinishReason.LENGTH}
+    assert table.in_use == before

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prism.engine.penalties import TokenHistory, adjusted_logits
+from prism.engine.penalty_counts import CountsSlot, PenaltyCounts
 from prism.engine.sampler import SamplerError, filtered_distribution, make_generator, sample
 from prism.engine.sampling import MAX_LOGIT_BIAS_TOKENS, SamplingParams, SamplingParamsError
 from prism.ops import host_copy
@@ -195,3 +196,41 @@ class _HFStub:
 
     def _merge_criteria_processor_list(self, default, custom):
         return default
+
+
+# ---------------------------------------------------------------------------------------- the count table
+
+
+def test_a_kept_slot_counts_only_the_new_tokens_and_a_bad_one_changes_nothing():
+    table, slot = PenaltyCounts("cpu", 6, capacity=2), CountsSlot()
+    output = [3, 3]
+    p = SamplingParams(frequency_penalty=1.0)
+    first = adjusted_logits(LOGITS, [p], [TokenHistory([], output, slot)], table)
+    assert first[0, 3] == 1.0 and slot.counted == 2 and table.in_use == 1
+    output.append(6)  # outside the vocabulary: refused before the table changes
+    with pytest.raises(SamplerError, match="outside the vocabulary"):
+        adjusted_logits(LOGITS, [p], [TokenHistory([], output, slot)], table)
+    assert slot.counted == 2 and table.counts[slot.index].tolist() == [0, 0, 0, 2, 0, 0]
+    output[-1] = 1
+    output.extend([1, 3])  # more than one token since the last sample (a preemption, the step in flight)
+    got = adjusted_logits(LOGITS, [p], [TokenHistory([], output, slot)], table)
+    assert got[0].tolist() == [2.0, -3.0, 0.5, 0.0, 0.0, -2.0]
+    assert table.counts[slot.index].tolist() == [0, 2, 0, 3, 0, 0]
+
+
+def test_a_slot_is_refilled_when_its_history_is_shorter_and_rows_without_one_come_back():
+    table, slot = PenaltyCounts("cpu", 6, capacity=2), CountsSlot()
+    p = SamplingParams(presence_penalty=1.0, repetition_penalty=2.0)
+    adjusted_logits(LOGITS, [p], [TokenHistory([0], [1, 1, 2], slot)], table)
+    got = adjusted_logits(LOGITS.expand(2, -1), [p, p], [TokenHistory([5], [4], slot), TokenHistory([], [0, 3])], table)
+    assert got[0].tolist() == [2.0, -1.0, 0.5, 3.0, -1.0, -4.0], "the row counts its new, shorter history only"
+    assert got[1].tolist() == [0.0, -1.0, 0.5, 0.5, 0.0, -2.0]
+    assert table.in_use == 1 and table.capacity == 4, "the row without a slot grew the table, then gave its row back"
+    slot.release()
+    assert table.in_use == 0 and slot.table is None
+
+
+def test_a_table_for_other_logits_is_refused():
+    with pytest.raises(SamplerError, match="count table of 7 tokens"):
+        adjusted_logits(LOGITS, [SamplingParams(presence_penalty=1.0)], [TokenHistory([], [1])],
+                        PenaltyCounts("cpu", 7))

@@ -1,9 +1,10 @@
 """Logit adjustments before sampling: `logit_bias`, then the repetition, frequency and presence penalties.
 
-Owns *a row's penalties use only its own history*: the counts a row is penalized by are built from that row's own
-`TokenHistory` (its prompt's distinct tokens for the repetition penalty; its output so far for all three), scattered
-into that row's line of a [rows, vocab] table, and each row's knobs are its own `SamplingParams`' - so a row's
-adjusted logits depend only on its own logits, params and history, never on its batch companions.
+Owns *a row's penalties use only its own history*: the counts a row is penalized by are those of its own
+`TokenHistory` (its prompt's distinct tokens for the repetition penalty; its output so far for all three), held in
+its own slot of the device's count table (`penalty_counts`, which owns keeping a slot equal to its history), and each
+row's knobs are its own `SamplingParams`' - so a row's adjusted logits depend only on its own logits, params and
+history, never on its batch companions.
 
 The order (vLLM's): the bias is added to the raw logits, then the repetition penalty (HF
 `RepetitionPenaltyLogitsProcessor`: a seen token's logit divided by the penalty when positive, multiplied when not;
@@ -12,9 +13,10 @@ logit -= frequency * count + presence * (count > 0)). Temperature and the filter
 
 Cost: a step where no row adjusts its logits does nothing here (not one kernel or copy). Otherwise the rows that
 do are taken out (one index copy), and every host value the step needs crosses in two non-blocking copies: the
-int64 positions of every history token and bias entry, and the float32 knob values and biases. The device holds an
-int32 [rows, vocab] table of output counts (and a bool one of the tokens seen, for a repetition penalty): as large
-as the rows' fp32 logits.
+int64 positions of the tokens the rows' slots have not counted yet (one per row in a decode step: a request's
+history is counted once, not re-read every step) and of the bias entries, and the float32 knob values and biases.
+The step's rows' counts are gathered from the table: an int32 [rows, vocab] tensor (and a bool one of the prompt's
+tokens, for a repetition penalty), as large as the rows' fp32 logits.
 """
 
 from __future__ import annotations
@@ -26,16 +28,20 @@ import numpy as np
 import torch
 
 from ..ops import host_copy
+from .penalty_counts import CountsSlot, PenaltyCounts, table_for
 from .sampling import SamplerError, SamplingParams
 
 
 @dataclass(frozen=True)
 class TokenHistory:
     """The tokens one row's penalties read: `prompt`, the prompt's token ids (only for the repetition penalty:
-    distinct ids suffice, see `distinct_token_ids`), and `output`, every token generated so far in order."""
+    distinct ids suffice, see `distinct_token_ids`), and `output`, every token generated so far in order (it only
+    grows). `counts`: the request's slot in the count table, kept between its steps (`Request.token_history`); None
+    counts the whole history for this step only."""
 
     prompt: Sequence[int] | np.ndarray
     output: Sequence[int] | np.ndarray
+    counts: CountsSlot | None = None
 
 
 def distinct_token_ids(token_ids: Sequence[int]) -> np.ndarray:
@@ -45,10 +51,12 @@ def distinct_token_ids(token_ids: Sequence[int]) -> np.ndarray:
 
 
 def adjusted_logits(
-    x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None]
+    x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory | None],
+    table: PenaltyCounts | None = None,
 ) -> torch.Tensor:
     """`x` [B, V] fp32 with each row's logit_bias and penalties applied: a new tensor, or `x` itself when no row
-    adjusts its logits (x is never modified)."""
+    adjusts its logits (x is never modified). The penalized rows' counts are kept in `table` (default: the
+    process's table for x's device and vocabulary)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return x
@@ -56,21 +64,25 @@ def adjusted_logits(
     idx = None if len(rows) == batch else host_copy.to_device(rows, x.device, torch.int64)
     sub = x.clone() if idx is None else x.index_select(0, idx)
     plan = _Plan.of([params[i] for i in rows], [histories[i] for i in rows], vocab)
-    ints = host_copy.to_device(plan.ints, x.device, torch.int64)
+    if plan.penalized:
+        table = table_for(x.device, vocab) if table is None else table
+        if (table.device, table.vocab) != (x.device, vocab):
+            raise SamplerError(f"a count table of {table.vocab} tokens on {table.device} for logits of {vocab} on "
+                               f"{x.device}")
+        step = table.step(plan.histories, plan.repetition_rows, plan.bias_at)
+        bias_at = step.extra
+    else:
+        bias_at = host_copy.to_device(plan.bias_at, x.device, torch.int64)
     floats = host_copy.to_device(plan.floats, x.device, torch.float32)
     n = len(rows)
-    output_at, prompt_at, bias_at = ints.split([plan.num_output, plan.num_prompt, plan.num_bias])
     if plan.num_bias:
         sub.view(-1).index_add_(0, bias_at, floats[3 * n :])
     if not plan.penalized:
         return sub if idx is None else x.index_copy(0, idx, sub)
-    counts = torch.zeros(n * vocab, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, output_at, torch.ones(1, dtype=torch.int32, device=x.device).expand(plan.num_output))
-    counts = counts.view(n, vocab)  # row j's output count of each token
+    counts = step.counts  # row j's output count of each token
     knobs = floats[: 3 * n].view(3, n, 1)
     if plan.repetition:
-        seen = counts > 0
-        seen.view(-1).index_fill_(0, prompt_at, True)
+        seen = (counts > 0) | step.prompt_seen
         r = knobs[0]
         sub = torch.where(seen, torch.where(sub < 0, sub * r, sub / r), sub)
     if plan.frequency:
@@ -82,18 +94,18 @@ def adjusted_logits(
 
 @dataclass(frozen=True)
 class _Plan:
-    """The host side of one step's adjustments over its n adjusting rows (numbered 0..n-1 here), positions flat in
-    [n, V].
+    """The host side of one step's adjustments over its n adjusting rows (numbered 0..n-1 here).
 
-    ints:   the position of every output token of a penalized row, then of every distinct prompt token of a row with
-            a repetition penalty, then of every logit_bias entry.
-    floats: the n repetition, n frequency and n presence penalties, then the logit_bias values.
+    histories:       each row's history when it has a penalty (None otherwise): what its count slot is kept by.
+    repetition_rows: whether each row has a repetition penalty (its slot's prompt plane is then filled).
+    bias_at:         the flat position in [n, V] of every logit_bias entry.
+    floats:          the n repetition, n frequency and n presence penalties, then the logit_bias values.
     """
 
-    ints: np.ndarray
+    histories: list[TokenHistory | None]
+    repetition_rows: list[bool]
+    bias_at: np.ndarray
     floats: np.ndarray
-    num_output: int
-    num_prompt: int
     num_bias: int
     penalized: bool
     repetition: bool
@@ -102,16 +114,11 @@ class _Plan:
 
     @classmethod
     def of(cls, params: list[SamplingParams], histories: list[TokenHistory | None], vocab: int) -> _Plan:
-        outputs: list[np.ndarray] = []
-        prompts: list[np.ndarray] = []
+        kept: list[TokenHistory | None] = []
         for j, (p, history) in enumerate(zip(params, histories, strict=True)):
-            if not p.has_penalties:
-                continue
-            if not isinstance(history, TokenHistory):
+            if p.has_penalties and not isinstance(history, TokenHistory):
                 raise SamplerError(f"row {j} has penalties but no TokenHistory")
-            outputs.append(_in_vocab(history.output, vocab, "output") + j * vocab)
-            if p.repetition_penalty != 1.0:
-                prompts.append(_in_vocab(history.prompt, vocab, "prompt") + j * vocab)
+            kept.append(history if p.has_penalties else None)
         bias_at, bias = [], []
         for j, p in enumerate(params):
             for token, value in p.logit_bias:
@@ -119,22 +126,15 @@ class _Plan:
                     raise SamplerError(f"logit_bias token id {token} is outside the vocabulary of {vocab}")
                 bias_at.append(j * vocab + token)
                 bias.append(value)
-        output_at, prompt_at = (np.concatenate(a) if a else np.empty(0, dtype=np.int64) for a in (outputs, prompts))
         knobs = [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                  [p.presence_penalty for p in params]]
+        repetition_rows = [p.repetition_penalty != 1.0 for p in params]
         return cls(
-            ints=np.concatenate([output_at, prompt_at, np.asarray(bias_at, dtype=np.int64)]),
+            histories=kept, repetition_rows=repetition_rows, bias_at=np.asarray(bias_at, dtype=np.int64),
             floats=np.concatenate([np.asarray(knobs, dtype=np.float32).reshape(-1), np.asarray(bias, dtype=np.float32)]),
-            num_output=len(output_at), num_prompt=len(prompt_at), num_bias=len(bias),
+            num_bias=len(bias),
             penalized=any(p.has_penalties for p in params),
-            repetition=any(p.repetition_penalty != 1.0 for p in params),
+            repetition=any(repetition_rows),
             frequency=any(p.frequency_penalty != 0.0 for p in params),
             presence=any(p.presence_penalty != 0.0 for p in params),
         )
-
-
-def _in_vocab(tokens: Sequence[int] | np.ndarray, vocab: int, what: str) -> np.ndarray:
-    ids = np.asarray(tokens, dtype=np.int64)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise SamplerError(f"a {what} token id of a penalized row is outside the vocabulary of {vocab}")
-    return ids

@@ -21,6 +21,7 @@ from enum import Enum
 import numpy as np
 
 from .penalties import TokenHistory, distinct_token_ids
+from .penalty_counts import CountsSlot
 
 
 class RequestState(Enum):
@@ -152,6 +153,8 @@ class Request:
         # compares its prompt with another's.
         self.prompt_page_keys: list[bytes] | None = None
         self._distinct_prompt_ids: np.ndarray | None = None  # made once, when a penalty first reads them
+        # Its row of the device's penalty count table: taken on its first penalized sample, given back by `finish`.
+        self._penalty_counts: CountsSlot | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -163,11 +166,13 @@ class Request:
 
     def token_history(self) -> TokenHistory:
         """What its penalties read when its next token is sampled: its prompt's distinct ids and every token it has
-        output. Complete then under async scheduling too: the engine appends the tokens of the step in flight
-        (`Engine._accept_tokens`) before it samples the step launched on them."""
+        output, with its count slot (which counts only the tokens appended since its last sample). Complete then
+        under async scheduling too: the engine appends the tokens of the step in flight (`Engine._accept_tokens`)
+        before it samples the step launched on them."""
         if self._distinct_prompt_ids is None:
             self._distinct_prompt_ids = distinct_token_ids(self.prompt.token_ids)
-        return TokenHistory(self._distinct_prompt_ids, self.output_token_ids)
+            self._penalty_counts = CountsSlot()
+        return TokenHistory(self._distinct_prompt_ids, self.output_token_ids, self._penalty_counts)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (a decode step asks for one id per sequence)."""
@@ -198,6 +203,8 @@ class Request:
         self.finish_reason = reason
         self.error = error
         self.times.finished = time.perf_counter()
+        if self._penalty_counts is not None:  # however it ends: its row of the count table goes back
+            self._penalty_counts.release()
 
     def finish_reason_after(self, token: int, stopped_by_text: bool, eos_token_ids: Collection[int],
                             max_model_len: int) -> FinishReason | None:

@@ -1,0 +1,135 @@
+"""Spec of the penalties' count table (`prism.engine.penalty_counts`): a slot counts its request's history exactly
+once, and no slot outlives its request.
+
+A state machine drives the real table (a small one, so its capacity grows) through real `Request`s: requests arrive
+(each with a prompt, maybe some output already, and a mix of the repetition / frequency / presence penalties, a
+logit_bias, or none), get tokens appended (one or several between two samples, as after a preemption or under async
+scheduling), are sampled through `adjusted_logits` in random subsets and orders (with rows without penalties, and a
+row whose history has no slot, counted for that step only), are preempted and resumed, and end in any order: finished
+for any reason (and still referenced, as an in-flight step references them) or dropped without finishing. After
+every step:
+- each request holding a slot has that row equal to a recount of the output it counted, its prompt plane equal to
+  its prompt's tokens once filled, and a row no other request holds; row 0 (what rows without penalties read) is 0;
+- the table's slots in use are exactly those of the live requests holding one (ended requests hold none);
+- a sampled row's adjusted logits are bitwise those computed from its whole history from scratch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from prism.engine.penalties import TokenHistory, adjusted_logits
+from prism.engine.penalty_counts import PenaltyCounts
+from prism.engine.request import FinishReason, Request, RequestState
+from prism.engine.sampling import SamplingParams
+from specs.spec_sampling_penalties import reference_adjusted
+
+VOCAB = 11
+KNOBS = [
+    {"presence_penalty": 1.5},
+    {"frequency_penalty": 0.5},
+    {"repetition_penalty": 1.3},
+    {"repetition_penalty": 0.7, "presence_penalty": -1.0, "frequency_penalty": 2.0},
+    {"frequency_penalty": -0.5, "logit_bias": {3: 2.5}},
+    {"logit_bias": {1: -100.0}},  # adjusts its logits, but no penalty: no slot
+    {},
+]
+tokens = st.lists(st.integers(0, VOCAB - 1), max_size=6)
+
+
+class PenaltyCountsMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = PenaltyCounts("cpu", VOCAB, capacity=2)  # one slot to give: the second request grows it
+        self.live: dict[str, Request] = {}
+        self.ended: list[Request] = []  # finished, still referenced (an in-flight step holds its requests)
+        self.arrivals = 0
+
+    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), output=tokens,
+          knobs=st.sampled_from(KNOBS))
+    def arrive(self, prompt, output, knobs) -> None:
+        request = Request(f"r{self.arrivals}", SimpleNamespace(token_ids=prompt), SamplingParams(**knobs),
+                          self.arrivals)
+        request.output_token_ids.extend(output)  # a first sample may come after many tokens
+        self.live[request.request_id] = request
+        self.arrivals += 1
+
+    @rule(data=st.data(), new=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3))
+    def append(self, data, new) -> None:
+        if self.live:
+            self.live[data.draw(st.sampled_from(sorted(self.live)))].output_token_ids.extend(new)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**16), with_unslotted=st.booleans())
+    def sample(self, data, seed, with_unslotted) -> None:
+        rows = data.draw(st.permutations(sorted(self.live)))[: data.draw(st.integers(0, len(self.live)))]
+        requests = [self.live[r] for r in rows]
+        params = [r.params for r in requests]
+        histories = [r.token_history() if r.params.has_penalties else None for r in requests]
+        if with_unslotted:  # a history without a slot (the sampler's direct callers): counted for this step only
+            params.append(SamplingParams(presence_penalty=1.0, repetition_penalty=1.3))
+            histories.append(TokenHistory(data.draw(tokens), data.draw(tokens)))
+        if not params:
+            return
+        logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+        got = adjusted_logits(logits, params, histories, self.table)
+        for i, (p, h) in enumerate(zip(params, histories, strict=True)):
+            want = reference_adjusted(logits[i], p, h or TokenHistory((), ()))
+            assert torch.equal(got[i], want), (
+                f"row {i} ({p}) was adjusted to {got[i].tolist()}; from its whole history {h}: {want.tolist()}")
+
+    @rule(data=st.data())
+    def preempt_and_resume(self, data) -> None:
+        """A preemption keeps every output token (and the slot): the counts stay valid."""
+        if self.live:
+            request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+            if request.state is not RequestState.RUNNING:
+                request.transition(RequestState.RUNNING)
+            request.transition(data.draw(st.sampled_from([RequestState.WAITING, RequestState.SWAPPED])))
+
+    @rule(data=st.data(), reason=st.sampled_from(list(FinishReason)))
+    def finish(self, data, reason) -> None:
+        if self.live:
+            request = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+            request.finish(reason, "failed" if reason is FinishReason.ERROR else None)
+            self.ended.append(request)
+
+    @rule(data=st.data())
+    def drop_unfinished(self, data) -> None:
+        """A request dropped without finishing (an engine let go with requests in it): its slot goes back when it is
+        collected."""
+        if self.live:
+            del self.live[data.draw(st.sampled_from(sorted(self.live)))]
+
+    @invariant()
+    def slots_are_their_histories_and_none_leaks(self) -> None:
+        table = self.table
+        holders = {r.request_id: r._penalty_counts for r in self.live.values()
+                   if r._penalty_counts is not None and r._penalty_counts.table is table}
+        assert table.in_use == len(holders), (
+            f"{table.in_use} slots in use, {len(holders)} live requests holding one ({sorted(holders)}): a slot leaked")
+        rows = [s.index for s in holders.values()]
+        assert len(set(rows)) == len(rows) and 0 not in rows, f"slots shared or row 0 given out: {rows}"
+        assert not table.counts[0].any(), "row 0, read by rows without penalties, is not zero"
+        for rid, slot in holders.items():
+            output = self.live[rid].output_token_ids[: slot.counted]
+            recount = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=VOCAB).int()
+            assert torch.equal(table.counts[slot.index], recount), (
+                f"{rid}'s slot counts {table.counts[slot.index].tolist()}; its {slot.counted} counted tokens "
+                f"{dict(Counter(output))} recount as {recount.tolist()}")
+            if slot.prompt_filled:
+                prompt = set(self.live[rid].prompt.token_ids)
+                assert table.prompt_seen[slot.index].nonzero().flatten().tolist() == sorted(prompt), (
+                    f"{rid}'s prompt plane is not its prompt's tokens {sorted(prompt)}")
+
+
+STEPS = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def spec_a_slot_counts_its_history_once_and_none_leaks() -> None:
+    run_state_machine_as_test(PenaltyCountsMachine, settings=STEPS)
