@@ -230,7 +230,8 @@ def test_decode_rows_scheduled_ahead_taken_for_non_sampling_is_caught(monkeypatc
 
 
 def test_a_lost_step_that_drops_its_plan_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Historical (found by review, session 27): a step that failed while it was built never ran its plan's moves."""
+    """Historical (found by review, session 27): a step that failed while it was built never ran its plan's moves.
+    Planted where a lost step's plan runs now (`lost_steps.settle_the_plan` asks the runner): it runs nothing."""
     from prism.engine.runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "run_plan_of_a_lost_step", lambda self, plan: None)

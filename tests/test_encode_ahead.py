@@ -354,9 +354,9 @@ def test_beside_the_decodes_the_encoding_ahead_is_launched_before_the_steps_deco
         order.append(f"encode {len(items)}")
         return encode_beside(items)
 
-    def step(slices, kv, media_ahead=(), **kwargs):
+    def step(slices, kv, plan, media_ahead=(), **kwargs):
         order.append(f"step {len(media_ahead)}")
-        return execute(slices, kv, media_ahead, **kwargs)
+        return execute(slices, kv, plan, media_ahead, **kwargs)
 
     monkeypatch.setattr(eng.runner, "encodes_beside_decodes", lambda: True)
     monkeypatch.setattr(eng.runner, "encode_beside_decodes", launched_first)

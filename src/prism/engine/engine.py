@@ -16,7 +16,7 @@ host work, `bench/host_chunk_steps.py`).
 
 (Over the guide's ~500 lines: the synchronous step, the launched-ahead step and the decisions' forks all change
 the same request, stream and KV state at the same points; the pieces that stand alone live in `continuation`,
-`inflight`, `request` and `sampler`.)
+`inflight`, `lost_steps`, `request` and `sampler`.)
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..decision.questions import readout
 from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
 from ..media.prepare import PreparedImage
+from . import lost_steps
 from .config import EngineConfig
 from .continuation import Continuation, plan_continuation, rows_scheduled_ahead, samples_at_launch
 from .detokenize import TextStream
@@ -56,7 +57,7 @@ from .sampler import make_generator, sample, take_rows, token_logprobs
 from .sampling import SamplingParams, SamplingParamsError
 from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
 from .step_payload import MediaWork
-from .tp_workers import Followers, TensorParallelFailure, build_rank_0_runner, launch_followers
+from .tp_workers import Followers, build_rank_0_runner, launch_followers
 
 log = logging.getLogger(__name__)
 
@@ -290,28 +291,20 @@ class Engine:
         self.stats.preemptions += len(out.preempted)
         for request, reason in out.failed:
             self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
-        if out.slices or not self.kv.plan.is_empty():
-            self._stamp_first_scheduled(out.slices)
-            try:
-                logits = self.runner.execute(out.slices, self.kv, out.media_ahead)
-            except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
-                self._stop_every_rank_under_tp(error)  # ... unless the ranks may now disagree
-                log.exception("step failed; failing its requests %s", [s.request.request_id for s in out.slices])
-                # The request whose media were encoded ahead fails with the step: its media may be the cause,
-                # and its own prefill must not fail another step's requests the same way.
-                self._fail_a_lost_step([s.request for s in out.slices] + out.media_ahead_requests, error)
-            else:
-                self._fail_a_failed_encoding_ahead(out)
-                self._commit(out.slices, logits)
-
-    def _stop_every_rank_under_tp(self, error: Exception) -> None:
-        """A step lost under TP may leave the ranks apart (a follower inside the collectives of a step rank 0 has
-        given up): stop every rank and raise `TensorParallelFailure`. With one rank, return: the caller fails the
-        step's requests and the engine goes on."""
-        if self._followers is not None:
-            failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)
-            self._followers.close(graceful=False)
-            raise failure from error
+        if not out.slices and self.kv.plan.is_empty():
+            return
+        self._stamp_first_scheduled(out.slices)
+        plan = self.kv.take_plan()
+        try:
+            logits = self.runner.execute(out.slices, self.kv, plan, out.media_ahead)
+        except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive (one rank)
+            # The request whose media were encoded ahead fails with the step: its media may be the cause,
+            # and its own prefill must not fail another step's requests the same way.
+            lost_steps.fail_a_lost_step(self, plan, [s.request for s in out.slices] + out.media_ahead_requests, error)
+            return
+        self.kv.finish_plan(plan)
+        self._fail_a_failed_encoding_ahead(out)
+        self._commit(out.slices, logits)
 
     def _stamp_first_scheduled(self, slices) -> None:
         now = time.perf_counter()
@@ -341,25 +334,6 @@ class Engine:
             self.runner.encode_ahead([MediaWork(image.digest, image.grid_thw, True, image.pixels)])
         except Exception:  # the request is not accepted yet: its prefill encodes the image, and fails it if need be
             log.exception("encoding an image while its request was prepared failed; its prefill will encode it")
-
-    def _fail_a_lost_step(self, requests: list[Request], error: Exception) -> None:
-        """Fail a lost step's requests. A transfer plan its runner never took (the step failed before: at the runner's
-        entry) runs as the runner runs a lost step's, its pages unpinned: left with the manager, it held them until
-        some later step, for ever on a server that went idle (`reproducers/lost_step_left_its_plan_pinned.py`).
-        Rank 0 alone runs it: only one rank is reached here, since under TP a lost step has already stopped every
-        rank (`_stop_every_rank_under_tp` raises), and a plan the followers never saw would set the ranks' KV apart.
-        The requests fail even if the plan does."""
-        assert self._followers is None, "a lost step under tensor parallelism must stop every rank first"
-        try:
-            if not self.kv.plan.is_empty() or self.kv.plan.pinned:
-                plan = self.kv.take_plan()
-                try:
-                    with torch.inference_mode():
-                        self.runner.run_plan_of_a_lost_step(plan)
-                finally:
-                    self.kv.finish_plan(plan)
-        finally:
-            self._fail(requests, error)
 
     def _fail(self, requests: list[Request], error: Exception) -> None:
         for request in requests:
@@ -416,17 +390,16 @@ class Engine:
         rows, chunk = continuation.rows, continuation.chunk
         slices = continuation.slices
         pending = {s.request.request_id for _, s in rows}
-        try:
-            logits = self.runner.execute_decode_rows(
-                [s for _, s in rows], self.kv, current.device_tokens_of([row for row, _ in rows]), chunk=chunk
-            ) if rows else None
-        except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
-            self._stop_every_rank_under_tp(error)
-            log.exception("step failed")
-            self._accept_tokens(current, pending)
-            self._fail_a_lost_step([s.request for s in slices], error)
-            return
+        logits = None
         if rows:
+            plan = self.kv.take_plan()  # (no moves: a continuation is planned only when the manager holds none)
+            try:
+                logits = self.runner.execute_decode_rows([s for _, s in rows], self.kv, plan,
+                                                         current.device_tokens_of([row for row, _ in rows]), chunk=chunk)
+            except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
+                lost_steps.fail_a_lost_step(self, plan, [s.request for s in slices], error, (current, pending))
+                return
+            self.kv.finish_plan(plan)
             self.stats.async_steps += 1
             self.stats.async_chunk_steps += chunk is not None
         launched = samples_at_launch(slices, pending)  # every decode row, then the chunk if it ends its prompt
@@ -484,19 +457,19 @@ class Engine:
         launched = samples_at_launch(slices, pending)  # before the tokens are read
         self._stamp_first_scheduled(slices)
         lead = slices[: len(pending)]  # the decode rows, in the scheduler's order
+        plan = self.kv.take_plan()
         try:
             if out.preempted or {s.request.request_id for s in lead} != set(pending):
                 raise RuntimeError("a step scheduled ahead must start with its decode rows and preempt no one")
             media_ahead = self._encode_ahead_first(out, current)
             token_ids = current.device_tokens_of([pending[s.request.request_id] for s in lead])
-            logits = self.runner.execute(slices, self.kv, media_ahead, pending=[s.request.request_id for s in lead],
-                                         token_ids=token_ids)
+            logits = self.runner.execute(slices, self.kv, plan, media_ahead,
+                                         pending=[s.request.request_id for s in lead], token_ids=token_ids)
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
-            self._stop_every_rank_under_tp(error)
-            log.exception("step failed")
-            self._accept_tokens(current, set(pending))
-            self._fail_a_lost_step([s.request for s in slices] + out.media_ahead_requests, error)
+            lost_steps.fail_a_lost_step(self, plan, [s.request for s in slices] + out.media_ahead_requests, error,
+                                        (current, set(pending)))
             return True
+        self.kv.finish_plan(plan)
         self.stats.async_steps += 1
         self.stats.scheduled_ahead_steps += 1
         self._accept_tokens(current, set(pending))
