@@ -1,5 +1,5 @@
 """A lost step: a model step that failed, wherever (at the runner's entry, or while it was built, published or run)
-and on whichever path (the scheduled step, or one launched ahead of the host by async scheduling).
+and on whichever path (the scheduled step, or one launched ahead of the host: `async_steps`).
 
 Owns *a failed step loses only its own requests* (invariant 5's executor half) and, for its transfer plan, *nothing
 is lost*. The engine takes each step's plan from the KV manager before it calls the runner and hands it in (a plan is

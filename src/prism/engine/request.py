@@ -23,6 +23,10 @@ import numpy as np
 from .penalties import TokenHistory, distinct_token_ids
 
 
+class RequestError(ValueError):
+    """A request that cannot be accepted (bad id, empty or too long prompt...)."""
+
+
 class RequestState(Enum):
     WAITING = "waiting"
     RUNNING = "running"
