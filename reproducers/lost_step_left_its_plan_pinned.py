@@ -2,8 +2,9 @@
 from the KV manager (`ModelRunner.execute` failing at its entry: its own checks, or the lost step planted by the
 server specs) failed its requests but left the plan with the manager, its pages pinned. Nothing ran it until the next
 step, so a server that then went idle held those pages for no request (`kv_cache_usage_perc` above 0 on an idle
-server, here a tail copy's two pages). Fixed when the engine runs a plan its lost step left as the runner runs a lost
-step's (`Engine._fail_a_lost_step`).
+server, here a tail copy's two pages). Fixed when the engine ran a plan its lost step left as the runner ran a lost
+step's; now the engine takes every step's plan before it calls the runner, and one function runs what of a lost step's
+plan did not run and unpins it (`lost_steps.fail_a_lost_step`).
 
 Here a prompt hits the cache with a tail copy, and the step that would compute it fails at the runner's entry."""
 
@@ -32,8 +33,8 @@ run_to_the_end()
 planned = []
 
 
-def fails_at_its_entry(slices, kv, *args, **kwargs):
-    planned.extend(kv.plan.copy_prefix)
+def fails_at_its_entry(slices, kv, plan, *args, **kwargs):
+    planned.extend(plan.copy_prefix)
     raise RuntimeError("a planted failure at the runner's entry")
 
 

@@ -3,7 +3,7 @@ had not read after its payload had gone to the follower. Rank 0 failed that step
 rank does, while the follower sat in the lost step's collectives: rank 0's next step met the follower in the wrong
 collective and failed only when it timed out ("Connection closed by peer" over gloo; on NCCL, whose collectives
 carry no tags, mismatched pairs). Fixed when such a failure stops every rank with `TensorParallelFailure` at once,
-as a scheduled step's failure under TP always did (`Engine._stop_every_rank_under_tp`).
+as a scheduled step's failure under TP always did (`lost_steps.stop_every_rank`).
 
 Two ranks over gloo on the CPU (the engine spawns rank 1), the tiny checkpoint, the graphs' rows run eagerly; rank
 0's graph step raises for rows fed device tokens, i.e. after the payload was published."""

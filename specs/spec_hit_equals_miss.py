@@ -56,8 +56,8 @@ def logits_of_each(llm: LLM, prompts: list[list[dict]]) -> tuple[list[torch.Tens
         rows.extend(logits[i].clone() for i, _ in enumerate([s for s in slices if s.sample]))
         return logits
 
-    def capture_decode_rows(slices, kv, token_ids, chunk=None):  # async steps: every row samples (one prompt: no chunk)
-        logits = execute_decode_rows(slices, kv, token_ids, chunk=chunk)
+    def capture_decode_rows(slices, kv, plan, token_ids, chunk=None):  # async steps: every row samples (one prompt)
+        logits = execute_decode_rows(slices, kv, plan, token_ids, chunk=chunk)
         rows.extend(row.clone() for row in logits)
         return logits
 

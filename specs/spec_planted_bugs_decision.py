@@ -19,13 +19,13 @@ def test_a_material_of_common_token_ids_is_caught(monkeypatch: pytest.MonkeyPatc
     of different pictures included."""
     import os
 
-    from prism.engine import engine as engine_module
+    from prism.engine import decision_forks
 
     def common_token_ids(branches):
         prompts = [b.prompt.token_ids for b in branches]
         return min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
 
-    monkeypatch.setattr(engine_module, "material_length", common_token_ids)
+    monkeypatch.setattr(decision_forks, "material_length", common_token_ids)  # looked up there
     # SequenceError: the KV manager's own guard (a fork's content must begin with its material's) caught it.
     _spec_fails(spec_decision_material.spec_each_question_reads_what_it_reads_alone,
                 "another picture|does not begin with", (AssertionError, SequenceError))

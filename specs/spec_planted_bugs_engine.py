@@ -197,8 +197,7 @@ def test_scheduling_ahead_without_the_pending_slots_is_caught(monkeypatch: pytes
     """Async admissions: the scheduler runs while a step is in flight only after each decode row's pending slot is
     reserved, so it sees a one-token decode for each. Planted: the slots are not reserved (the scheduler then finds
     nothing to compute for the decoding requests)."""
-    from prism.engine import continuation
-    from prism.engine import engine as engine_module
+    from prism.engine import async_steps, continuation
     from prism.engine.request import RequestState
     from specs import spec_async_scheduling
 
@@ -211,7 +210,7 @@ def test_scheduling_ahead_without_the_pending_slots_is_caught(monkeypatch: pytes
         skip = {r.request_id for _, r in rows if continuation.stops_by_length_after_next(r, max_model_len)}
         return [(i, r) for i, r in rows if r.request_id not in skip], skip
 
-    monkeypatch.setattr(engine_module, "rows_scheduled_ahead", without_pending_slots)
+    monkeypatch.setattr(async_steps, "rows_scheduled_ahead", without_pending_slots)  # looked up there
     _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
                 "async admissions changed the")
 
@@ -221,16 +220,17 @@ def test_decode_rows_scheduled_ahead_taken_for_non_sampling_is_caught(monkeypatc
     yet end at the request's last known token (`ScheduledSlice.sample` is false); it samples all the same, and its
     logits row must be counted. Planted: the rows that sample are judged by `sample` alone (found by review as a
     mapping no spec planted)."""
-    from prism.engine import engine as engine_module
+    from prism.engine import async_steps
     from specs import spec_async_scheduling
 
-    monkeypatch.setattr(engine_module, "samples_at_launch", lambda slices, pending: [s.sample for s in slices])
+    monkeypatch.setattr(async_steps, "samples_at_launch", lambda slices, pending: [s.sample for s in slices])
     _spec_fails(spec_async_scheduling.spec_async_admissions_give_the_tokens_of_scheduled_steps,
                 "async admissions changed the")
 
 
 def test_a_lost_step_that_drops_its_plan_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Historical (found by review, session 27): a step that failed while it was built never ran its plan's moves."""
+    """Historical (found by review, session 27): a step that failed while it was built never ran its plan's moves.
+    Planted where a lost step's plan runs now (`lost_steps.settle_the_plan` asks the runner): it runs nothing."""
     from prism.engine.runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "run_plan_of_a_lost_step", lambda self, plan: None)

@@ -1,5 +1,5 @@
 """Spec of *nothing is lost* over HTTP (`serving/app.py`, `serving/async_engine.py`, `serving/metrics.py`,
-`engine/engine.py` `_fail_a_lost_step`): one real server in a thread (the tiny checkpoint), driven by a stateful
+`engine/lost_steps.py` `fail_a_lost_step`): one real server in a thread (the tiny checkpoint), driven by a stateful
 machine whose rules are what clients do (`server_clients.py`): chat and text completions, decides, a client that
 leaves a stream after its first event, one that gives up before its answer, a decide whose client leaves before its
 answer, bodies the server refuses, images named by uuid (sent with it, by a refused request, named alone: known or
@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from prometheus_client.parser import text_string_to_metric_families
 
+from prism.engine import lost_steps
 from prism.engine.engine import Engine
 from prism.engine.inputs import InputProcessor
 from prism.engine.request import FinishReason
@@ -319,14 +320,14 @@ class NothingLost(RuleBasedStateMachine):
         pair = [replace(failing, may_fail=True),
                 replace(_one_choice(beside[0], "a failed step beside another", beside[1]), may_fail=True)]
         engine, lost = self.server.engine, []
-        fail_a_lost_step = engine._fail_a_lost_step
+        fail_a_lost_step = lost_steps.fail_a_lost_step
 
-        def failing_its_requests(requests, error) -> None:  # (those of its slices, and one whose media it encoded)
-            lost.extend(request.request_id for request in requests)
-            fail_a_lost_step(requests, error)
+        def failing_its_requests(on, plan, requests, error, *args) -> None:
+            lost.extend(request.request_id for request in requests)  # (its slices', and one whose media it encoded)
+            fail_a_lost_step(on, plan, requests, error, *args)
 
         before = self.expected[("request_success", "error")]
-        with (replaced(engine, "_fail_a_lost_step", failing_its_requests),
+        with (replaced(lost_steps, "fail_a_lost_step", failing_its_requests),  # looked up there by every step
               failing_at(engine.runner, "execute", RuntimeError("planted: a lost step"), at_call)):
             self._do(*pair)
         in_the_step = set(lost)
@@ -449,8 +450,9 @@ def test_a_non_streaming_client_left_running_is_caught(monkeypatch: pytest.Monke
 
 def test_a_lost_step_that_leaves_its_plan_pinned_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by this spec (reproducers/lost_step_left_its_plan_pinned.py): a step lost before the runner took its
-    transfer plan failed its requests and left the plan's pages pinned, on an idle server for good."""
-    monkeypatch.setattr(Engine, "_fail_a_lost_step", Engine._fail)
+    transfer plan failed its requests and left the plan's pages pinned, on an idle server for good. Planted where a
+    lost step's plan is settled now (the engine takes every step's plan): it is neither run nor unpinned."""
+    monkeypatch.setattr(lost_steps, "settle_the_plan", lambda engine, plan: None)  # looked up by fail_a_lost_step
     _machine_fails("KV pages held not only by the prefix cache")
 
 
@@ -496,7 +498,7 @@ def test_an_abandoned_decide_left_to_run_is_caught(monkeypatch: pytest.MonkeyPat
 def test_a_lost_step_failing_one_of_its_requests_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lost step that fails only the first of its requests: the others go on from a step never computed (the
     pair's other client gets an answer rather than the internal error)."""
-    fail_a_lost_step = Engine._fail_a_lost_step
-    monkeypatch.setattr(Engine, "_fail_a_lost_step", lambda self, requests, error: fail_a_lost_step(
-        self, requests[:1], error))
+    fail_a_lost_step = lost_steps.fail_a_lost_step
+    monkeypatch.setattr(lost_steps, "fail_a_lost_step", lambda engine, plan, requests, error, *args: fail_a_lost_step(
+        engine, plan, requests[:1], error, *args))
     _machine_fails("of its clients failed")

@@ -251,7 +251,7 @@ def test_a_failed_encoding_ahead_fails_its_request_and_not_the_decodes(monkeypat
 
 
 def test_a_failed_encoding_launched_before_the_decode_rows_fails_its_request_only(monkeypatch):
-    """The same where the encoding ahead is launched before a step scheduled ahead (`Engine._encode_ahead_first`)."""
+    """The same where the encoding ahead is launched before a step scheduled ahead (`async_steps.encode_ahead_first`)."""
     got, want, cold = decodes_beside_a_failing_encoding(monkeypatch, encoding_first=True)
     assert got == want, "the decoders must finish as if the cold request had never come"
     assert cold.is_finished and cold.finish_reason.value == "error" and "planted vision failure" in cold.error
@@ -354,9 +354,9 @@ def test_beside_the_decodes_the_encoding_ahead_is_launched_before_the_steps_deco
         order.append(f"encode {len(items)}")
         return encode_beside(items)
 
-    def step(slices, kv, media_ahead=(), **kwargs):
+    def step(slices, kv, plan, media_ahead=(), **kwargs):
         order.append(f"step {len(media_ahead)}")
-        return execute(slices, kv, media_ahead, **kwargs)
+        return execute(slices, kv, plan, media_ahead, **kwargs)
 
     monkeypatch.setattr(eng.runner, "encodes_beside_decodes", lambda: True)
     monkeypatch.setattr(eng.runner, "encode_beside_decodes", launched_first)

@@ -242,10 +242,10 @@ def test_async_chunks_launch_the_scheduled_chunks_early_and_change_no_token(ckpt
                           if s.request.request_id == "late" and s.start < s.request.num_prompt_tokens)
             return execute(slices, kv, *rest, **kwargs)
 
-        def recording_rows(slices, kv, token_ids, chunk=None):
+        def recording_rows(slices, kv, plan, token_ids, chunk=None):
             if chunk is not None:
                 chunks.append((chunk.start, chunk.end))
-            return execute_decode_rows(slices, kv, token_ids, chunk=chunk)
+            return execute_decode_rows(slices, kv, plan, token_ids, chunk=chunk)
 
         runner.execute, runner.execute_decode_rows = recording, recording_rows
         for i in range(2):
@@ -293,10 +293,10 @@ def test_async_admissions_schedule_waiting_requests_while_a_step_runs(ckpt, pack
             chunks.extend((s.request.request_id, s.start, s.end) for s in slices if s.start < s.request.num_prompt_tokens)
             return execute(slices, kv, *rest, **kwargs)
 
-        def recording_rows(slices, kv, token_ids, chunk=None):
+        def recording_rows(slices, kv, plan, token_ids, chunk=None):
             if chunk is not None:
                 chunks.append((chunk.request.request_id, chunk.start, chunk.end))
-            return execute_decode_rows(slices, kv, token_ids, chunk=chunk)
+            return execute_decode_rows(slices, kv, plan, token_ids, chunk=chunk)
 
         runner.execute, runner.execute_decode_rows = recording, recording_rows
         return [c.token_ids for c in llm.generate(prompts, params)], chunks

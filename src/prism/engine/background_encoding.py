@@ -9,7 +9,7 @@ passed its GPU test in session 14.) W4 on the H200: the step that encoded 8 imag
 encoder's kernels (16.5 ms), so the gap became 16-17 ms, and the cold request's TTFT grew 2-12 ms (session 13).
 
 In a step scheduled ahead (async scheduling), the engine launches the encoding before the step's decode rows,
-which then wait on the host as below (`Engine._encode_ahead_first`, session 20); in a step scheduled after the
+which then wait on the host as below (`async_steps.encode_ahead_first`, session 20); in a step scheduled after the
 tokens were read, the runner queues it after the step's forwards (session 15: the decodes' kernels then reach
 the SMs first; W4's longest gap 21.8 -> 17.7-18.2 ms). Its stream waits only for the main stream's last vision
 work, not for the step running there (session 20: waiting for everything queued before the step's forwards

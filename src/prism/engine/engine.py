@@ -5,18 +5,10 @@ the runner executes them, and only then are the computed slices published to the
 sampled tokens appended, and events emitted. Owns *exactly one terminal event per accepted request*
 (invariant 9): finishing goes through `_finish`, which releases the request's KV and emits it.
 
-Async scheduling (`EngineConfig.async_scheduling`): a step's sampled tokens stay on the device
-(`inflight.InflightStep`) while, when nothing else needs scheduling, the next decode step of the same
-sequences is launched on them; the host then reads and commits the first step's tokens while the second
-runs. A sequence that stopped on the token the host just read has one wasted row, dropped. When the one
-request not decoding is the youngest and still in its prompt (a prompt interleaved beside decodes), the
-launched step also carries its next chunk, the one the scheduler would give it: a chunk step's host work
-then overlaps the previous step's device time instead of following it (W4: each chunk step waited 2-3 ms of
-host work, `bench/host_chunk_steps.py`).
-
-(Over the guide's ~500 lines: the synchronous step, the launched-ahead step and the decisions' forks all change
-the same request, stream and KV state at the same points; the pieces that stand alone live in `continuation`,
-`inflight`, `request` and `sampler`.)
+A step's sampled tokens stay on the device (`inflight.InflightStep`) until the host commits them
+(`_accept_tokens`), with async scheduling after the next step was launched on them (`async_steps`). The engine
+takes each step's transfer plan from the KV manager and hands it to the runner; a step that fails is lost alone,
+its plan still run (`lost_steps`). A decision's questions fork from their material (`decision_forks`).
 """
 
 from __future__ import annotations
@@ -25,8 +17,6 @@ import logging
 import sys
 import time
 import weakref
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +27,8 @@ from ..decision.questions import readout
 from ..distributed.tensor_parallel import TPGroup
 from ..kv.manager import KVCacheManager
 from ..media.prepare import PreparedImage
+from . import async_steps, decision_forks, lost_steps
 from .config import EngineConfig
-from .continuation import Continuation, plan_continuation, rows_scheduled_ahead, samples_at_launch
 from .detokenize import TextStream
 from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
@@ -47,16 +37,16 @@ from .request import (
     Branch,
     FinishReason,
     Request,
+    RequestError,
     RequestOutput,
     RequestState,
     TokenLogprobs,
-    material_length,
 )
 from .sampler import make_generator, sample, take_rows, token_logprobs
 from .sampling import SamplingParams, SamplingParamsError
 from .scheduler import ScheduledSlice, Scheduler, SchedulerOutput
 from .step_payload import MediaWork
-from .tp_workers import Followers, TensorParallelFailure, build_rank_0_runner, launch_followers
+from .tp_workers import Followers, build_rank_0_runner, launch_followers
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +55,6 @@ class EngineStopped(RuntimeError):
     """The engine can serve no more requests (its tensor-parallel ranks were stopped): a server answers 503."""
 
     status = 503
-
-
-class RequestError(ValueError):
-    """A request that cannot be accepted (bad id, empty or too long prompt...)."""
 
 
 @dataclass
@@ -277,7 +263,7 @@ class Engine:
         when nothing else needs scheduling, and commit it; its events return at once, before any step that must be scheduled (running
         one first would hold them back behind it: a longer gap between tokens)."""
         if self._inflight is not None:
-            self._advance_inflight()
+            async_steps.advance_inflight(self)
         else:
             self._scheduled_step()
         if self.config.check_invariants:
@@ -290,28 +276,20 @@ class Engine:
         self.stats.preemptions += len(out.preempted)
         for request, reason in out.failed:
             self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
-        if out.slices or not self.kv.plan.is_empty():
-            self._stamp_first_scheduled(out.slices)
-            try:
-                logits = self.runner.execute(out.slices, self.kv, out.media_ahead)
-            except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive
-                self._stop_every_rank_under_tp(error)  # ... unless the ranks may now disagree
-                log.exception("step failed; failing its requests %s", [s.request.request_id for s in out.slices])
-                # The request whose media were encoded ahead fails with the step: its media may be the cause,
-                # and its own prefill must not fail another step's requests the same way.
-                self._fail_a_lost_step([s.request for s in out.slices] + out.media_ahead_requests, error)
-            else:
-                self._fail_a_failed_encoding_ahead(out)
-                self._commit(out.slices, logits)
-
-    def _stop_every_rank_under_tp(self, error: Exception) -> None:
-        """A step lost under TP may leave the ranks apart (a follower inside the collectives of a step rank 0 has
-        given up): stop every rank and raise `TensorParallelFailure`. With one rank, return: the caller fails the
-        step's requests and the engine goes on."""
-        if self._followers is not None:
-            failure = error if isinstance(error, TensorParallelFailure) else self._followers.failure(error)
-            self._followers.close(graceful=False)
-            raise failure from error
+        if not out.slices and self.kv.plan.is_empty():
+            return
+        self._stamp_first_scheduled(out.slices)
+        plan = self.kv.take_plan()
+        try:
+            logits = self.runner.execute(out.slices, self.kv, plan, out.media_ahead)
+        except Exception as error:  # the step is lost: fail its requests loudly, keep the engine alive (one rank)
+            # The request whose media were encoded ahead fails with the step: its media may be the cause,
+            # and its own prefill must not fail another step's requests the same way.
+            lost_steps.fail_a_lost_step(self, plan, [s.request for s in out.slices] + out.media_ahead_requests, error)
+            return
+        self.kv.finish_plan(plan)
+        self._fail_a_failed_encoding_ahead(out)
+        self._commit(out.slices, logits)
 
     def _stamp_first_scheduled(self, slices) -> None:
         now = time.perf_counter()
@@ -342,34 +320,11 @@ class Engine:
         except Exception:  # the request is not accepted yet: its prefill encodes the image, and fails it if need be
             log.exception("encoding an image while its request was prepared failed; its prefill will encode it")
 
-    def _fail_a_lost_step(self, requests: list[Request], error: Exception) -> None:
-        """Fail a lost step's requests. A transfer plan its runner never took (the step failed before: at the runner's
-        entry) runs as the runner runs a lost step's, its pages unpinned: left with the manager, it held them until
-        some later step, for ever on a server that went idle (`reproducers/lost_step_left_its_plan_pinned.py`).
-        Rank 0 alone runs it: only one rank is reached here, since under TP a lost step has already stopped every
-        rank (`_stop_every_rank_under_tp` raises), and a plan the followers never saw would set the ranks' KV apart.
-        The requests fail even if the plan does."""
-        assert self._followers is None, "a lost step under tensor parallelism must stop every rank first"
-        try:
-            if not self.kv.plan.is_empty() or self.kv.plan.pinned:
-                plan = self.kv.take_plan()
-                try:
-                    with torch.inference_mode():
-                        self.runner.run_plan_of_a_lost_step(plan)
-                finally:
-                    self.kv.finish_plan(plan)
-        finally:
-            self._fail(requests, error)
-
-    def _fail(self, requests: list[Request], error: Exception) -> None:
-        for request in requests:
-            if not request.is_finished:
-                self._finish(request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
-
+    # -- committing a step -----------------------------------------------------------------------
     def _commit(self, slices, logits: torch.Tensor) -> None:
         rows = logits_rows([s.sample for s in slices])
         if self._publish_and_sample(list(zip(slices, rows, strict=True)), logits):
-            self._advance_inflight()
+            async_steps.advance_inflight(self)
 
     def _publish_and_sample(self, computed: list[tuple[ScheduledSlice, int | None]], logits: torch.Tensor) -> bool:
         """Publish each computed slice, then act on the sampling ones' logits rows: a decision's material spawns
@@ -382,7 +337,7 @@ class Engine:
             if row is None:
                 continue
             if s.request.branches is not None:
-                self._spawn_branches(s.request)
+                decision_forks.spawn_branches(self, s.request)
             elif s.request.readout_candidates is not None:
                 request = s.request
                 request.readout = readout(logits[row], request.readout_candidates, request.readout_temperature)
@@ -401,119 +356,12 @@ class Engine:
         return sample(logits, [r.params for r in requests], [self._generators.get(r.request_id) for r in requests],
                       [r.token_history() if r.params.has_penalties else None for r in requests])
 
-    # -- async scheduling --------------------------------------------------------------------------
-    def _advance_inflight(self) -> None:
-        """Launch the next step of the in-flight step's sequences when nothing else needs scheduling (their
-        decode rows, and the next prefill chunk of the one request still in its prompt), then commit the
-        in-flight step's tokens (waiting for them, not for the launch); the launched step becomes the one in
-        flight."""
-        assert self._inflight is not None
-        self._await_encoding_ahead(self._inflight)  # (still in flight if the wait raises: nothing is lost)
-        current, self._inflight = self._inflight, None
-        continuation = self._continuation_of(current)
-        if not continuation.rows and self._schedules_ahead(current):
-            return
-        rows, chunk = continuation.rows, continuation.chunk
-        slices = continuation.slices
-        pending = {s.request.request_id for _, s in rows}
-        try:
-            logits = self.runner.execute_decode_rows(
-                [s for _, s in rows], self.kv, current.device_tokens_of([row for row, _ in rows]), chunk=chunk
-            ) if rows else None
-        except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
-            self._stop_every_rank_under_tp(error)
-            log.exception("step failed")
-            self._accept_tokens(current, pending)
-            self._fail_a_lost_step([s.request for s in slices], error)
-            return
-        if rows:
-            self.stats.async_steps += 1
-            self.stats.async_chunk_steps += chunk is not None
-        launched = samples_at_launch(slices, pending)  # every decode row, then the chunk if it ends its prompt
-        self._accept_tokens(current, pending)
-        self._commit_live(slices, launched, logits)
-
-    def _await_encoding_ahead(self, current: InflightStep) -> None:
-        """A waiting request whose media encode beside the decodes is admitted once that encoding has finished. Asked
-        when the next step is scheduled, a step ahead of the device, that costs a step (W4 on the H200: the prefill
-        began 9 ms after the encoding ended); so wait until the encoding ends, or the step in flight and then the
-        configured pause do (the encoder alone on the device meanwhile), whichever first. Async scheduling only:
-        scheduled after the tokens are read, a step is not ahead of the device."""
-        if not self.config.async_scheduling or self.config.deterministic or self._followers is not None:
-            return
-        if any(r.media_sent_ahead for r in self.scheduler.waiting) and self.runner.encoding_in_background():
-            self.runner.encoding_finished_before(current.ready, self.config.encode_ahead_decode_pause_ms / 1e3)
-
-    def _encode_ahead_first(self, out: SchedulerOutput, current: InflightStep) -> Sequence:
-        """Beside the decodes, the step's encoding ahead is launched before its decode rows, which wait as they would
-        for an encoding already running (`_await_encoding_ahead`): the encoder starts alone on the device. The media
-        left for the step to encode (none then)."""
-        if not out.media_ahead or not self.runner.encodes_beside_decodes():
-            return out.media_ahead
-        self.runner.encode_beside_decodes(out.media_ahead)
-        self._fail_a_failed_encoding_ahead(out)  # taken now: the step's run clears it
-        self._await_encoding_ahead(current)
-        return ()
-
     def _commit_live(self, slices, launched: list[bool], logits: torch.Tensor | None) -> None:
         """Commit a step launched before `_accept_tokens` read the tokens it was fed: its slices whose requests
         are still live, each sampling slice (`launched`, as judged at launch) taking its logits row."""
         rows = logits_rows(launched)
         self._publish_and_sample([(s, r) for s, r in zip(slices, rows, strict=True) if not s.request.is_finished],
                                  logits)
-
-    def _schedules_ahead(self, current: InflightStep) -> bool:
-        """Requests wait to be admitted: schedule the next step now, its decode rows fed `current`'s tokens on the
-        device, launch it, then commit `current` (waiting for its tokens, not for the launch) and the launched
-        step; whether it did (`continuation.rows_scheduled_ahead` says when it may)."""
-        if not self._schedules_async() or not self.config.async_admissions or self.config.deterministic:
-            return False
-        found = rows_scheduled_ahead(current, self.scheduler, self.kv, self.max_model_len)
-        if found is None:
-            return False
-        rows, skip = found
-        pending = {r.request_id: i for i, r in rows}
-        try:  # the live rows decode in this step: the scheduler must not wait for their tokens to know it
-            out = self.scheduler.schedule(skip=skip, decoding=True, preempt=False)
-        except Exception:  # a bug: commit the step in flight (its pending slots filled) before it surfaces
-            self._accept_tokens(current, set(pending))
-            raise
-        for request, reason in out.failed:
-            self._finish(request, FinishReason.ERROR, reason, keep_kv=False)
-        slices = out.slices
-        launched = samples_at_launch(slices, pending)  # before the tokens are read
-        self._stamp_first_scheduled(slices)
-        lead = slices[: len(pending)]  # the decode rows, in the scheduler's order
-        try:
-            if out.preempted or {s.request.request_id for s in lead} != set(pending):
-                raise RuntimeError("a step scheduled ahead must start with its decode rows and preempt no one")
-            media_ahead = self._encode_ahead_first(out, current)
-            token_ids = current.device_tokens_of([pending[s.request.request_id] for s in lead])
-            logits = self.runner.execute(slices, self.kv, media_ahead, pending=[s.request.request_id for s in lead],
-                                         token_ids=token_ids)
-        except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
-            self._stop_every_rank_under_tp(error)
-            log.exception("step failed")
-            self._accept_tokens(current, set(pending))
-            self._fail_a_lost_step([s.request for s in slices] + out.media_ahead_requests, error)
-            return True
-        self.stats.async_steps += 1
-        self.stats.scheduled_ahead_steps += 1
-        self._accept_tokens(current, set(pending))
-        self._fail_a_failed_encoding_ahead(out)
-        self._commit_live(slices, launched, logits)
-        return True
-
-    def _schedules_async(self) -> bool:
-        """Whether steps may be launched on tokens no host has read: async scheduling, and under TP only with
-        `tensor_parallel_async_scheduling` (the followers then take those tokens from rank 0)."""
-        return self.config.async_scheduling and (
-            self._followers is None or self.config.tensor_parallel_async_scheduling)
-
-    def _continuation_of(self, current: InflightStep) -> Continuation:
-        if not self._schedules_async():
-            return Continuation([])
-        return plan_continuation(current, self.scheduler, self.kv, self.runner, self.max_model_len)
 
     def _accept_tokens(self, step: InflightStep, pending: set[str]) -> None:
         """Commit `step`'s sampled tokens: append (or fill the pending slot of a continued sequence), stream,
@@ -557,46 +405,8 @@ class Engine:
         """Questions over one material: the shared prefix of the branch prompts is prefilled once as a
         material request; when it is computed every branch forks from it (sharing its pages, copying
         on write) and computes only its question, all in the same steps. Returns the branch request ids,
-        whose terminal events carry the readout."""
-        if not branches:
-            raise RequestError("a decision needs at least one question")
-        uses = Counter(b.request_id for b in branches)
-        material_id = f"{decision_id}/material"
-        if len(branches) > 1 and self._id_in_use(material_id):
-            raise RequestError(f"request id {material_id!r} is already in use")
-        for b in branches:  # all checked before any is added: a refused decision leaves nothing running
-            if self._id_in_use(b.request_id) or uses[b.request_id] > 1:
-                raise RequestError(f"request id {b.request_id!r} is already in use")
-            self._check_prompt(b.prompt, f"the prompt of {b.request_id!r}")
-        shared = material_length(branches)
-        self.inputs.bind_names(*(b.prompt for b in branches))  # accepted: their image uuids name their images now
-        if len(branches) == 1 or shared == 0:
-            for b in branches:
-                self.add_readout_request(b.request_id, b.prompt, b.candidates, b.temperature)
-            return [b.request_id for b in branches]
-        material = self.add_request(material_id, branches[0].prompt.prefix(shared),
-                                    SamplingParams(max_tokens=1))
-        material.branches = list(branches)
-        self._unspawned.update((b.request_id, material) for b in branches)
-        return [b.request_id for b in branches]
-
-    def _spawn_branches(self, material: Request) -> None:
-        """The material is computed: fork each branch from it, then let the material go (its pages stay
-        referenced by the branches, and by the prefix cache)."""
-        assert material.branches is not None
-        for b in material.branches:
-            del self._unspawned[b.request_id]
-            # The question's own tokens and media (an image of its own after the material) are its KV's content.
-            self.kv.fork(material.request_id, b.request_id, b.prompt.kv_content())
-            branch = Request(b.request_id, b.prompt, SamplingParams(max_tokens=1), material.arrival_order)
-            branch.readout_candidates = b.candidates
-            branch.readout_temperature = b.temperature
-            branch.cached_tokens = material.cached_tokens
-            branch.transition(RequestState.RUNNING)
-            self.requests[b.request_id] = branch
-            self._streams[b.request_id] = TextStream(self.inputs.tokenizer, branch.params, b.prompt.token_ids)
-            self.scheduler.running.append(branch)
-        self._finish(material, FinishReason.STOP)
+        whose terminal events carry the readout (`decision_forks`)."""
+        return decision_forks.add_decision(self, decision_id, branches)
 
     # -- ending ----------------------------------------------------------------------------------
     def _finish(
@@ -621,6 +431,12 @@ class Engine:
         for b in request.branches or ():  # a material that ends before its questions were forked ends them
             if self._unspawned.get(b.request_id) is request:
                 self._end_question(b, request, reason, error)
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        """End `requests` (those not ended yet) with an error naming `error`."""
+        for request in requests:
+            if not request.is_finished:
+                self._finish(request, FinishReason.ERROR, f"{type(error).__name__}: {error}", keep_kv=False)
 
     def _last_text(self, request: Request, reason: FinishReason) -> tuple[str, FinishReason]:
         """The text `request`'s stream still holds, released as the request ends for `reason`, and the reason it ends

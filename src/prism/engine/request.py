@@ -24,6 +24,10 @@ from .penalties import TokenHistory, distinct_token_ids
 from .penalty_counts import CountsSlot
 
 
+class RequestError(ValueError):
+    """A request that cannot be accepted (bad id, empty or too long prompt...)."""
+
+
 class RequestState(Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -180,17 +180,19 @@ class ModelRunner:
         return text.num_attention_heads * self.layout.num_kv_heads // text.num_key_value_heads
 
     @torch.inference_mode()
-    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence = (),
-                pending: Collection[str] = (), token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the pending transfer plan and the model over `slices`; fp32 logits of the sampling slices.
+    def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, plan: TransferPlan,
+                media_ahead: Sequence = (), pending: Collection[str] = (),
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the step's transfer plan (taken from `kv` by the engine, which finishes it, and runs it if the step
+        fails before it ran: `lost_steps`) and the model over `slices`; fp32 logits of the sampling slices.
         `media_ahead`: media items to encode into the encoder cache this step for a prefill of the next one.
         `pending` (async scheduling): the requests whose slice is one decode row fed `token_ids[i]` (on rank 0's
         device, sampled by the step still running) instead of a token the host has read; those rows come first, in
         order, and sample. Under TP the followers take those tokens from rank 0 (`run`)."""
-        return self._execute(slices, kv, media_ahead, pending, token_ids)
+        return self._execute(slices, kv, plan, media_ahead, pending, token_ids)
 
-    def _execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, media_ahead: Sequence,
-                 pending: Collection[str], token_ids: torch.Tensor | None) -> torch.Tensor:
+    def _execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, plan: TransferPlan,
+                 media_ahead: Sequence, pending: Collection[str], token_ids: torch.Tensor | None) -> torch.Tensor:
         """`execute`, also for `execute_decode_rows`' steps with a chunk (not through the attribute: what wraps
         `execute` sees the scheduler's steps only)."""
         if pending:
@@ -200,23 +202,13 @@ class ModelRunner:
             if (token_ids is None or token_ids.numel() != len(pending) or any(s.end - s.start != 1 for s in lead)
                     or {s.request.request_id for s in lead} != set(pending)):
                 raise ValueError("rows fed device tokens must be the step's first, one token and one id each")
-        plan = kv.take_plan()
-        try:
-            try:
-                payload = self.prepare(plan, slices, kv, media_ahead, pending)
-            except BaseException:
-                self.run_plan_of_a_lost_step(plan)
-                raise
-            if self.publish is not None:
-                self.publish(payload)
-            return self.run(payload, token_ids if pending else None)
-        finally:
-            kv.finish_plan(plan)
+        payload = self.prepare(plan, slices, kv, media_ahead, pending)
+        if self.publish is not None:
+            self.publish(payload)
+        return self.run(payload, token_ids if pending else None)
 
     def run_plan_of_a_lost_step(self, plan: TransferPlan) -> None:
-        """The moves of a step that failed before it ran. The manager counts them as done: a request the plan swaps
-        out is not one of the step's requests, so it is not failed with it, and would resume from CPU pages that
-        never received its KV (`specs/spec_failed_steps.py`)."""
+        """The moves of a step that failed before it ran them (`lost_steps.fail_a_lost_step` asks, on rank 0 alone)."""
         execute_plan(plan, self.gpu_pool, self.cpu_pool)
 
     # -- rank 0: building the payload ------------------------------------------------------------
@@ -309,6 +301,7 @@ class ModelRunner:
 
     def _run(self, payload: StepPayload, token_ids: torch.Tensor | None) -> torch.Tensor:
         self._encode_ahead_failure = None
+        payload.plan.executed = True  # before its first move: a lost step runs it only if not (`lost_steps`)
         execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
         if not payload.forwards:
             return torch.empty(0)
@@ -407,17 +400,17 @@ class ModelRunner:
                 and self.packed.fits(num_rows + chunk_tokens, num_rows + 1, max_context))
 
     @torch.inference_mode()
-    def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager, token_ids: torch.Tensor,
-                            chunk: ScheduledSlice | None = None) -> torch.Tensor:
+    def execute_decode_rows(self, slices: list[ScheduledSlice], kv: KVCacheManager, plan: TransferPlan,
+                            token_ids: torch.Tensor, chunk: ScheduledSlice | None = None) -> torch.Tensor:
         """Async scheduling: a decode step whose input tokens the host has not seen. Slice i computes position
         `start` of its sequence with input `token_ids[i]` (on the device: sampled by the step still running),
         replayed as graph rows; with `chunk` (a prefill chunk, its tokens known), the rows and the chunk after
         them replay the packed graphs. Under TP the step goes to the followers as a payload, and every rank takes
         the tokens from rank 0 (`run`). fp32 logits, one row per slice, then the chunk's if it samples. The KV
-        manager holds a pending token at each row's position and no transfer."""
+        manager holds a pending token at each row's position, and the step's plan (taken by the engine) no transfer."""
         if (self.graphs if chunk is None else self.packed) is None:
             raise RuntimeError("a step with device tokens needs the CUDA graphs")
-        if not kv.plan.is_empty():
+        if not plan.is_empty():
             raise RuntimeError("a step with device tokens cannot run a transfer plan")
         if any(s.end - s.start != 1 for s in slices):
             raise ValueError("only one-token decode rows take device tokens")
@@ -425,9 +418,9 @@ class ModelRunner:
             context = max(s.end for s in [*slices, chunk])
             if not self.replays_chunk_beside_rows(len(slices), chunk.end - chunk.start, context):
                 raise ValueError("decode rows and a chunk with device tokens must fit the captured packed graphs")
-            return self._execute([*slices, chunk], kv, (), [s.request.request_id for s in slices], token_ids)
+            return self._execute([*slices, chunk], kv, plan, (), [s.request.request_id for s in slices], token_ids)
         if self.publish is not None:  # the followers need the step as a payload
-            return self._execute(slices, kv, (), [s.request.request_id for s in slices], token_ids)
+            return self._execute(slices, kv, plan, (), [s.request.request_id for s in slices], token_ids)
         # The hot path (every decode step of one rank): its rows built here, without a payload.
         pieces = [
             PieceInput([0], token_positions(s.request, s.start, s.end), s.start, s.end, 0,

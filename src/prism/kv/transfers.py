@@ -43,6 +43,9 @@ class TransferPlan:
     copy_prefix: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, rows), gpu
     copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), gpu
     pinned: list[Slot] = field(default_factory=list)  # pages the plan touches, referenced until it has run
+    # Set by the runner as its step begins the moves: a lost step's plan runs only if its step did not run it, even
+    # partly (a move run twice is not snapshot semantics: `engine/lost_steps.py`). A rank receiving a plan has not.
+    executed: bool = field(default=False, init=False, repr=False, compare=False)
     # What `add` checks a new move against, kept as moves are added so that a plan of n moves is built in O(n)
     # (rechecking the whole plan per move took 3.7 s for one 2,048-page swap): the latest rank each slot is read
     # at, and the rank each slot is written at, for the first `_checked` moves. Derived from the move lists, never
@@ -54,7 +57,7 @@ class TransferPlan:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_read_rank={}, _write_rank={}, _checked=0)
+        state.update(_read_rank={}, _write_rank={}, _checked=0, executed=False)
         return state
 
     def _num_moves(self) -> int:

@@ -1,0 +1,71 @@
+"""A lost step: a model step that failed, wherever (at the runner's entry, or while it was built, published or run)
+and on whichever path (the scheduled step, or one launched ahead of the host: `async_steps`).
+
+Owns *a failed step loses only its own requests* (invariant 5's executor half) and, for its transfer plan, *nothing
+is lost*. The engine takes each step's plan from the KV manager before it calls the runner and hands it in (a plan is
+never left with the manager), and `fail_a_lost_step` is the one place a lost step is handled:
+- what of the plan its step did not run runs now (`TransferPlan.executed`): the manager counts the moves as done, and
+  a request the plan swapped out is not one of the step's, so it is not failed with it and would resume from CPU pages
+  that never received its KV (`specs/spec_failed_steps.py`);
+- the plan's pages are unpinned: left pinned, they were held for no request, for good on a server gone idle
+  (`specs/spec_server_nothing_lost.py`, `reproducers/lost_step_left_its_plan_pinned.py`);
+- the step's requests fail, all of them, even if running the plan failed; a step launched ahead of the one in flight
+  lets that one commit first (its tokens were sampled: they stream).
+Under tensor parallelism a lost step may leave the ranks apart (a follower inside the collectives of a step rank 0
+gave up): every rank stops and `TensorParallelFailure` is raised instead. The plan is then only unpinned: run on rank
+0 alone, which the followers never did, it would set the ranks' KV apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kv.transfers import TransferPlan
+from .inflight import InflightStep
+from .tp_workers import Followers, TensorParallelFailure
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .request import Request
+
+log = logging.getLogger(__name__)
+
+
+def fail_a_lost_step(engine: Engine, plan: TransferPlan, requests: list[Request], error: Exception,
+                     in_flight: tuple[InflightStep, set[str]] | None = None) -> None:
+    """The step that ran `plan` (taken from the KV manager for it) failed with `error`: stop every rank under TP
+    (raises), else commit `in_flight` (the step in flight and its requests whose next row the lost step held), run
+    and unpin the plan (`settle_the_plan`), and fail `requests`."""
+    if engine._followers is not None:
+        engine.kv.finish_plan(plan)
+        stop_every_rank(engine._followers, error)
+    log.exception("step failed; failing its requests %s", [r.request_id for r in requests])
+    try:
+        if in_flight is not None:
+            engine._accept_tokens(*in_flight)
+    finally:
+        try:
+            settle_the_plan(engine, plan)
+        finally:
+            engine._fail(requests, error)
+
+
+def settle_the_plan(engine: Engine, plan: TransferPlan) -> None:
+    """Run what of a lost step's plan its step did not run (rank 0 alone: one rank), then unpin its pages."""
+    try:
+        if not plan.executed and not plan.is_empty():
+            with torch.inference_mode():
+                engine.runner.run_plan_of_a_lost_step(plan)
+    finally:
+        engine.kv.finish_plan(plan)
+
+
+def stop_every_rank(followers: Followers, error: Exception) -> None:
+    """Stop every tensor-parallel rank after a lost step and raise `TensorParallelFailure` (`error` itself when it is
+    one: a follower's death, named)."""
+    failure = error if isinstance(error, TensorParallelFailure) else followers.failure(error)
+    followers.close(graceful=False)
+    raise failure from error
