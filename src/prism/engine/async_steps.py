@@ -10,7 +10,8 @@ carries that prompt's next chunk, the one the scheduler would give it: a chunk s
 previous step's device time instead of following it (W4: each chunk step waited 2-3 ms of host work,
 `bench/host_chunk_steps.py`). With `async_admissions`, when requests wait, the scheduler itself schedules the step
 ahead (`continuation.rows_scheduled_ahead`). A sequence that stopped on the token the host just read has one wasted
-row, dropped. A launched step that fails is lost alone: the step in flight commits first (`lost_steps`).
+row, dropped. A launched step that fails is lost alone: the step in flight commits first (`lost_steps`; under tensor
+parallelism every rank stops instead).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def advance_inflight(engine: Engine) -> None:
         except Exception as error:  # the launched step is lost, the one in flight is not: commit it, then fail
             lost_steps.fail_a_lost_step(engine, plan, [s.request for s in slices], error, (current, pending))
             return
+        except BaseException:  # interrupted: the plan is settled all the same, then the interrupt goes on
+            lost_steps.settle_after_an_interrupt(engine, plan)
+            raise
         engine.kv.finish_plan(plan)
         engine.stats.async_steps += 1
         engine.stats.async_chunk_steps += chunk is not None
@@ -118,6 +122,9 @@ def schedules_ahead(engine: Engine, current: InflightStep) -> bool:
         lost_steps.fail_a_lost_step(engine, plan, [s.request for s in slices] + out.media_ahead_requests, error,
                                     (current, set(pending)))
         return True
+    except BaseException:  # interrupted: the plan is settled all the same, then the interrupt goes on
+        lost_steps.settle_after_an_interrupt(engine, plan)
+        raise
     engine.kv.finish_plan(plan)
     engine.stats.async_steps += 1
     engine.stats.scheduled_ahead_steps += 1

@@ -287,6 +287,9 @@ class Engine:
             # and its own prefill must not fail another step's requests the same way.
             lost_steps.fail_a_lost_step(self, plan, [s.request for s in out.slices] + out.media_ahead_requests, error)
             return
+        except BaseException:  # interrupted: the plan is settled all the same, then the interrupt goes on
+            lost_steps.settle_after_an_interrupt(self, plan)
+            raise
         self.kv.finish_plan(plan)
         self._fail_a_failed_encoding_ahead(out)
         self._commit(out.slices, logits)

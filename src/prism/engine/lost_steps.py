@@ -40,8 +40,10 @@ def fail_a_lost_step(engine: Engine, plan: TransferPlan, requests: list[Request]
     (raises), else commit `in_flight` (the step in flight and its requests whose next row the lost step held), run
     and unpin the plan (`settle_the_plan`), and fail `requests`."""
     if engine._followers is not None:
-        engine.kv.finish_plan(plan)
-        stop_every_rank(engine._followers, error)
+        try:
+            engine.kv.finish_plan(plan)
+        finally:
+            stop_every_rank(engine._followers, error)
     log.exception("step failed; failing its requests %s", [r.request_id for r in requests])
     try:
         if in_flight is not None:
@@ -51,6 +53,16 @@ def fail_a_lost_step(engine: Engine, plan: TransferPlan, requests: list[Request]
             settle_the_plan(engine, plan)
         finally:
             engine._fail(requests, error)
+
+
+def settle_after_an_interrupt(engine: Engine, plan: TransferPlan) -> None:
+    """A step interrupted by what is not an `Exception` (KeyboardInterrupt, SystemExit: `LLM.generate` lets it
+    through and stays usable): its plan is settled as a lost step's (run what did not run, then unpinned; under TP
+    only unpinned, as `fail_a_lost_step` does), and the interrupt goes on. Its requests are left to the caller."""
+    if engine._followers is not None:
+        engine.kv.finish_plan(plan)
+    else:
+        settle_the_plan(engine, plan)
 
 
 def settle_the_plan(engine: Engine, plan: TransferPlan) -> None:

@@ -208,7 +208,8 @@ class ModelRunner:
         return self.run(payload, token_ids if pending else None)
 
     def run_plan_of_a_lost_step(self, plan: TransferPlan) -> None:
-        """The moves of a step that failed before it ran them (`lost_steps.fail_a_lost_step` asks, on rank 0 alone)."""
+        """The moves of a step lost or interrupted before it began them (`lost_steps.settle_the_plan` asks, on one rank
+        only: under TP a lost step's plan is only unpinned)."""
         execute_plan(plan, self.gpu_pool, self.cpu_pool)
 
     # -- rank 0: building the payload ------------------------------------------------------------
