@@ -60,6 +60,9 @@ def adjusted_logits(
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return x
+    for i in rows:  # a penalty over a missing history would silently penalize nothing
+        if params[i].has_penalties and not isinstance(histories[i], TokenHistory):
+            raise SamplerError(f"row {i} has a repetition, frequency or presence penalty but no TokenHistory")
     batch, vocab = x.shape
     idx = None if len(rows) == batch else host_copy.to_device(rows, x.device, torch.int64)
     sub = x.clone() if idx is None else x.index_select(0, idx)
@@ -114,11 +117,7 @@ class _Plan:
 
     @classmethod
     def of(cls, params: list[SamplingParams], histories: list[TokenHistory | None], vocab: int) -> _Plan:
-        kept: list[TokenHistory | None] = []
-        for j, (p, history) in enumerate(zip(params, histories, strict=True)):
-            if p.has_penalties and not isinstance(history, TokenHistory):
-                raise SamplerError(f"row {j} has penalties but no TokenHistory")
-            kept.append(history if p.has_penalties else None)
+        kept = [history if p.has_penalties else None for p, history in zip(params, histories, strict=True)]
         bias_at, bias = [], []
         for j, p in enumerate(params):
             for token, value in p.logit_bias:

@@ -134,7 +134,7 @@ def _check_inputs(
     hists = [None] * batch if histories is None else list(histories)
     if len(hists) != batch:
         raise SamplerError(f"got {len(hists)} token histories for {batch} logit rows")
-    for i, (p, g, h) in enumerate(zip(params, gens, hists, strict=True)):
+    for i, (p, g) in enumerate(zip(params, gens, strict=True)):
         if not isinstance(p, SamplingParams):
             raise SamplerError(f"params[{i}] is not a SamplingParams: {type(p).__name__}")
         if g is not None and not isinstance(g, torch.Generator):
@@ -142,9 +142,6 @@ def _check_inputs(
         # A silently unseeded draw would break the reproducibility the request asked for.
         if p.seed is not None and not p.is_greedy and g is None:
             raise SamplerError(f"row {i} has seed={p.seed} but no generator (use make_generator)")
-        # A penalty over a missing history would silently penalize nothing.
-        if p.has_penalties and not isinstance(h, TokenHistory):
-            raise SamplerError(f"row {i} has a repetition, frequency or presence penalty but no TokenHistory")
     return gens, hists
 
 
