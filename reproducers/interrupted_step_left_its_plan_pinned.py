@@ -10,27 +10,12 @@ from __future__ import annotations
 
 import _common  # noqa: F401 - makes `prism` importable
 
-from prism.engine.config import EngineConfig
-from prism.engine.engine import Engine
-from prism.engine.sampling import SamplingParams
-from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing import tail_copy_step as scenario
 
-engine = Engine(ensure_tiny_checkpoint(), EngineConfig(page_size=16, num_gpu_pages=32, check_invariants=True))
-one = SamplingParams(max_tokens=1)
-engine.add_request("first", "word " * 20, one)  # cached: a full page, and rows of the next
-while engine.has_unfinished_requests():
-    engine.step()
-planned = []
+engine = scenario.engine_with_a_cached_prompt()
 execute = engine.runner.execute
-
-
-def interrupted_at_its_entry(slices, kv, plan, *args, **kwargs):
-    planned.extend(plan.copy_prefix)
-    raise KeyboardInterrupt
-
-
-engine.runner.execute = interrupted_at_its_entry
-engine.add_request("second", "word " * 20 + "and more", one)  # a hit: the full page shared, the rows copied
+planned = scenario.raise_at_the_runners_entry(engine, KeyboardInterrupt())
+engine.add_request("second", scenario.HITTING_PROMPT, scenario.ONE_TOKEN)
 try:
     engine.step()
     raise SystemExit("BUG IN THE REPRODUCER: the step was not interrupted")
@@ -41,7 +26,7 @@ if not planned:
     raise SystemExit("BUG IN THE REPRODUCER: the interrupted step planned no tail copy")
 engine.abort("second")
 engine.step()
-held = engine.kv.gpu.num_pages - engine.kv.num_allocatable()
+held = scenario.pages_held(engine)
 engine.kv.check_invariants()
 _common.verdict(held == 0, f"the interrupt went through; the tail copy {planned} its step planned holds no page after it",
                 f"the engine is idle, yet {held} KV pages are held: the interrupted step's tail copy {planned} is still "

@@ -12,38 +12,18 @@ from __future__ import annotations
 
 import _common  # noqa: F401 - makes `prism` importable
 
-from prism.engine.config import EngineConfig
-from prism.engine.engine import Engine
-from prism.engine.sampling import SamplingParams
-from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing import tail_copy_step as scenario
 
-engine = Engine(ensure_tiny_checkpoint(), EngineConfig(page_size=16, num_gpu_pages=32, check_invariants=True))
-one = SamplingParams(max_tokens=1)
-
-
-def run_to_the_end() -> list:
-    events = []
-    while engine.has_unfinished_requests():
-        events += engine.step()
-    return events
-
-
-engine.add_request("first", "word " * 20, one)  # cached: a full page, and rows of the next
-run_to_the_end()
-planned = []
-
-
-def fails_at_its_entry(slices, kv, plan, *args, **kwargs):
-    planned.extend(plan.copy_prefix)
-    raise RuntimeError("a planted failure at the runner's entry")
-
-
-engine.runner.execute = fails_at_its_entry
-engine.add_request("second", "word " * 20 + "and more", one)  # a hit: the full page shared, the rows copied
-(event,) = run_to_the_end()
+engine = scenario.engine_with_a_cached_prompt()
+planned = scenario.raise_at_the_runners_entry(engine, RuntimeError("a planted failure at the runner's entry"))
+engine.add_request("second", scenario.HITTING_PROMPT, scenario.ONE_TOKEN)
+events = []
+while engine.has_unfinished_requests():
+    events += engine.step()
+(event,) = events
 if event.error is None or not planned:
     raise SystemExit(f"BUG IN THE REPRODUCER: no failed step with a tail copy ({event}, planned {planned})")
-held = engine.kv.gpu.num_pages - engine.kv.num_allocatable()
+held = scenario.pages_held(engine)
 engine.kv.check_invariants()
 _common.verdict(held == 0, f"the step failed its request; the tail copy {planned} it planned holds no page after it",
                 f"the engine is idle, yet {held} KV pages are held for no request: the tail copy {planned} its lost "
