@@ -13,7 +13,7 @@ reports its error (`FollowerRendezvous.reporting`) before it leaves the group an
 reported ends the wait with a `TensorParallelFailure` naming it and its error or exit code; the caller stops the
 others. One that dies between LOADED and READY while rank 0 is inside a collective (the KV page agreement, CUDA graph
 capture) is seen by gloo's collective at once (the caller then names it, `Rendezvous.failures_within`), by NCCL's
-possibly only when `distributed_timeout_s` runs out. After the start, `exited` is what tells rank 0, before each step
+possibly only when `distributed_timeout_s` runs out. After the start, `failed` (their exits) is what tells rank 0, before each step
 and on `/health`, that a follower has died while the engine was idle (`tp_workers.Followers.check_alive`).
 """
 
@@ -63,19 +63,14 @@ def exit_description(code: int) -> str:
     return f"exited with code {code}"
 
 
-def exited(processes: Sequence[Process]) -> list[str]:
-    """'rank r exited with code c' for each follower (rank r is processes[r - 1]) that has ended."""
-    return [f"rank {rank} {exit_description(p.exitcode)}" for rank, p in enumerate(processes, 1)
-            if p.exitcode is not None]
-
-
 def no_errors(rank: int) -> str | None:
     return None
 
 
 def failed(processes: Sequence[Process], error_of: Callable[[int], str | None] = no_errors) -> list[str]:
-    """'rank r failed: <its error> (exited with code c)', or 'rank r exited with code c', for each follower that
-    reported an error (`error_of(r)`: what `FollowerRendezvous.reporting` stored, None if nothing) or has ended."""
+    """'rank r failed: <its error> (exited with code c)', or 'rank r exited with code c', for each follower (rank r is
+    processes[r - 1]) that reported an error (`error_of(r)`: what `FollowerRendezvous.reporting` stored, None if
+    nothing; by default only the exits are looked at) or has ended."""
     found = []
     for rank, p in enumerate(processes, 1):
         code = p.exitcode  # first: a follower reports before it exits, so one seen exited has its report seen too

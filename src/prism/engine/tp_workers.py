@@ -31,7 +31,7 @@ from .config import EngineConfig
 from .rank import build_rank_runner, check_rank_devices, rank_device
 from .runner import ModelRunner
 from .step_payload import StepPayload
-from .tp_startup import JOINING, FollowerRendezvous, Rendezvous, TensorParallelFailure, exited, failed
+from .tp_startup import JOINING, FollowerRendezvous, Rendezvous, TensorParallelFailure, failed
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class Followers:
         """Raise `TensorParallelFailure` naming the followers that have exited (one died while the engine was idle):
         a step must not go out to ranks that will not run it, where rank 0 would learn it inside the step's
         collectives (under NCCL, when `distributed_timeout_s` runs out). A poll of the processes' exit codes."""
-        if exited(self.processes):
+        if failed(self.processes):
             raise TensorParallelFailure(f"tensor-parallel rank(s) gone before this step went out (died while the "
                                         f"engine was idle or between steps): "
                                         f"{'; '.join(failed(self.processes, self.rendezvous.error_of))}; every rank "
@@ -110,7 +110,7 @@ class Followers:
         exit codes only: safe from another thread than the engine's (`/health`)."""
         if self.closed:
             return "the engine was shut down, or a step failed"
-        dead = exited(self.processes)
+        dead = failed(self.processes)
         return '; '.join(dead) if dead else None
 
     def failure(self, error: BaseException, during: str = "step") -> TensorParallelFailure:
@@ -133,7 +133,7 @@ class Followers:
         left = False
         try:
             try:
-                if graceful and not exited(self.processes):
+                if graceful and not failed(self.processes):
                     self.channel.send(lambda rank: None)
                 else:
                     for p in self.processes:
