@@ -10,27 +10,16 @@ finish with the tokens it gets when no step fails."""
 from __future__ import annotations
 
 import _common  # noqa: F401 - makes `prism` importable
-import torch
 
-from prism.engine.config import EngineConfig
-from prism.engine.engine import Engine
-from prism.engine.sampling import SamplingParams
-from prism.testing.checkpoints import ensure_tiny_checkpoint
-
-PROMPTS = ["Tell me a long story about the sea.", "Count slowly from one to a hundred, please."]
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+from prism.testing import swapped_request as scenario
 
 
-def run(fail_a_swapping_step: bool) -> tuple[dict[str, list[int]], str | None]:
-    torch.manual_seed(0)
-    engine = Engine(ensure_tiny_checkpoint(), EngineConfig(page_size=4, num_gpu_pages=24, num_cpu_pages=32,
-                                                           preemption="swap", max_num_seqs=2,
-                                                           max_num_batched_tokens=64, check_invariants=True))
+def fail_the_first_swapping_step_while_it_is_built(engine) -> list:
     runner, checks = engine.runner, []
     prepare = runner.prepare
 
     def fails_once_when_swapping(plan, slices, kv, *args, **kwargs):
-        if fail_a_swapping_step and plan.swap_out and not checks:
+        if plan.swap_out and not checks:
             pool = runner.gpu_pool
             gpu_pages = [g for g, _ in plan.swap_out]
             cpu_pages = [c for _, c in plan.swap_out]
@@ -40,33 +29,14 @@ def run(fail_a_swapping_step: bool) -> tuple[dict[str, list[int]], str | None]:
         return prepare(plan, slices, kv, *args, **kwargs)
 
     runner.prepare = fails_once_when_swapping
-    for i, text in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", [{"role": "user", "content": text}], GREEDY)
-    tokens: dict[str, list[int]] = {}
-    problem, checked = None, False
-    for _ in range(500):
-        for event in engine.step():
-            tokens.setdefault(event.request_id, []).extend(event.new_token_ids)
-            if event.finished and event.error:
-                tokens[event.request_id] = ["failed"]
-        if checks and not checked:  # right after the failed step: before anything reuses the pages
-            cpu_pages, payload, scales = checks[0]
-            cpu = runner.cpu_pool
-            same = torch.equal(cpu.payload[:, :, cpu_pages], payload) and (
-                scales is None or torch.equal(cpu.scales[:, :, cpu_pages], scales))
-            problem = None if same else "its CPU pages do not hold the KV its GPU pages held"
-            checked = True
-        if not engine.has_unfinished_requests():
-            break
-    if fail_a_swapping_step and not checks:
-        raise SystemExit("BUG IN THE REPRODUCER: no step swapped pages out; make the pool smaller")
-    return tokens, problem
+    return checks
 
 
-undisturbed, _ = run(False)
-disturbed, problem = run(True)
-survivors = [r for r, t in disturbed.items() if t != ["failed"]]
-wrong = [r for r in survivors if disturbed[r] != undisturbed[r]]
+undisturbed, _, _ = scenario.run(None)
+disturbed, problem, checks = scenario.run(fail_the_first_swapping_step_while_it_is_built)
+if not checks:
+    raise SystemExit("BUG IN THE REPRODUCER: no step swapped pages out; make the pool smaller")
+survivors, wrong = scenario.survivors_and_wrong(undisturbed, disturbed)
 _common.verdict(
     problem is None and survivors and not wrong,
     f"the step failed, the request it swapped out kept its KV and finished as it does undisturbed ({survivors})",

@@ -1,14 +1,16 @@
 """Spec: a failed step loses only its own requests (REFERENCE §2, "nothing is lost"; invariant 5's executor half).
 
 The real engine on the tiny checkpoint, a small pool with swap preemption, a few greedy requests that outgrow it.
-One step fails while it is built (`ModelRunner.prepare` raises): the k-th step whose plan swaps pages out, or swaps
-them in, or any k-th step. The requests of that step fail; every other live request must come out of it with the
-KV it had (its pages' bytes, wherever the plan moved them), and the engine must go on: every request ends once,
-no page is leaked.
+One step fails, the k-th step whose plan swaps pages out, or swaps them in, or any k-th step: either while it is
+built (`ModelRunner.prepare` raises), or while its plan's moves run (the swaps of the chosen direction move half of
+their pages, then raise). The requests of that step fail; every other live request must come out of it with the KV
+it had (its pages' bytes, wherever the plan moved them), and the engine must go on: every request ends once, no page
+is leaked.
 
-The historical bug: the plan was taken from the KV manager before the step was built and its moves run only when
+The historical bugs: the plan was taken from the KV manager before the step was built and its moves run only when
 the step ran, so a request the failed step had swapped out (not one of its requests) resumed from CPU pages that
-never received its KV.
+never received its KV. Then (found by review, session 31; fixed in session 32) a plan was marked run as its first
+move began: a step whose swap-ins ran and whose swap-outs raised left the swapped-out request the same CPU pages.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from prism.engine.config import EngineConfig
 from prism.engine.engine import Engine
 from prism.engine.sampling import SamplingParams
+from prism.kv import transfers
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
 TEXTS = ["Tell me a long story about the sea.", "Count slowly from one to a hundred.", "Name every colour.",
@@ -37,28 +40,54 @@ def kv_bytes(runner, seq) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 
 @settings(max_examples=20, deadline=None)
 @given(num_requests=st.integers(3, 4), max_tokens=st.integers(24, 48), fail_when=st.sampled_from(
-    ["swap_out", "swap_in", "any"]), k=st.integers(0, 1))
-def spec_a_failed_step_leaves_the_other_requests_kv_intact(num_requests, max_tokens, fail_when, k) -> None:
+    ["swap_out", "swap_in", "any"]), k=st.integers(0, 1), while_moving=st.booleans())
+def spec_a_failed_step_leaves_the_other_requests_kv_intact(num_requests, max_tokens, fail_when, k,
+                                                           while_moving) -> None:
+    while_moving = while_moving and fail_when != "any"
     torch.manual_seed(0)
     engine = Engine(ensure_tiny_checkpoint(), EngineConfig(
         page_size=4, num_gpu_pages=24, num_cpu_pages=32, preemption="swap", max_num_seqs=4,
         max_num_batched_tokens=64, check_invariants=True))
-    runner, kv = engine.runner, engine.kv
-    prepare = runner.prepare
+    runner = engine.runner
+    prepare, swap_pages = runner.prepare, transfers.swap_pages
     seen = {"matching": 0}
     failed_step: dict = {}
+    building: dict = {}
 
     def fails_once(plan, slices, kv_, *args, **kwargs):
         matches = fail_when == "any" or bool(getattr(plan, fail_when))
-        if matches and not failed_step:
+        building["requests"] = {s.request.request_id for s in slices}
+        if matches and not failed_step and not while_moving:
             seen["matching"] += 1
             if seen["matching"] > k:
-                failed_step["requests"] = {s.request.request_id for s in slices}
+                failed_step["requests"] = building["requests"]
                 failed_step["swapped"] = bool(plan.swap_out or plan.swap_in)
                 raise RuntimeError("a planted failure while the step is built")
         return prepare(plan, slices, kv_, *args, **kwargs)
 
+    def swaps_half_then_fails(src, dst, src_pages, dst_pages):
+        direction = "swap_out" if src is runner.gpu_pool else "swap_in"
+        if direction == fail_when and not failed_step and "requests" in building:
+            seen["matching"] += 1
+            if seen["matching"] > k:
+                failed_step.update(requests=building["requests"], swapped=True)
+                half = len(src_pages) // 2
+                swap_pages(src, dst, src_pages[:half], dst_pages[:half])
+                raise RuntimeError(f"a planted failure in the middle of the plan's {direction}")
+        return swap_pages(src, dst, src_pages, dst_pages)
+
     runner.prepare = fails_once
+    transfers.swap_pages = swaps_half_then_fails
+    try:
+        _run_until_every_request_ends(engine, num_requests, max_tokens, failed_step)
+    finally:
+        transfers.swap_pages = swap_pages
+    event(f"a step failed {'while its plan ran' if while_moving else 'while it was built'}" if failed_step
+          else "no step matched")
+
+
+def _run_until_every_request_ends(engine: Engine, num_requests: int, max_tokens: int, failed_step: dict) -> None:
+    runner, kv = engine.runner, engine.kv
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(num_requests):
         engine.add_request(f"r{i}", [{"role": "user", "content": TEXTS[i]}], params)
@@ -82,7 +111,6 @@ def spec_a_failed_step_leaves_the_other_requests_kv_intact(num_requests, max_tok
         if not engine.has_unfinished_requests():
             break
     assert sorted(ends) == [f"r{i}" for i in range(num_requests)] and set(ends.values()) == {1}, ends
-    event("a step failed" if failed_step else "no step matched")
     if failed_step.get("swapped"):
         event("the failed step's plan moved pages")
     assert not kv.seqs

@@ -237,6 +237,25 @@ def test_a_lost_step_that_drops_its_plan_is_caught(monkeypatch: pytest.MonkeyPat
     _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
 
 
+def test_a_plan_marked_run_as_it_begins_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Historical (found by review, session 31): a plan was marked run before its first move, so a step whose swap-ins
+    ran and whose swap-outs raised was settled as if its plan had run. Planted: a plan that raises is counted whole."""
+    from prism.engine import runner
+    from prism.kv.transfers import EXECUTION_ORDER
+
+    execute = runner.execute_plan
+
+    def counted_whole_when_it_raises(plan, gpu, cpu):
+        try:
+            execute(plan, gpu, cpu)
+        except Exception:
+            plan.stages_run = len(EXECUTION_ORDER)
+            raise
+
+    monkeypatch.setattr(runner, "execute_plan", counted_whole_when_it_raises)
+    _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
+
+
 def test_alternatives_counted_for_the_batch_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by review (session 27): a row's logprobs carried as many alternatives as the most demanding row of its
     batch asked for (`logprobs=2` beside `logprobs=7` answered 7; `logprobs=0`, none asked, got 7 too). Planted: the

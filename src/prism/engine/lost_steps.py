@@ -4,7 +4,8 @@ and on whichever path (the scheduled step, or one launched ahead of the host: `a
 Owns *a failed step loses only its own requests* (invariant 5's executor half) and, for its transfer plan, *nothing
 is lost*. The engine takes each step's plan from the KV manager before it calls the runner and hands it in (a plan is
 never left with the manager), and `fail_a_lost_step` is the one place a lost step is handled:
-- what of the plan its step did not run runs now (`TransferPlan.executed`): the manager counts the moves as done, and
+- what of the plan its step did not run runs now (`TransferPlan.stages_run`: a step may fail partway through its plan,
+  and the stages after the one that raised have not run): the manager counts the moves as done, and
   a request the plan swapped out is not one of the step's, so it is not failed with it and would resume from CPU pages
   that never received its KV (`specs/spec_failed_steps.py`);
 - the plan's pages are unpinned: left pinned, they were held for no request, for good on a server gone idle
@@ -68,7 +69,7 @@ def settle_after_an_interrupt(engine: Engine, plan: TransferPlan) -> None:
 def settle_the_plan(engine: Engine, plan: TransferPlan) -> None:
     """Run what of a lost step's plan its step did not run (rank 0 alone: one rank), then unpin its pages."""
     try:
-        if not plan.executed and not plan.is_empty():
+        if not plan.has_run():
             with torch.inference_mode():
                 engine.runner.run_plan_of_a_lost_step(plan)
     finally:

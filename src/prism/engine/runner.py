@@ -208,8 +208,8 @@ class ModelRunner:
         return self.run(payload, token_ids if pending else None)
 
     def run_plan_of_a_lost_step(self, plan: TransferPlan) -> None:
-        """The moves of a step lost or interrupted before it began them (`lost_steps.settle_the_plan` asks, on one rank
-        only: under TP a lost step's plan is only unpinned)."""
+        """The moves of a step lost or interrupted before it ran them all, from the first stage it did not finish
+        (`lost_steps.settle_the_plan` asks, on one rank only: under TP a lost step's plan is only unpinned)."""
         execute_plan(plan, self.gpu_pool, self.cpu_pool)
 
     # -- rank 0: building the payload ------------------------------------------------------------
@@ -302,8 +302,7 @@ class ModelRunner:
 
     def _run(self, payload: StepPayload, token_ids: torch.Tensor | None) -> torch.Tensor:
         self._encode_ahead_failure = None
-        payload.plan.executed = True  # before its first move: a lost step runs it only if not (`lost_steps`)
-        execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)
+        execute_plan(payload.plan, self.gpu_pool, self.cpu_pool)  # counts its stages: a lost step runs on from there
         if not payload.forwards:
             return torch.empty(0)
         ahead = self._media_read_by_no_forward(payload)

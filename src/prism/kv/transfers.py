@@ -43,9 +43,12 @@ class TransferPlan:
     copy_prefix: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, rows), gpu
     copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), gpu
     pinned: list[Slot] = field(default_factory=list)  # pages the plan touches, referenced until it has run
-    # Set by the runner as its step begins the moves: a lost step's plan runs only if its step did not run it, even
-    # partly (a move run twice is not snapshot semantics: `engine/lost_steps.py`). A rank receiving a plan has not.
-    executed: bool = field(default=False, init=False, repr=False, compare=False)
+    # How many stages of EXECUTION_ORDER have run to the end (`execute_plan` counts them; it resumes at the first
+    # that has not). A lost step's plan is run on from there (`engine/lost_steps.py`): the stages it ran are not run
+    # twice, and a stage that raised partway is run again whole, which snapshot semantics makes exact (no move
+    # writes what the same or an earlier stage reads, so the stage's sources are as they were). A rank receiving a
+    # plan has run none of it.
+    stages_run: int = field(default=0, init=False, repr=False, compare=False)
     # What `add` checks a new move against, kept as moves are added so that a plan of n moves is built in O(n)
     # (rechecking the whole plan per move took 3.7 s for one 2,048-page swap): the latest rank each slot is read
     # at, and the rank each slot is written at, for the first `_checked` moves. Derived from the move lists, never
@@ -57,7 +60,7 @@ class TransferPlan:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_read_rank={}, _write_rank={}, _checked=0, executed=False)
+        state.update(_read_rank={}, _write_rank={}, _checked=0, stages_run=0)
         return state
 
     def _num_moves(self) -> int:
@@ -76,6 +79,10 @@ class TransferPlan:
 
     def is_empty(self) -> bool:
         return not (self.swap_in or self.swap_out or self.copy_prefix or self.copy_on_write)
+
+    def has_run(self) -> bool:
+        """Whether every stage has run (an empty plan has nothing to run)."""
+        return self.stages_run == len(EXECUTION_ORDER) or self.is_empty()
 
     def moves(self) -> list[Move]:
         """Every move, in execution order."""
@@ -140,24 +147,36 @@ def check_snapshot_semantics(moves: list[Move]) -> None:
 
 
 def execute_plan(plan: TransferPlan, gpu: KVPool, cpu: KVPool | None) -> None:
-    """Run the plan's moves on real tensors, in EXECUTION_ORDER. Payload and scales move together."""
+    """Run the plan's moves on real tensors, in EXECUTION_ORDER, from its first stage not yet run to the end, counting
+    each stage in `plan.stages_run` once it has returned (a stage that raises is not counted: run again, it is run
+    whole). Payload and scales move together."""
 
     def idx(values: list[int]) -> torch.Tensor:
         # On the host: the copy functions check the indices there, then move them without a sync.
         return torch.tensor(values, dtype=torch.int64)
 
-    if plan.swap_in or plan.swap_out:
-        if cpu is None:
-            raise ValueError("the plan swaps pages but there is no CPU swap pool")
-    if plan.swap_in:
+    def swap_in() -> None:
         cpu_pages, gpu_pages = zip(*plan.swap_in, strict=True)
         swap_pages(cpu, gpu, idx(list(cpu_pages)), idx(list(gpu_pages)))
-    if plan.swap_out:
+
+    def swap_out() -> None:
         gpu_pages, cpu_pages = zip(*plan.swap_out, strict=True)
         swap_pages(gpu, cpu, idx(list(gpu_pages)), idx(list(cpu_pages)))
-    if plan.copy_prefix:  # page ids as host ints: copy_page_rows checks them there
+
+    def copy_prefix() -> None:  # page ids as host ints: copy_page_rows checks them there
         src, dst, rows = zip(*plan.copy_prefix, strict=True)
         copy_page_rows(gpu, list(src), list(dst), list(rows))
-    if plan.copy_on_write:
+
+    def copy_on_write() -> None:
         src, dst = zip(*plan.copy_on_write, strict=True)
         copy_page_rows(gpu, list(src), list(dst), [gpu.layout.page_size] * len(src))
+
+    if (plan.swap_in or plan.swap_out) and cpu is None:
+        raise ValueError("the plan swaps pages but there is no CPU swap pool")
+    stages = {"swap_in": swap_in, "swap_out": swap_out, "copy_prefix": copy_prefix, "copy_on_write": copy_on_write}
+    for number, name in enumerate(EXECUTION_ORDER):
+        if number < plan.stages_run:
+            continue
+        if getattr(plan, name):
+            stages[name]()
+        plan.stages_run = number + 1
