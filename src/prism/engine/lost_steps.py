@@ -37,12 +37,12 @@ log = logging.getLogger(__name__)
 
 def fail_a_lost_step(engine: Engine, plan: TransferPlan, requests: list[Request], error: Exception,
                      in_flight: tuple[InflightStep, set[str]] | None = None) -> None:
-    """The step that ran `plan` (taken from the KV manager for it) failed with `error`: stop every rank under TP
-    (raises), else commit `in_flight` (the step in flight and its requests whose next row the lost step held), run
-    and unpin the plan (`settle_the_plan`), and fail `requests`."""
+    """The step that ran `plan` (taken from the KV manager for it) failed with `error`: under TP settle the plan and
+    stop every rank (raises); else commit `in_flight` (the step in flight and its requests whose next row the lost
+    step held), settle the plan and fail `requests`."""
     if engine._followers is not None:
         try:
-            engine.kv.finish_plan(plan)
+            settle_the_plan(engine, plan)
         finally:
             stop_every_rank(engine._followers, error)
     log.exception("step failed; failing its requests %s", [r.request_id for r in requests])
@@ -58,18 +58,16 @@ def fail_a_lost_step(engine: Engine, plan: TransferPlan, requests: list[Request]
 
 def settle_after_an_interrupt(engine: Engine, plan: TransferPlan) -> None:
     """A step interrupted by what is not an `Exception` (KeyboardInterrupt, SystemExit: `LLM.generate` lets it
-    through and stays usable): its plan is settled as a lost step's (run what did not run, then unpinned; under TP
-    only unpinned, as `fail_a_lost_step` does), and the interrupt goes on. Its requests are left to the caller."""
-    if engine._followers is not None:
-        engine.kv.finish_plan(plan)
-    else:
-        settle_the_plan(engine, plan)
+    through and stays usable): its plan is settled as a lost step's, and the interrupt goes on. Its requests are left
+    to the caller."""
+    settle_the_plan(engine, plan)
 
 
 def settle_the_plan(engine: Engine, plan: TransferPlan) -> None:
-    """Run what of a lost step's plan its step did not run (rank 0 alone: one rank), then unpin its pages."""
+    """Run what of a lost step's plan its step did not run, then unpin its pages. Under TP it is only unpinned: run on
+    rank 0 alone, which the followers never did, it would set the ranks' KV apart (every rank stops after it)."""
     try:
-        if not plan.has_run():
+        if engine._followers is None and not plan.has_run():
             with torch.inference_mode():
                 engine.runner.run_plan_of_a_lost_step(plan)
     finally:
