@@ -256,6 +256,16 @@ def test_a_plan_marked_run_as_it_begins_is_caught(monkeypatch: pytest.MonkeyPatc
     _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
 
 
+def test_moves_failing_again_that_fail_no_request_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 32): moves of a lost step that failed again when settled left the requests whose pages
+    they write live on pages that never received their KV (then, the failure escaped `Engine.step`). Planted: no
+    request is found to fail."""
+    from prism.engine import lost_steps
+
+    monkeypatch.setattr(lost_steps, "requests_the_unrun_moves_write", lambda engine, plan: [])
+    _spec_fails(spec_failed_steps.spec_a_failed_step_leaves_the_other_requests_kv_intact, "lost its KV")
+
+
 def test_alternatives_counted_for_the_batch_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by review (session 27): a row's logprobs carried as many alternatives as the most demanding row of its
     batch asked for (`logprobs=2` beside `logprobs=7` answered 7; `logprobs=0`, none asked, got 7 too). Planted: the

@@ -8,6 +8,9 @@ never left with the manager), and `fail_a_lost_step` is the one place a lost ste
   and the stages after the one that raised have not run): the manager counts the moves as done, and
   a request the plan swapped out is not one of the step's, so it is not failed with it and would resume from CPU pages
   that never received its KV (`specs/spec_failed_steps.py`);
+- if those moves fail again (a failure that repeats, as an out-of-memory or a bad index would), the live requests
+  whose pages they write fail too: their KV is not where the manager says it is, and resumed they would read
+  pages that never received it;
 - the plan's pages are unpinned: left pinned, they were held for no request, for good on a server gone idle
   (`specs/spec_server_nothing_lost.py`, `reproducers/lost_step_left_its_plan_pinned.py`);
 - the step's requests fail, all of them, even if running the plan failed; a step launched ahead of the one in flight
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kv.transfers import TransferPlan
+from ..kv.transfers import EXECUTION_ORDER, TransferPlan
 from .inflight import InflightStep
 from .tp_workers import Followers, TensorParallelFailure
 
@@ -65,13 +68,27 @@ def settle_after_an_interrupt(engine: Engine, plan: TransferPlan) -> None:
 
 def settle_the_plan(engine: Engine, plan: TransferPlan) -> None:
     """Run what of a lost step's plan its step did not run, then unpin its pages. Under TP it is only unpinned: run on
-    rank 0 alone, which the followers never did, it would set the ranks' KV apart (every rank stops after it)."""
+    rank 0 alone, which the followers never did, it would set the ranks' KV apart (every rank stops after it). If
+    the moves fail again, the requests whose pages they write are failed (`requests_the_unrun_moves_write`)."""
     try:
         if engine._followers is None and not plan.has_run():
-            with torch.inference_mode():
-                engine.runner.run_plan_of_a_lost_step(plan)
+            try:
+                with torch.inference_mode():
+                    engine.runner.run_plan_of_a_lost_step(plan)
+            except Exception as failure:
+                hit = requests_the_unrun_moves_write(engine, plan)
+                log.exception("a lost step's moves failed again; failing the requests whose KV they move %s",
+                              [r.request_id for r in hit])
+                engine._fail(hit, failure)
     finally:
         engine.kv.finish_plan(plan)
+
+
+def requests_the_unrun_moves_write(engine: Engine, plan: TransferPlan) -> list[Request]:
+    """The live requests holding a page that a stage of `plan` not yet run writes (swap targets, copy targets)."""
+    written = {move.dst for move in plan.moves() if EXECUTION_ORDER.index(move.kind) >= plan.stages_run}
+    return [engine.requests[rid] for rid, seq in engine.kv.seqs.items()
+            if rid in engine.requests and not written.isdisjoint(seq.pages)]
 
 
 def stop_every_rank(followers: Followers, error: Exception) -> None:

@@ -183,8 +183,8 @@ class ModelRunner:
     def execute(self, slices: list[ScheduledSlice], kv: KVCacheManager, plan: TransferPlan,
                 media_ahead: Sequence = (), pending: Collection[str] = (),
                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the step's transfer plan (taken from `kv` by the engine, which finishes it, and runs it if the step
-        fails before it ran: `lost_steps`) and the model over `slices`; fp32 logits of the sampling slices.
+        """Run the step's transfer plan (taken from `kv` by the engine, which finishes it, and runs what of it did not
+        run if the step fails: `lost_steps`) and the model over `slices`; fp32 logits of the sampling slices.
         `media_ahead`: media items to encode into the encoder cache this step for a prefill of the next one.
         `pending` (async scheduling): the requests whose slice is one decode row fed `token_ids[i]` (on rank 0's
         device, sampled by the step still running) instead of a token the host has read; those rows come first, in
