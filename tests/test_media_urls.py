@@ -163,6 +163,8 @@ def test_data_url_with_line_breaks_and_any_image_type():
         ("data:image/png;base64,iVBORw0KGgo", "not valid base64"),  # bad padding
         ("data:image/png;base64,QQ==QQ==", "not valid base64"),  # data after padding
         ("data:image/png;base64,", "empty"),
+        ("data:image/png;base64,abc", "not valid base64"),  # too short for one byte: not "empty"
+        ("data:image/png;base64,!!!", "not valid base64"),
         ("data:text/plain;base64,QUJD", "image/*"),
         ("data:;base64,QUJD", "image/*"),
         ("data:image/png,%89PNG", "base64"),

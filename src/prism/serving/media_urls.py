@@ -281,7 +281,7 @@ class MediaResolver:
         limit = self.settings.max_media_bytes
         if size > limit:  # refused before decoding anything
             raise MediaTooLarge(f"data URL holds {size} bytes; the limit is {limit}", param=param)
-        if size <= 0:
+        if not payload:  # a payload of 1-3 characters has a size of 0 too: not empty, but not base64 (below)
             raise InvalidMediaURL("data URL payload is empty", param=param)
         budget.take_bytes(size, param)
         try:
