@@ -1,17 +1,21 @@
 """Spec of the penalties' count table (`prism.engine.penalty_counts`): a slot counts its request's history exactly
-once, and no slot outlives its request.
+once, and only a running request holds one.
 
-A state machine drives the real table (a small one, so its capacity grows) through real `Request`s: requests arrive
-(each with a prompt, maybe some output already, and a mix of the repetition / frequency / presence penalties, a
-logit_bias, or none), get tokens appended (one or several between two samples, as after a preemption or under async
-scheduling), are sampled through `adjusted_logits` in random subsets and orders (with rows without penalties, and a
-row whose history has no slot, counted for that step only), are preempted and resumed, and end in any order: finished
-for any reason (and still referenced, as an in-flight step references them) or dropped without finishing. After
-every step:
-- each request holding a slot has that row equal to a recount of the output it counted, its prompt plane equal to
-  its prompt's tokens once filled, and a row no other request holds; row 0 (what rows without penalties read) is 0;
-- the table's slots in use are exactly those of the live requests holding one (ended requests hold none);
-- a sampled row's adjusted logits are bitwise those computed from its whole history from scratch.
+A state machine drives the real table (a small one, so its capacity grows) through real `Request`s:
+requests arrive (each with a prompt, maybe some output already, and a mix of the repetition / frequency / presence
+penalties, a logit_bias, or none), start running while a seat is free, get tokens appended (one or several between
+two samples, as under async scheduling), are sampled through `adjusted_logits` in random subsets and orders of the
+running ones (with rows without penalties, and a row whose history has no slot, counted for that step only), are
+preempted (swapped out or dropped to recompute, a swapped one dropped to recompute later) and resumed, and end in any
+order: finished for any reason (and still referenced, as an in-flight step references them) or dropped without
+finishing. After every step:
+- each request holding a slot is running, has that row equal to a recount of the output it counted, its prompt plane
+  equal to its prompt's tokens once filled, and a row no other request holds; row 0 (what rows without penalties
+  read) is 0;
+- the table's slots in use are exactly those of the live requests holding one (preempted and ended requests hold
+  none), so never more than the requests running;
+- a sampled row's adjusted logits are bitwise those computed from its whole history from scratch (a resumed request
+  too: its fresh slot is refilled from everything it output before it was preempted).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from prism.engine.sampling import SamplingParams
 from specs.spec_sampling_penalties import reference_adjusted
 
 VOCAB = 11
+SLOTS = 3  # requests running at a time (the engine's max_num_seqs)
 KNOBS = [
     {"presence_penalty": 1.5},
     {"frequency_penalty": 0.5},
@@ -51,28 +56,46 @@ class PenaltyCountsMachine(RuleBasedStateMachine):
         self.ended: list[Request] = []  # finished, still referenced (an in-flight step holds its requests)
         self.arrivals = 0
 
+    def _running(self) -> list[str]:
+        return sorted(rid for rid, r in self.live.items() if r.state is RequestState.RUNNING)
+
+    def _pick(self, data, *states: RequestState) -> Request | None:
+        rids = sorted(rid for rid, r in self.live.items() if r.state in states)
+        return self.live[data.draw(st.sampled_from(rids))] if rids else None
+
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), output=tokens,
           knobs=st.sampled_from(KNOBS))
     def arrive(self, prompt, output, knobs) -> None:
         request = Request(f"r{self.arrivals}", SimpleNamespace(token_ids=prompt), SamplingParams(**knobs),
                           self.arrivals)
-        request.output_token_ids.extend(output)  # a first sample may come after many tokens
+        request.output_token_ids.extend(output)  # a first sample may come after many tokens (a recomputed request)
         self.live[request.request_id] = request
         self.arrivals += 1
+        if len(self._running()) < SLOTS:  # admitted at once while a seat is free
+            request.transition(RequestState.RUNNING)
+
+    @rule(data=st.data())
+    def start_running(self, data) -> None:
+        """A waiting request admitted, or a swapped one resumed, while a seat is free."""
+        request = self._pick(data, RequestState.WAITING, RequestState.SWAPPED)
+        if request is not None and len(self._running()) < SLOTS:
+            request.transition(RequestState.RUNNING)
 
     @rule(data=st.data(), new=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3))
     def append(self, data, new) -> None:
-        if self.live:
-            self.live[data.draw(st.sampled_from(sorted(self.live)))].output_token_ids.extend(new)
+        request = self._pick(data, RequestState.RUNNING)
+        if request is not None:
+            request.output_token_ids.extend(new)
 
     @rule(data=st.data(), seed=st.integers(0, 2**16), with_unslotted=st.booleans())
     def sample(self, data, seed, with_unslotted) -> None:
-        rows = data.draw(st.permutations(sorted(self.live)))[: data.draw(st.integers(0, len(self.live)))]
+        running = self._running()
+        rows = data.draw(st.permutations(running))[: data.draw(st.integers(0, len(running)))]
         requests = [self.live[r] for r in rows]
         params = [r.params for r in requests]
         histories = [r.token_history() if r.params.has_penalties else None for r in requests]
-        if with_unslotted:  # a history without a slot (the sampler's direct callers): counted for this step only
-            params.append(SamplingParams(presence_penalty=1.0, repetition_penalty=1.3))
+        if with_unslotted and len(running) < SLOTS:  # a history without a slot (the sampler's direct callers): a
+            params.append(SamplingParams(presence_penalty=1.0, repetition_penalty=1.3))  # row for this step only
             histories.append(TokenHistory(data.draw(tokens), data.draw(tokens)))
         if not params:
             return
@@ -83,14 +106,19 @@ class PenaltyCountsMachine(RuleBasedStateMachine):
             assert torch.equal(got[i], want), (
                 f"row {i} ({p}) was adjusted to {got[i].tolist()}; from its whole history {h}: {want.tolist()}")
 
+    @rule(data=st.data(), to=st.sampled_from([RequestState.WAITING, RequestState.SWAPPED]))
+    def preempt(self, data, to) -> None:
+        """Preempted: swapped out, or dropped to recompute (every output token is kept either way)."""
+        request = self._pick(data, RequestState.RUNNING)
+        if request is not None:
+            request.transition(to)
+
     @rule(data=st.data())
-    def preempt_and_resume(self, data) -> None:
-        """A preemption keeps every output token (and the slot): the counts stay valid."""
-        if self.live:
-            request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-            if request.state is not RequestState.RUNNING:
-                request.transition(RequestState.RUNNING)
-            request.transition(data.draw(st.sampled_from([RequestState.WAITING, RequestState.SWAPPED])))
+    def drop_swapped(self, data) -> None:
+        """A swapped request dropped to recompute (`Scheduler._drop_swapped`)."""
+        request = self._pick(data, RequestState.SWAPPED)
+        if request is not None:
+            request.transition(RequestState.WAITING)
 
     @rule(data=st.data(), reason=st.sampled_from(list(FinishReason)))
     def finish(self, data, reason) -> None:
@@ -107,10 +135,12 @@ class PenaltyCountsMachine(RuleBasedStateMachine):
             del self.live[data.draw(st.sampled_from(sorted(self.live)))]
 
     @invariant()
-    def slots_are_their_histories_and_none_leaks(self) -> None:
+    def slots_are_their_running_requests_histories_and_none_leaks(self) -> None:
         table = self.table
         holders = {r.request_id: r._penalty_counts for r in self.live.values()
                    if r._penalty_counts is not None and r._penalty_counts.table is table}
+        idle = sorted(rid for rid in holders if self.live[rid].state is not RequestState.RUNNING)
+        assert not idle, f"{idle} hold a slot while not running: the slots are bounded by the requests running"
         assert table.in_use == len(holders), (
             f"{table.in_use} slots in use, {len(holders)} live requests holding one ({sorted(holders)}): a slot leaked")
         rows = [s.index for s in holders.values()]

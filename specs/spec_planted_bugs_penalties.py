@@ -12,6 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from prism.engine import penalties, penalty_counts, sampler
 from prism.engine.penalties import TokenHistory
+from prism.engine.request import Request, RequestState
 from specs import spec_penalty_counts, spec_sampling_penalties
 from specs.planted import _spec_fails
 
@@ -64,7 +65,6 @@ def test_logprobs_of_the_penalized_logits_are_caught(monkeypatch: pytest.MonkeyP
 def test_a_history_taken_at_launch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Async scheduling: the penalty inputs were taken when a step was launched, before the host read the step in
     flight, so the history missed that step's token (in flight then, appended before the launched step samples)."""
-    from prism.engine.request import Request
     from prism.engine.runner import ModelRunner
 
     at_launch: dict[str, list[int]] = {}
@@ -119,3 +119,43 @@ def test_a_slot_kept_after_its_request_ends_is_caught(monkeypatch: pytest.Monkey
     """A request that ended kept its row (the release forgotten): the table fills with rows nobody reads."""
     monkeypatch.setattr(penalty_counts.CountsSlot, "release", lambda self: None)
     _table_machine_fails("a slot leaked")
+
+
+def _plant_slots_kept_while_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot went back only when its request finished, as before the table was bounded: a preempted request kept
+    it while it waited."""
+    transition = Request.transition
+
+    def keeping_the_slot(self, new):
+        slot = self._penalty_counts
+        if new is RequestState.FINISHED or slot is None:
+            return transition(self, new)
+        self._penalty_counts = None
+        try:
+            transition(self, new)
+        finally:
+            self._penalty_counts = slot
+
+    monkeypatch.setattr(Request, "transition", keeping_the_slot)
+
+
+def _plant_a_released_slot_still_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The release gave the row back to the table, but the handle kept it and its count mark: resumed, the request
+    went on adding its new tokens to a row the table had given (zeroed) to another, instead of taking a fresh one
+    refilled from its whole history."""
+
+    def give_back_only(self) -> None:
+        if self._give_back is not None:
+            self._give_back()
+
+    monkeypatch.setattr(penalty_counts.CountsSlot, "release", give_back_only)
+
+
+def test_a_slot_kept_while_preempted_is_caught_by_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_slots_kept_while_preempted(monkeypatch)
+    _table_machine_fails("while not running")
+
+
+def test_a_released_slot_not_refilled_is_caught_by_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_a_released_slot_still_used(monkeypatch)
+    _table_machine_fails("while not running|recount as|from its whole history")

@@ -13,7 +13,7 @@ from test_engine import IMAGES, _one_thread, chat, hf_greedy  # noqa: F401 (_one
 
 from prism.engine.llm import LLM
 from prism.engine.penalty_counts import table_for
-from prism.engine.request import FinishReason
+from prism.engine.request import FinishReason, RequestState
 from prism.engine.sampling import SamplingParams, SamplingParamsError
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
@@ -99,10 +99,9 @@ def test_a_logit_bias_id_outside_the_vocabulary_is_refused():
 
 
 def test_every_slot_goes_back_however_its_request_ends():
-    """Penalized requests hold one row of the count table each while they run (preempted ones included), and give it
-    back when they end: at their budget, or aborted mid-way."""
+    """Penalized requests hold one row of the count table each while they run (not while preempted: each preemption
+    gives it back), and give it back when they end: at their budget, or aborted mid-way."""
     ckpt = ensure_tiny_checkpoint()
-    # without async scheduling a request has output tokens exactly when it has been sampled
     llm = LLM(ckpt, kv_dtype="fp32", page_size=4, num_gpu_pages=24, max_num_batched_tokens=160, max_num_seqs=4,
               async_scheduling=False)
     engine = llm.engine
@@ -116,9 +115,11 @@ def test_every_slot_goes_back_however_its_request_ends():
     while engine.has_unfinished_requests():
         ends.update((e.request_id, e.finish_reason) for e in engine.step() if e.finished)
         steps += 1
-        holding = [r for r in engine.requests.values() if r.output_token_ids and r.params.has_penalties]
+        holding = [r for r in engine.requests.values()
+                   if r._penalty_counts is not None and r._penalty_counts.table is table]
         held = max(held, len(holding))
-        assert table.in_use - before == len(holding), "a slot for each penalized request sampled and not ended"
+        assert table.in_use - before == len(holding), "a slot for each penalized request holding one"
+        assert all(r.state is RequestState.RUNNING for r in holding), "a preempted request holds no slot"
         if steps == 6:
             engine.abort("r1")
     assert held == 3 and engine.stats.preemptions > 0, "the scenario must hold three slots and preempt"

@@ -1,14 +1,15 @@
 """The output counts the penalties read, kept on the device between steps: `PenaltyCounts`, one table per device and
 vocabulary, whose rows ("slots") belong to penalized requests.
 
-Owns *a slot counts its request's history exactly once, and no slot outlives its request*: a request's slot is
-zeroed when the request takes it (its first penalized sample), filled then from its whole output (and its prompt's
-tokens, for a repetition penalty), and afterwards given, at each sample, only the tokens appended since its last one
-(`CountsSlot.counted`: one per step usually; more after a preemption, a swap or a recompute, which never drop output
-tokens, or under async scheduling, where the step in flight's token is appended before the next step samples). So
-row i of the table always equals a recount of output[:counted] of the request holding it. The slot goes back when
-its request finishes, however it ends (`Request.finish` releases it), or when the request is garbage collected
-without finishing (a `weakref.finalize` on the slot handle): slots in use == live requests holding one.
+Owns *a slot counts its request's history exactly once, and only a running request holds one*: a request's slot is
+zeroed when the request takes it (its first penalized sample since it last started running), filled then from its
+whole output (and its prompt's tokens, for a repetition penalty), and afterwards given, at each sample, only the
+tokens appended since its last one (`CountsSlot.counted`: one per step usually; more under async scheduling, where
+the step in flight's token is appended before the next step samples). So row i of the table always equals a recount
+of output[:counted] of the request holding it. The slot goes back whenever its request stops running (`Request.
+transition`: preempted, swapped out or dropped to recompute, or finished, however it ends), or when the request is
+garbage collected (a `weakref.finalize` on the slot handle); a resumed request takes a fresh slot at its next
+penalized sample, refilled from its whole history. So the slots in use are those of the requests running.
 
 Cost of a step: rows times their new tokens, not their histories. The host checks and stages the new tokens' flat
 positions (with the caller's own positions, e.g. logit_bias entries) in ONE host->device copy; the device runs one
