@@ -1,7 +1,7 @@
 """Spec of the penalties' count table (`prism.engine.penalty_counts`): a slot counts its request's history exactly
-once, and only a running request holds one.
+once, only a running request holds one, and so a table of `max_num_seqs` slots never runs out.
 
-A state machine drives the real table (a small one, so its capacity grows) through real `Request`s:
+A state machine drives the real table (of as many slots as requests may run at a time) through real `Request`s:
 requests arrive (each with a prompt, maybe some output already, and a mix of the repetition / frequency / presence
 penalties, a logit_bias, or none), start running while a seat is free, get tokens appended (one or several between
 two samples, as under async scheduling), are sampled through `adjusted_logits` in random subsets and orders of the
@@ -51,7 +51,7 @@ tokens = st.lists(st.integers(0, VOCAB - 1), max_size=6)
 class PenaltyCountsMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.table = PenaltyCounts("cpu", VOCAB, capacity=2)  # one slot to give: the second request grows it
+        self.table = PenaltyCounts("cpu", VOCAB, slots=SLOTS)
         self.live: dict[str, Request] = {}
         self.ended: list[Request] = []  # finished, still referenced (an in-flight step holds its requests)
         self.arrivals = 0
@@ -145,6 +145,8 @@ class PenaltyCountsMachine(RuleBasedStateMachine):
             f"{table.in_use} slots in use, {len(holders)} live requests holding one ({sorted(holders)}): a slot leaked")
         rows = [s.index for s in holders.values()]
         assert len(set(rows)) == len(rows) and 0 not in rows, f"slots shared or row 0 given out: {rows}"
+        if table.counts is None:
+            return
         assert not table.counts[0].any(), "row 0, read by rows without penalties, is not zero"
         for rid, slot in holders.items():
             output = self.live[rid].output_token_ids[: slot.counted]

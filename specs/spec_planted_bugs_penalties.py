@@ -45,8 +45,8 @@ def test_logprobs_of_the_penalized_logits_are_caught(monkeypatch: pytest.MonkeyP
     adjusted: list[torch.Tensor] = []
     adjusted_logits = sampler.adjusted_logits
 
-    def keeping(x, params, histories):
-        adjusted.append(adjusted_logits(x, params, histories))
+    def keeping(x, params, histories, table=None):
+        adjusted.append(adjusted_logits(x, params, histories, table))
         return adjusted[-1]
 
     class TorchOnTheAdjusted:
