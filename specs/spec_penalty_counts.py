@@ -16,22 +16,33 @@ finishing. After every step:
   none), so never more than the requests running;
 - a sampled row's adjusted logits are bitwise those computed from its whole history from scratch (a resumed request
   too: its fresh slot is refilled from everything it output before it was preempted).
+
+On the real engine (tiny checkpoint, CPU, fp32 KV), a pool too small for its requests, swap or recompute preemption,
+async scheduling or not, and a shared-prefill deferral that lets a younger request run ahead of an older one (so
+preempted requests wait beside requests that run): after every step the requests holding a slot run and are at most
+`max_num_seqs`, and every greedy penalized request's tokens are those of an engine whose pool preempts nobody.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import Counter
 from types import SimpleNamespace
 
+import hypothesis
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from prism.engine.config import EngineConfig
+from prism.engine.engine import Engine
 from prism.engine.penalties import TokenHistory, adjusted_logits
 from prism.engine.penalty_counts import PenaltyCounts
 from prism.engine.request import FinishReason, Request, RequestState
 from prism.engine.sampling import SamplingParams
+from prism.testing.checkpoints import ensure_tiny_checkpoint
 from specs.spec_sampling_penalties import reference_adjusted
 
 VOCAB = 11
@@ -165,3 +176,98 @@ STEPS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 def spec_a_slot_counts_its_history_once_and_none_leaks() -> None:
     run_state_machine_as_test(PenaltyCountsMachine, settings=STEPS)
+
+
+# ---------------------------------------------------------------------------------------- on the engine
+
+SHARED = ("The quick brown fox jumps over the lazy dog while the sea rolls on and on under a grey sky, far away, and "
+          "the gulls cry out over the waves.\n")
+TEXTS = (SHARED + "Go on.", SHARED + "And then?", "Hi.", "Name three colours, please.", SHARED + "Why?")
+PENALTIES = ({"presence_penalty": 1.5}, {"frequency_penalty": 1.0}, {"repetition_penalty": 1.5},
+             {"presence_penalty": 2.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3})
+MAX_NUM_SEQS = 2
+
+
+@functools.cache
+def engine(pool_pages: int, preemption: str, async_scheduling: bool) -> Engine:
+    """Two requests at a time over 96-token sequences; 24 pages of 4 tokens cannot hold two of the long ones. A
+    running prefill of a shared prefix defers the requests sharing it (`defer_shared_prefill_tokens`), and the
+    request behind them runs first."""
+    swap = dict(preemption="swap", num_cpu_pages=64) if preemption == "swap" else {}
+    return Engine(ensure_tiny_checkpoint(), EngineConfig(
+        page_size=4, num_gpu_pages=pool_pages, max_model_len=96, kv_dtype="fp32", max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=32, defer_shared_prefill_tokens=8, async_scheduling=async_scheduling,
+        graph_rows_without_cuda=True, check_invariants=True, **swap))
+
+
+_RUNS = itertools.count()
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[str, bool, list[tuple[int, int, dict, int]]]:
+    """(preemption, async scheduling, requests as (text, max_tokens, penalties, step it arrives at)): two long
+    requests sharing a prefix (the second deferred while the first computes it, so a request behind it runs first),
+    too long to run together in the small pool, then up to five others."""
+    long_max_tokens = draw(st.integers(24, 30))
+    others = draw(st.lists(st.tuples(st.integers(0, len(TEXTS) - 1), st.integers(8, 30), st.sampled_from(PENALTIES),
+                                     st.integers(0, 3)), max_size=5))
+    requests = [(0, long_max_tokens, PENALTIES[0], 0), (1, long_max_tokens, PENALTIES[3], 1), *others]
+    return draw(st.sampled_from(["swap", "recompute"])), draw(st.booleans()), requests
+
+
+def served(engine: Engine, requests: list[tuple[int, int, dict, int]]) -> tuple[dict[int, list[int]], list[str]]:
+    """Each request's tokens, the requests added as their steps come, from a cold prefix cache; and what broke the
+    bound after a step, if anything: a request holding a slot of the count table while it does not run, or more
+    slots held than max_num_seqs."""
+    run, table = next(_RUNS), engine.penalty_counts
+    engine.kv.clear_cache()
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    broken: list[str] = []
+    step = 0
+    while step <= max(arrival for *_, arrival in requests) or engine.has_unfinished_requests():
+        for i, (text, max_tokens, knobs, arrival) in enumerate(requests):
+            if arrival == step:
+                engine.add_request(f"{run}/{i}", TEXTS[text], SamplingParams.greedy(
+                    max_tokens=max_tokens, ignore_eos=True, **knobs))
+        for event in engine.step():
+            i = int(event.request_id.split("/")[1])
+            tokens[i].extend(event.new_token_ids)
+            assert not event.finished or event.finish_reason is FinishReason.LENGTH, (i, event.error)
+        holders = sorted((r.request_id, r.state.value) for r in engine.requests.values()
+                         if r._penalty_counts is not None and r._penalty_counts.table is table)
+        if any(state != "running" for _, state in holders) or len(holders) > MAX_NUM_SEQS:
+            broken.append(f"step {step}: slots held by {holders}, {table.in_use} in use")
+        step += 1
+    return tokens, broken
+
+
+def served_with_preemptions(scenario) -> tuple[dict[int, list[int]], list[str]]:
+    """`served` on the small pool of the scenario's preemption mode, which must preempt."""
+    preemption, async_scheduling, requests = scenario
+    small = engine(24, preemption, async_scheduling)
+    preemptions = small.stats.preemptions
+    served_ = served(small, requests)
+    hypothesis.event(f"{small.stats.preemptions - preemptions} preemptions")
+    assert small.stats.preemptions > preemptions, "the spec needs preemptions"
+    return served_
+
+
+ENGINE_STEPS = settings(max_examples=12, deadline=None)
+
+
+@ENGINE_STEPS
+@given(scenario=scenarios())
+def spec_only_running_requests_hold_slots(scenario) -> None:
+    _, broken = served_with_preemptions(scenario)
+    assert not broken, f"a slot held by a request not running, or more than {MAX_NUM_SEQS}: {broken[:3]}"
+
+
+@ENGINE_STEPS
+@given(scenario=scenarios())
+def spec_a_preempted_request_samples_as_undisturbed(scenario) -> None:
+    got, _ = served_with_preemptions(scenario)
+    preemption, _, requests = scenario
+    want, _ = served(engine(256, "recompute", False), requests)
+    for i, request in enumerate(requests):
+        assert got[i] == want[i], (
+            f"request {i} {request} gave {got[i]} in a pool that preempted it ({preemption}), {want[i]} alone")

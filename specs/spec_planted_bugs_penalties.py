@@ -12,6 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from prism.engine import penalties, penalty_counts, sampler
 from prism.engine.penalties import TokenHistory
+from prism.engine.penalty_counts import PenaltyTableFull
 from prism.engine.request import Request, RequestState
 from specs import spec_penalty_counts, spec_sampling_penalties
 from specs.planted import _spec_fails
@@ -159,3 +160,26 @@ def test_a_slot_kept_while_preempted_is_caught_by_the_table(monkeypatch: pytest.
 def test_a_released_slot_not_refilled_is_caught_by_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     _plant_a_released_slot_still_used(monkeypatch)
     _table_machine_fails("while not running|recount as|from its whole history")
+
+
+def _engine_spec_fails(spec, match: str, errors=AssertionError) -> None:
+    spec_penalty_counts.engine.cache_clear()  # engines left mid-run by the planted bug are not reused
+    try:
+        _spec_fails(spec, match, errors)
+    finally:
+        spec_penalty_counts.engine.cache_clear()
+
+
+def test_a_slot_kept_while_preempted_is_caught_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preempted requests wait beside those that run (a younger one ran ahead of an older one waiting for a shared
+    prefill): the slots held outnumber max_num_seqs, and the table of max_num_seqs slots runs out."""
+    _plant_slots_kept_while_preempted(monkeypatch)
+    _engine_spec_fails(spec_penalty_counts.spec_only_running_requests_hold_slots,
+                       "a slot held by a request not running|slots of the penalty count table",
+                       (AssertionError, PenaltyTableFull))
+
+
+def test_a_released_slot_not_refilled_is_caught_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_a_released_slot_still_used(monkeypatch)
+    _engine_spec_fails(spec_penalty_counts.spec_a_preempted_request_samples_as_undisturbed,
+                       "in a pool that preempted it")
