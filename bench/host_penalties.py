@@ -69,7 +69,7 @@ def main() -> None:
             outputs = [rng.integers(vocab, size=length).tolist() for _ in range(rows)]
             plain = [TokenHistory((), out) for out in outputs]
             old = per_step_ms(lambda h=plain, v=vocab: rebuilt_counts(h, v), outputs, vocab, rng)
-            table, slots = PenaltyCounts("cpu", vocab), [CountsSlot() for _ in range(rows)]
+            table, slots = PenaltyCounts("cpu", vocab, slots=rows), [CountsSlot() for _ in range(rows)]
             kept = [TokenHistory((), out, slot) for out, slot in zip(outputs, slots, strict=True)]
             extra = np.empty(0, dtype=np.int64)
             new = per_step_ms(lambda h=kept, t=table, e=extra: t.step(h, [False] * rows, e), outputs, vocab, rng)

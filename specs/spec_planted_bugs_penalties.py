@@ -12,6 +12,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from prism.engine import penalties, penalty_counts, sampler
 from prism.engine.penalties import TokenHistory
+from prism.engine.penalty_counts import PenaltyTableFull
+from prism.engine.request import Request, RequestState
 from specs import spec_penalty_counts, spec_sampling_penalties
 from specs.planted import _spec_fails
 
@@ -44,8 +46,8 @@ def test_logprobs_of_the_penalized_logits_are_caught(monkeypatch: pytest.MonkeyP
     adjusted: list[torch.Tensor] = []
     adjusted_logits = sampler.adjusted_logits
 
-    def keeping(x, params, histories):
-        adjusted.append(adjusted_logits(x, params, histories))
+    def keeping(x, params, histories, table=None):
+        adjusted.append(adjusted_logits(x, params, histories, table))
         return adjusted[-1]
 
     class TorchOnTheAdjusted:
@@ -64,7 +66,6 @@ def test_logprobs_of_the_penalized_logits_are_caught(monkeypatch: pytest.MonkeyP
 def test_a_history_taken_at_launch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Async scheduling: the penalty inputs were taken when a step was launched, before the host read the step in
     flight, so the history missed that step's token (in flight then, appended before the launched step samples)."""
-    from prism.engine.request import Request
     from prism.engine.runner import ModelRunner
 
     at_launch: dict[str, list[int]] = {}
@@ -119,3 +120,66 @@ def test_a_slot_kept_after_its_request_ends_is_caught(monkeypatch: pytest.Monkey
     """A request that ended kept its row (the release forgotten): the table fills with rows nobody reads."""
     monkeypatch.setattr(penalty_counts.CountsSlot, "release", lambda self: None)
     _table_machine_fails("a slot leaked")
+
+
+def _plant_slots_kept_while_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot went back only when its request finished, as before the table was bounded: a preempted request kept
+    it while it waited."""
+    transition = Request.transition
+
+    def keeping_the_slot(self, new):
+        slot = self._penalty_counts
+        if new is RequestState.FINISHED or slot is None:
+            return transition(self, new)
+        self._penalty_counts = None
+        try:
+            transition(self, new)
+        finally:
+            self._penalty_counts = slot
+
+    monkeypatch.setattr(Request, "transition", keeping_the_slot)
+
+
+def _plant_a_released_slot_still_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The release gave the row back to the table, but the handle kept it and its count mark: resumed, the request
+    went on adding its new tokens to a row the table had given (zeroed) to another, instead of taking a fresh one
+    refilled from its whole history."""
+
+    def give_back_only(self) -> None:
+        if self._give_back is not None:
+            self._give_back()
+
+    monkeypatch.setattr(penalty_counts.CountsSlot, "release", give_back_only)
+
+
+def test_a_slot_kept_while_preempted_is_caught_by_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_slots_kept_while_preempted(monkeypatch)
+    _table_machine_fails("while not running")
+
+
+def test_a_released_slot_not_refilled_is_caught_by_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_a_released_slot_still_used(monkeypatch)
+    _table_machine_fails("while not running|recount as|from its whole history")
+
+
+def _engine_spec_fails(spec, match: str, errors=AssertionError) -> None:
+    spec_penalty_counts.engine.cache_clear()  # engines left mid-run by the planted bug are not reused
+    try:
+        _spec_fails(spec, match, errors)
+    finally:
+        spec_penalty_counts.engine.cache_clear()
+
+
+def test_a_slot_kept_while_preempted_is_caught_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preempted requests wait beside those that run (a younger one ran ahead of an older one waiting for a shared
+    prefill): the slots held outnumber max_num_seqs, and the table of max_num_seqs slots runs out."""
+    _plant_slots_kept_while_preempted(monkeypatch)
+    _engine_spec_fails(spec_penalty_counts.spec_only_running_requests_hold_slots,
+                       "a slot held by a request not running|slots of the penalty count table",
+                       (AssertionError, PenaltyTableFull))
+
+
+def test_a_released_slot_not_refilled_is_caught_on_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    _plant_a_released_slot_still_used(monkeypatch)
+    _engine_spec_fails(spec_penalty_counts.spec_a_preempted_request_samples_as_undisturbed,
+                       "in a pool that preempted it")

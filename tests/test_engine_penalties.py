@@ -12,8 +12,8 @@ import torch
 from test_engine import IMAGES, _one_thread, chat, hf_greedy  # noqa: F401 (_one_thread: an autouse fixture)
 
 from prism.engine.llm import LLM
-from prism.engine.penalty_counts import table_for
-from prism.engine.request import FinishReason
+from prism.engine.penalty_counts import PenaltyCounts, PenaltyTableOutOfMemory
+from prism.engine.request import FinishReason, Request, RequestState
 from prism.engine.sampling import SamplingParams, SamplingParamsError
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 
@@ -99,15 +99,14 @@ def test_a_logit_bias_id_outside_the_vocabulary_is_refused():
 
 
 def test_every_slot_goes_back_however_its_request_ends():
-    """Penalized requests hold one row of the count table each while they run (preempted ones included), and give it
-    back when they end: at their budget, or aborted mid-way."""
+    """Penalized requests hold one row of the count table each while they run (not while preempted: each preemption
+    gives it back), and give it back when they end: at their budget, or aborted mid-way."""
     ckpt = ensure_tiny_checkpoint()
-    # without async scheduling a request has output tokens exactly when it has been sampled
     llm = LLM(ckpt, kv_dtype="fp32", page_size=4, num_gpu_pages=24, max_num_batched_tokens=160, max_num_seqs=4,
               async_scheduling=False)
     engine = llm.engine
-    table = table_for(torch.device("cpu"), engine.runner.model.config.text.vocab_size)
-    before = table.in_use
+    table = engine.penalty_counts
+    assert table.slots == 4 and table.counts is None, "max_num_seqs slots, allocated when a penalized row samples"
     params = mixed_params(24)
     for i, (text, p) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(f"r{i}", text, p)
@@ -116,12 +115,70 @@ def test_every_slot_goes_back_however_its_request_ends():
     while engine.has_unfinished_requests():
         ends.update((e.request_id, e.finish_reason) for e in engine.step() if e.finished)
         steps += 1
-        holding = [r for r in engine.requests.values() if r.output_token_ids and r.params.has_penalties]
+        holding = [r for r in engine.requests.values()
+                   if r._penalty_counts is not None and r._penalty_counts.table is table]
         held = max(held, len(holding))
-        assert table.in_use - before == len(holding), "a slot for each penalized request sampled and not ended"
+        assert table.in_use == len(holding), "a slot for each penalized request holding one"
+        assert all(r.state is RequestState.RUNNING for r in holding), "a preempted request holds no slot"
         if steps == 6:
             engine.abort("r1")
     assert held == 3 and engine.stats.preemptions > 0, "the scenario must hold three slots and preempt"
     assert ends == {"r0": FinishReason.LENGTH, "r1": FinishReason.ABORT, "r2": FinishReason.LENGTH,
                     "r3": FinishReason.LENGTH}
-    assert table.in_use == before
+    assert table.in_use == 0 and table.counts.shape == (5, engine.runner.model.config.text.vocab_size)
+
+
+def test_no_request_is_preempted_while_a_step_that_sampled_it_is_in_flight(monkeypatch):
+    """Async scheduling with swap and recompute preemptions: the engine preempts only in a scheduled step, which runs
+    once the host has read every sampled token (a step scheduled ahead preempts no one), so a slot is never given
+    back while a step that sampled its request is in flight (whose counts were gathered out of the table when it
+    sampled, on the stream every later write to that row follows). Its tokens are those of a pool too large to
+    preempt."""
+    ckpt = ensure_tiny_checkpoint()
+    common = dict(kv_dtype="fp32", page_size=4, max_num_batched_tokens=160, max_num_seqs=4,
+                  graph_rows_without_cuda=True)
+    params = mixed_params(24)
+    want = [c.token_ids for c in LLM(ckpt, num_gpu_pages=256, async_scheduling=False, **common).generate(
+        PROMPTS, params)]
+    llm = LLM(ckpt, num_gpu_pages=24, num_cpu_pages=8, preemption="swap", **common)
+    engine = llm.engine
+    in_flight_when_preempted = []
+    transition = Request.transition
+
+    def recording(self, new):
+        if new in (RequestState.WAITING, RequestState.SWAPPED):
+            step = engine._inflight
+            in_flight_when_preempted.append(step is not None and any(s.request is self for s in step.sampled))
+        transition(self, new)
+
+    monkeypatch.setattr(Request, "transition", recording)
+    got = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    assert engine.stats.async_steps > 10 and in_flight_when_preempted, (engine.stats, "the scenario must preempt")
+    assert not any(in_flight_when_preempted)
+    assert got == want
+    assert engine.penalty_counts.in_use == 0
+
+
+def test_a_table_the_device_has_no_room_for_fails_only_the_penalized_requests(monkeypatch):
+    """The count table is allocated when a penalized request first samples; if the device has no room for it then,
+    that step's penalized requests fail with the typed error (the others sample as they would have), and a later
+    penalized request tries again."""
+    ckpt = ensure_tiny_checkpoint()
+    llm = LLM(ckpt, kv_dtype="fp32", page_size=16, num_gpu_pages=64, max_num_seqs=4)
+    params = mixed_params(8)
+    want = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    llm = LLM(ckpt, kv_dtype="fp32", page_size=16, num_gpu_pages=64, max_num_seqs=4)
+    allocate = PenaltyCounts._allocate
+
+    def out_of_memory(self):
+        raise PenaltyTableOutOfMemory("no room on cpu for the penalty count table (planted)")
+
+    monkeypatch.setattr(PenaltyCounts, "_allocate", out_of_memory)
+    got = llm.generate(PROMPTS, params)
+    assert [c.finish_reason for c in got] == [FinishReason.ERROR] * 3 + [FinishReason.LENGTH]
+    assert all(c.error == "PenaltyTableOutOfMemory: no room on cpu for the penalty count table (planted)"
+               and not c.token_ids for c in got[:3])
+    assert got[3].token_ids == want[3], "the request without penalties samples as it would have"
+    assert llm.engine.penalty_counts.in_use == 0 and not llm.engine.has_unfinished_requests()
+    monkeypatch.setattr(PenaltyCounts, "_allocate", allocate)
+    assert [c.token_ids for c in llm.generate(PROMPTS[:1], params[:1])] == want[:1]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prism.engine import penalty_counts
 from prism.engine.penalties import TokenHistory, adjusted_logits
-from prism.engine.penalty_counts import CountsSlot, PenaltyCounts
+from prism.engine.penalty_counts import CountsSlot, PenaltyCounts, PenaltyTableFull, PenaltyTableOutOfMemory
 from prism.engine.sampler import SamplerError, filtered_distribution, make_generator, sample
 from prism.engine.sampling import MAX_LOGIT_BIAS_TOKENS, SamplingParams, SamplingParamsError
 from prism.ops import host_copy
@@ -202,7 +203,7 @@ class _HFStub:
 
 
 def test_a_kept_slot_counts_only_the_new_tokens_and_a_bad_one_changes_nothing():
-    table, slot = PenaltyCounts("cpu", 6, capacity=2), CountsSlot()
+    table, slot = PenaltyCounts("cpu", 6, slots=1), CountsSlot()
     output = [3, 3]
     p = SamplingParams(frequency_penalty=1.0)
     first = adjusted_logits(LOGITS, [p], [TokenHistory([], output, slot)], table)
@@ -219,13 +220,13 @@ def test_a_kept_slot_counts_only_the_new_tokens_and_a_bad_one_changes_nothing():
 
 
 def test_a_slot_is_refilled_when_its_history_is_shorter_and_rows_without_one_come_back():
-    table, slot = PenaltyCounts("cpu", 6, capacity=2), CountsSlot()
+    table, slot = PenaltyCounts("cpu", 6, slots=2), CountsSlot()
     p = SamplingParams(presence_penalty=1.0, repetition_penalty=2.0)
     adjusted_logits(LOGITS, [p], [TokenHistory([0], [1, 1, 2], slot)], table)
     got = adjusted_logits(LOGITS.expand(2, -1), [p, p], [TokenHistory([5], [4], slot), TokenHistory([], [0, 3])], table)
     assert got[0].tolist() == [2.0, -1.0, 0.5, 3.0, -1.0, -4.0], "the row counts its new, shorter history only"
     assert got[1].tolist() == [0.0, -1.0, 0.5, 0.5, 0.0, -2.0]
-    assert table.in_use == 1 and table.capacity == 4, "the row without a slot grew the table, then gave its row back"
+    assert table.in_use == 1, "the row without a slot took a row for its step, then gave it back"
     slot.release()
     assert table.in_use == 0 and slot.table is None
 
@@ -233,4 +234,42 @@ def test_a_slot_is_refilled_when_its_history_is_shorter_and_rows_without_one_com
 def test_a_table_for_other_logits_is_refused():
     with pytest.raises(SamplerError, match="count table of 7 tokens"):
         adjusted_logits(LOGITS, [SamplingParams(presence_penalty=1.0)], [TokenHistory([], [1])],
-                        PenaltyCounts("cpu", 7))
+                        PenaltyCounts("cpu", 7, slots=1))
+
+
+def test_the_table_is_allocated_whole_once_and_never_grows(caplog):
+    table = PenaltyCounts("cpu", 6, slots=2)
+    assert table.counts is None and table.nbytes == 3 * 6 * 5, "nothing allocated before a penalized row samples"
+    p = SamplingParams(presence_penalty=1.0)
+    slots = [CountsSlot() for _ in range(3)]
+    with caplog.at_level("INFO", logger="prism.engine.penalty_counts"):
+        adjusted_logits(LOGITS, [p], [TokenHistory([], [1], slots[0])], table)
+    assert table.counts.shape == table.prompt_seen.shape == (3, 6)
+    assert [r.getMessage() for r in caplog.records] == [
+        "penalty count table allocated on cpu: 2 slots + 1 x 6 tokens x 5 bytes = 90 bytes (0.0 MiB)"]
+    counts = table.counts
+    adjusted_logits(LOGITS.expand(2, -1), [p, p], [TokenHistory([], [1], slots[0]), TokenHistory([], [2], slots[1])],
+                    table)
+    assert table.counts is counts and table.in_use == 2
+    with pytest.raises(PenaltyTableFull, match="takes 1 slots of the penalty count table, 0 of its 2 are free"):
+        adjusted_logits(LOGITS, [p], [TokenHistory([], [3], slots[2])], table)
+    slots[0].release()
+    got = adjusted_logits(LOGITS, [p], [TokenHistory([], [3, 4], slots[2])], table)
+    assert got[0].tolist() == [2.0, -1.0, 0.5, 2.0, -1.0, -2.0] and table.counts is counts and table.in_use == 2
+
+
+def test_a_table_the_device_has_no_room_for_is_a_typed_error(monkeypatch):
+    table = PenaltyCounts("cpu", 6, slots=4)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 608.00 KiB")
+
+    monkeypatch.setattr(penalty_counts.torch, "zeros", out_of_memory)
+    slot = CountsSlot()
+    with pytest.raises(PenaltyTableOutOfMemory, match=r"no room on cpu for the penalty count table \(0.0 MiB: 4 "
+                                                       r"slots \(max_num_seqs\) \+ 1, x 6 tokens x 5 bytes\)"):
+        adjusted_logits(LOGITS, [SamplingParams(presence_penalty=1.0)], [TokenHistory([], [1], slot)], table)
+    assert table.counts is None and table.in_use == 0 and slot.table is None, "nothing kept: the next sample retries"
+    monkeypatch.undo()
+    got = adjusted_logits(LOGITS, [SamplingParams(presence_penalty=1.0)], [TokenHistory([], [1], slot)], table)
+    assert got[0, 1] == LOGITS[0, 1] - 1 and table.in_use == 1

@@ -40,6 +40,8 @@ class EngineConfig:
     num_gpu_pages: int | None = None  # None: as many pages as fit in kv_memory_bytes
     kv_memory_bytes: int = 64 * 2**20
     num_cpu_pages: int = 0  # the CPU swap pool (0: preemption always recomputes)
+    # Sequences running at a time; also the slots of the penalties' count table, allocated on the device when a
+    # penalized request first samples: (max_num_seqs + 1) x vocab x 5 bytes (README, `engine/penalty_counts.py`).
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the KV pool's capacity, capped at 32768

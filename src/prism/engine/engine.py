@@ -32,6 +32,7 @@ from .config import EngineConfig
 from .detokenize import TextStream
 from .inflight import InflightStep
 from .inputs import InputProcessor, PreparedPrompt
+from .penalty_counts import PenaltyCounts, PenaltyTableOutOfMemory
 from .rank import build_rank_runner, check_rank_devices
 from .request import (
     Branch,
@@ -121,6 +122,9 @@ class Engine:
         self._events: list[RequestOutput] = []
         self._arrivals = 0
         self._inflight: InflightStep | None = None  # sampled on the device, not yet read by the host
+        # The penalized requests' output counts: a slot for each running one, so max_num_seqs slots (allocated, whole,
+        # when a penalized request first samples).
+        self.penalty_counts = PenaltyCounts(self.runner.device, model.config.text.vocab_size, self.config.max_num_seqs)
         self.stats = EngineStats()
         if self.config.python_switch_interval_ms is not None:  # process-wide: the last engine made sets it
             sys.setswitchinterval(self.config.python_switch_interval_ms / 1e3)
@@ -351,13 +355,23 @@ class Engine:
         if not sampling:
             return False
         logits = take_rows(logits, sampling_rows)
-        self._inflight = InflightStep.launch(sampling, self._sample(sampling, logits))
+        try:
+            result = self._sample(sampling, logits)
+        except PenaltyTableOutOfMemory as error:  # the penalized requests fail with it; the others sample as they would
+            log.error("failing the step's penalized requests: %s", error)
+            self._fail([s.request for s in sampling if s.request.params.has_penalties], error)
+            kept = [i for i, s in enumerate(sampling) if not s.request.params.has_penalties]
+            if not kept:
+                return False
+            sampling, logits = [sampling[i] for i in kept], take_rows(logits, kept)
+            result = self._sample(sampling, logits)
+        self._inflight = InflightStep.launch(sampling, result)
         return True
 
     def _sample(self, slices, logits: torch.Tensor):
         requests = [s.request for s in slices]
         return sample(logits, [r.params for r in requests], [self._generators.get(r.request_id) for r in requests],
-                      [r.token_history() if r.params.has_penalties else None for r in requests])
+                      [r.token_history() if r.params.has_penalties else None for r in requests], self.penalty_counts)
 
     def _commit_live(self, slices, launched: list[bool], logits: torch.Tensor | None) -> None:
         """Commit a step launched before `_accept_tokens` read the tokens it was fed: its slices whose requests

@@ -2,7 +2,7 @@
 
 Owns *a row's penalties use only its own history*: the counts a row is penalized by are those of its own
 `TokenHistory` (its prompt's distinct tokens for the repetition penalty; its output so far for all three), held in
-its own slot of the device's count table (`penalty_counts`, which owns keeping a slot equal to its history), and each
+its own slot of the engine's count table (`penalty_counts`, which owns keeping a slot equal to its history), and each
 row's knobs are its own `SamplingParams`' - so a row's adjusted logits depend only on its own logits, params and
 history, never on its batch companions.
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..ops import host_copy
-from .penalty_counts import CountsSlot, PenaltyCounts, table_for
+from .penalty_counts import CountsSlot, PenaltyCounts
 from .sampling import SamplerError, SamplingParams
 
 
@@ -37,7 +37,7 @@ class TokenHistory:
     """The tokens one row's penalties read: `prompt`, the prompt's token ids (only for the repetition penalty:
     distinct ids suffice, see `distinct_token_ids`), and `output`, every token generated so far in order (it only
     grows). `counts`: the request's slot in the count table, kept between its steps (`Request.token_history`); None
-    counts the whole history for this step only."""
+    counts the whole history for this step only (a row of the table taken for the step)."""
 
     prompt: Sequence[int] | np.ndarray
     output: Sequence[int] | np.ndarray
@@ -55,8 +55,8 @@ def adjusted_logits(
     table: PenaltyCounts | None = None,
 ) -> torch.Tensor:
     """`x` [B, V] fp32 with each row's logit_bias and penalties applied: a new tensor, or `x` itself when no row
-    adjusts its logits (x is never modified). The penalized rows' counts are kept in `table` (default: the
-    process's table for x's device and vocabulary)."""
+    adjusts its logits (x is never modified). The penalized rows' counts are kept in `table` (the engine's, kept
+    between steps); without one, each is counted from its whole history in a table made for this step."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return x
@@ -68,11 +68,13 @@ def adjusted_logits(
     sub = x.clone() if idx is None else x.index_select(0, idx)
     plan = _Plan.of([params[i] for i in rows], [histories[i] for i in rows], vocab)
     if plan.penalized:
-        table = table_for(x.device, vocab) if table is None else table
+        histories = plan.histories
+        if table is None:
+            table, histories = _counted_this_step(x.device, vocab, histories)
         if (table.device, table.vocab) != (x.device, vocab):
             raise SamplerError(f"a count table of {table.vocab} tokens on {table.device} for logits of {vocab} on "
                                f"{x.device}")
-        step = table.step(plan.histories, plan.repetition_rows, plan.bias_at)
+        step = table.step(histories, plan.repetition_rows, plan.bias_at)
         bias_at = step.extra
     else:
         bias_at = host_copy.to_device(plan.bias_at, x.device, torch.int64)
@@ -93,6 +95,14 @@ def adjusted_logits(
     if plan.presence:
         sub = sub - knobs[2] * (counts > 0).float()
     return sub if idx is None else x.index_copy(0, idx, sub)
+
+
+def _counted_this_step(device: torch.device, vocab: int, histories: list[TokenHistory | None]
+                       ) -> tuple[PenaltyCounts, list[TokenHistory | None]]:
+    """A table for this step's penalized rows and their histories without slot handles: each counted from scratch,
+    none keeping a row of a table nobody keeps."""
+    alone = [None if h is None else TokenHistory(h.prompt, h.output) for h in histories]
+    return PenaltyCounts(device, vocab, slots=sum(h is not None for h in alone)), alone
 
 
 @dataclass(frozen=True)

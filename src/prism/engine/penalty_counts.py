@@ -1,22 +1,31 @@
-"""The output counts the penalties read, kept on the device between steps: `PenaltyCounts`, one table per device and
-vocabulary, whose rows ("slots") belong to penalized requests.
+"""The output counts the penalties read, kept on the device between steps: `PenaltyCounts`, one table per engine
+(`Engine.penalty_counts`), whose rows ("slots") belong to the penalized requests running.
 
-Owns *a slot counts its request's history exactly once, and no slot outlives its request*: a request's slot is
-zeroed when the request takes it (its first penalized sample), filled then from its whole output (and its prompt's
-tokens, for a repetition penalty), and afterwards given, at each sample, only the tokens appended since its last one
-(`CountsSlot.counted`: one per step usually; more after a preemption, a swap or a recompute, which never drop output
-tokens, or under async scheduling, where the step in flight's token is appended before the next step samples). So
-row i of the table always equals a recount of output[:counted] of the request holding it. The slot goes back when
-its request finishes, however it ends (`Request.finish` releases it), or when the request is garbage collected
-without finishing (a `weakref.finalize` on the slot handle): slots in use == live requests holding one.
+Owns *a slot counts its request's history exactly once, and only a running request holds one*: a request's slot is
+zeroed when the request takes it (its first penalized sample since it last started running), filled then from its
+whole output (and its prompt's tokens, for a repetition penalty), and afterwards given, at each sample, only the
+tokens appended since its last one (`CountsSlot.counted`: one per step usually; more under async scheduling, where
+the step in flight's token is appended before the next step samples). So row i of the table always equals a recount
+of output[:counted] of the request holding it. The slot goes back whenever its request stops running (`Request.
+transition`: preempted, swapped out or dropped to recompute, or finished, however it ends), or when the request is
+garbage collected (a `weakref.finalize` on the slot handle); a resumed request takes a fresh slot at its next
+penalized sample, refilled from its whole history. The scheduler runs at most `max_num_seqs` requests at a time
+(under async scheduling too: a request whose token in flight ends it gives its seat away only once that token has
+finished it, before the step it made room for samples), so the slots in use never exceed `max_num_seqs`: a table of
+that many slots never runs out (`PenaltyTableFull` if it does: a slot leaked).
+
+A release never touches the counts a sampled step needs: a step's rows are gathered (copied out of the table) when
+it samples, on the stream every later step's writes follow, and the engine preempts only when no step is in flight
+(the scheduler's preempting schedule runs once the host has read every sampled token; a step scheduled ahead
+preempts no one).
 
 Cost of a step: rows times their new tokens, not their histories. The host checks and stages the new tokens' flat
 positions (with the caller's own positions, e.g. logit_bias entries) in ONE host->device copy; the device runs one
 scatter_add for every row and one index_select for the step's rows (plus a zeroing of the slots taken this step, and
-a prompt fill for a new repetition slot). Memory: int32 [capacity, vocab] counts (608 KB a slot at Qwen3-VL's
-151,936 tokens), and a bool [capacity, vocab] prompt plane once a repetition penalty appears; capacity doubles when
-the slots run out and never shrinks. Row 0 is never given out: always zero, it is what rows without a penalty
-gather.
+a prompt fill for a new repetition slot). Memory, fixed: int32 counts and a bool prompt plane, [slots + 1, vocab]
+each (5 bytes a token a row: 760 KB a slot at Qwen3-VL's 151,936 tokens), allocated whole the first time a penalized
+row samples (logged; `PenaltyTableOutOfMemory` if the device has no room for it) and kept. Row 0 is never given
+out: always zero, it is what rows without a penalty gather.
 
 A table's updates run under its lock, and every step enqueues its kernels on its thread's current stream of the
 device (Prism's engines all use the default one), so the device applies them in the order the lock gave them.
@@ -26,6 +35,7 @@ queue the next step drains.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import deque
@@ -38,6 +48,18 @@ import torch
 
 from ..ops import host_copy
 from .sampling import SamplerError
+
+log = logging.getLogger(__name__)
+
+
+class PenaltyTableOutOfMemory(RuntimeError):
+    """The device had no room for the count table when a penalized row first sampled: the engine fails that step's
+    penalized requests with it (the others sample on)."""
+
+
+class PenaltyTableFull(RuntimeError):
+    """A step needs more slots than the table has: more penalized requests hold one than can run at a time (a slot
+    kept by a request that stopped running), or a direct caller's table too small for its rows."""
 
 
 class History(Protocol):
@@ -80,46 +102,38 @@ class StepCounts:
     extra: torch.Tensor
 
 
-_TABLES: dict[tuple[torch.device, int], PenaltyCounts] = {}
-_TABLES_LOCK = threading.Lock()
-
-
-def table_for(device: torch.device, vocab: int) -> PenaltyCounts:
-    """The process's table for `device` and `vocab`, made the first time a penalized row is sampled there."""
-    key = (torch.device(device), vocab)
-    table = _TABLES.get(key)
-    if table is None:
-        with _TABLES_LOCK:
-            table = _TABLES.get(key)
-            if table is None:
-                table = _TABLES[key] = PenaltyCounts(*key)
-    return table
-
-
 class PenaltyCounts:
-    """Output counts int32 [capacity, vocab] on `device`, row 0 always zero, the others given to requests as slots;
-    `prompt_seen` bool [capacity, vocab], made with the first repetition penalty."""
+    """Output counts int32 [slots + 1, vocab] on `device`, row 0 always zero, the others given to requests as slots,
+    and `prompt_seen` bool [slots + 1, vocab], the prompt tokens of those with a repetition penalty; both None until
+    the first penalized row samples."""
 
-    def __init__(self, device: torch.device | str, vocab: int, capacity: int = 8) -> None:
-        if vocab < 1 or capacity < 2:
-            raise ValueError(f"a PenaltyCounts needs vocab >= 1 and capacity >= 2, got {vocab} and {capacity}")
+    def __init__(self, device: torch.device | str, vocab: int, slots: int) -> None:
+        if vocab < 1 or slots < 1:
+            raise ValueError(f"a PenaltyCounts needs vocab >= 1 and slots >= 1, got {vocab} and {slots}")
         self.device = torch.device(device)
         self.vocab = vocab
-        self.counts = torch.zeros(capacity, vocab, dtype=torch.int32, device=self.device)
+        self.slots = slots
+        self.counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
         self.lock = threading.Lock()
-        self._free = list(range(capacity - 1, 0, -1))  # pop() takes the lowest
+        self._free = list(range(slots, 0, -1))  # pop() takes the lowest
         self._released: deque[int] = deque()  # appended by releases (any thread, finalizers included)
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)
 
     @property
     def capacity(self) -> int:
-        return self.counts.shape[0]
+        """Rows, row 0 included."""
+        return self.slots + 1
+
+    @property
+    def nbytes(self) -> int:
+        """The device memory the table takes once allocated: 4 bytes of count and 1 of prompt plane a token a row."""
+        return self.capacity * self.vocab * 5
 
     @property
     def in_use(self) -> int:
         """Slots held by requests (released ones not yet drained are not)."""
-        return self.capacity - 1 - len(self._free) - len(self._released)
+        return self.slots - len(self._free) - len(self._released)
 
     def step(self, histories: Sequence[History | None], repetition: Sequence[bool], extra: np.ndarray) -> StepCounts:
         """Bring the slot of each row with a history up to date with its tokens (taking one when it has none: a
@@ -138,12 +152,15 @@ class PenaltyCounts:
                     s.release()
 
     def _apply(self, plan: _Update, extra: np.ndarray) -> StepCounts:
+        for slot in plan.fresh:  # bound to another table, or to a row counting more than its history now holds
+            slot.release()
         self._drain()
         taken = len(plan.fresh)
         if taken > len(self._free):
-            self._grow(taken - len(self._free))
-        if any(plan.repetition) and self.prompt_seen is None:
-            self.prompt_seen = torch.zeros(self.capacity, self.vocab, dtype=torch.bool, device=self.device)
+            raise PenaltyTableFull(f"a step takes {taken} slots of the penalty count table, {len(self._free)} of its "
+                                   f"{self.slots} are free: its slots are for the requests running at a time")
+        if self.counts is None:
+            self._allocate()
         for slot in plan.fresh:
             self._take(slot)
         ints = plan.ints(self.vocab)
@@ -160,27 +177,26 @@ class PenaltyCounts:
         seen = self.prompt_seen.index_select(0, rows) if any(plan.repetition) else None
         return StepCounts(self.counts.index_select(0, rows), seen, extra_at)
 
+    def _allocate(self) -> None:
+        """The whole table, once: its size is known from the start (`nbytes`), never grown at run time."""
+        shape = (self.capacity, self.vocab)
+        try:
+            counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        except torch.OutOfMemoryError as error:
+            raise PenaltyTableOutOfMemory(
+                f"no room on {self.device} for the penalty count table ({self.nbytes / 2**20:.1f} MiB: {self.slots} "
+                f"slots (max_num_seqs) + 1, x {self.vocab} tokens x 5 bytes): leave that much free beside the KV "
+                "pool (lower kv_memory_bytes or max_num_seqs)") from error
+        self.counts, self.prompt_seen = counts, seen
+        log.info("penalty count table allocated on %s: %d slots + 1 x %d tokens x 5 bytes = %d bytes (%.1f MiB)",
+                 self.device, self.slots, self.vocab, self.nbytes, self.nbytes / 2**20)
+
     def _drain(self) -> None:
         while self._released:
             self._free.append(self._released.popleft())
 
-    def _grow(self, short: int) -> None:
-        """Double the capacity (more if `short` rows more are needed), copying the rows held."""
-        old = self.capacity
-        new = old * 2
-        while new - old < short:
-            new *= 2
-        counts = torch.zeros(new, self.vocab, dtype=torch.int32, device=self.device)
-        counts[:old].copy_(self.counts)
-        self.counts = counts
-        if self.prompt_seen is not None:
-            seen = torch.zeros(new, self.vocab, dtype=torch.bool, device=self.device)
-            seen[:old].copy_(self.prompt_seen)
-            self.prompt_seen = seen
-        self._free[:0] = range(new - 1, old - 1, -1)  # below the free ones: pop() still takes the lowest first
-
     def _take(self, slot: CountsSlot) -> None:
-        slot.release()  # bound to another table, or to a row counting more than its history now holds
         index = self._free.pop()
         slot.table, slot.index, slot.counted, slot.prompt_filled = self, index, 0, False
         slot._give_back = weakref.finalize(slot, self._released.append, index)
@@ -189,8 +205,7 @@ class PenaltyCounts:
     def _zero(self, rows: torch.Tensor) -> None:
         """Zero the rows taken this step (a released row keeps its last owner's counts until then)."""
         self.counts.index_fill_(0, rows, 0)
-        if self.prompt_seen is not None:
-            self.prompt_seen.index_fill_(0, rows, False)
+        self.prompt_seen.index_fill_(0, rows, False)
 
 
 @dataclass

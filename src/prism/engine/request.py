@@ -7,6 +7,9 @@ there, so exactly one terminal event is produced.
     WAITING --schedule--> RUNNING --finish--> FINISHED
     RUNNING --preempt (recompute)--> WAITING          any non-terminal --abort/error--> FINISHED
     RUNNING --preempt (swap)--> SWAPPED --resume--> RUNNING
+
+A request holds a slot of the engine's penalty count table only while it runs: every transition out of RUNNING
+gives it back (`transition`), which bounds the slots in use by the requests running at a time (`penalty_counts`).
 """
 
 from __future__ import annotations
@@ -157,7 +160,8 @@ class Request:
         # compares its prompt with another's.
         self.prompt_page_keys: list[bytes] | None = None
         self._distinct_prompt_ids: np.ndarray | None = None  # made once, when a penalty first reads them
-        # Its row of the device's penalty count table: taken on its first penalized sample, given back by `finish`.
+        # Its row of the engine's penalty count table: taken on its first penalized sample since it last started
+        # running, given back when it stops running (`transition`).
         self._penalty_counts: CountsSlot | None = None
 
     @property
@@ -201,14 +205,16 @@ class Request:
         if new not in _ALLOWED[self.state]:
             raise RequestStateError(f"request {self.request_id}: {self.state.value} -> {new.value} is not allowed")
         self.state = new
+        if new is not RequestState.RUNNING and self._penalty_counts is not None:
+            # Preempted (swapped out, or dropped to recompute) or finished: its slot goes back, so that waiting
+            # requests hold none. Resumed, its next penalized sample takes a fresh one, filled from its whole history.
+            self._penalty_counts.release()
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.transition(RequestState.FINISHED)
         self.finish_reason = reason
         self.error = error
         self.times.finished = time.perf_counter()
-        if self._penalty_counts is not None:  # however it ends: its row of the count table goes back
-            self._penalty_counts.release()
 
     def finish_reason_after(self, token: int, stopped_by_text: bool, eos_token_ids: Collection[int],
                             max_model_len: int) -> FinishReason | None:

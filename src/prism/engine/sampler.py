@@ -34,6 +34,7 @@ import torch
 
 from ..ops import host_copy
 from .penalties import TokenHistory, adjusted_logits
+from .penalty_counts import PenaltyCounts
 from .request import TokenLogprobs
 from .sampling import SamplerError, SamplingParams
 
@@ -81,12 +82,14 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None = None,
     histories: Sequence[TokenHistory | None] | None = None,
+    counts: PenaltyCounts | None = None,
 ) -> SampleResult:
     """Pick one token per row of `logits` [B, V] under `params[i]`, drawing from `generators[i]`; a row with a
-    penalty reads its tokens so far in `histories[i]` (None for rows without)."""
+    penalty reads its tokens so far in `histories[i]` (None for rows without), counted in `counts` (the engine's
+    table, kept between steps; None: counted for this step only)."""
     gens, hists = _check_inputs(logits, params, generators, histories)
     raw = logits.float()  # a no-op view for fp32 input: never modified in place below
-    x = adjusted_logits(raw, params, hists)  # raw itself unless a row has a logit_bias or a penalty
+    x = adjusted_logits(raw, params, hists, counts)  # raw itself unless a row has a logit_bias or a penalty
     batch, vocab = x.shape
     device = x.device
 
