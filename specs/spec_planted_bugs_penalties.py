@@ -119,7 +119,7 @@ def test_a_reused_slot_not_zeroed_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_slot_kept_after_its_request_ends_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request that ended kept its row (the release forgotten): the table fills with rows nobody reads."""
     monkeypatch.setattr(penalty_counts.CountsSlot, "release", lambda self: None)
-    _table_machine_fails("a slot leaked")
+    _table_machine_fails("a slot leaked|while not running")  # whichever the machine meets first
 
 
 def _plant_slots_kept_while_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
