@@ -130,3 +130,20 @@ def test_a_body_timed_per_read_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(BodyDeadline, "__call__", timed_per_read)
     _spec_fails(spec_body_deadline.spec_a_body_arrives_in_time_or_is_a_408_that_leaves_nothing, "not a 408")
+
+
+def test_legacy_top_logprobs_keeping_the_last_of_equal_texts_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found hunting the streamed text: a legacy completion's `top_logprobs` kept, of tokens of equal text, the last
+    (least likely) one's logprob, so that the byte tokens of a split character (all U+FFFD) listed the chosen token
+    with a runner-up's logprob, not its own `token_logprobs` entry. Planted: the dict as it was built."""
+    from prism.serving.completions import LegacyLogprobs
+    from prism.serving.stream import finite_logprob
+    from specs import spec_rendered_text
+
+    def last_of_equal_texts(self, entry, text):
+        top = {self._text(t): finite_logprob(lp) for t, lp in entry.top}
+        top.setdefault(text, finite_logprob(entry.logprob))
+        return top
+
+    monkeypatch.setattr(LegacyLogprobs, "_top", last_of_equal_texts)
+    _spec_fails(spec_rendered_text.spec_what_a_client_reads_is_the_engines_text, "another logprob than its own")

@@ -235,3 +235,18 @@ def test_a_prompt_is_counted_once_in_the_metrics_however_many_choices(live, clie
     rejected = httpx.get(live.url + "/metrics").text.count('status="404"')
     assert httpx.get(live.url + "/v1/models/unknown").status_code == 404
     assert httpx.get(live.url + "/metrics").text.count('status="404"') == rejected, "a lookup is not a refusal"
+
+
+def test_top_logprobs_list_each_text_with_its_most_likely_token_and_the_chosen_with_its_own():
+    """Found hunting the streamed text: of tokens of equal text, the last (least likely) one's logprob was kept, so
+    the byte tokens of a split character (all U+FFFD) listed the chosen token with a runner-up's logprob."""
+    from prism.engine.request import RequestOutput, TokenLogprobs
+    from prism.serving.completions import LegacyLogprobs
+
+    pieces = {1: b"\xe4", 2: b"\xe5", 3: b"\xe6", 4: b"a"}
+    logprobs = LegacyLogprobs(pieces.__getitem__, offset=0)
+    greedy = TokenLogprobs(1, -0.1, [(1, -0.1), (2, -2.0), (4, -3.0), (3, -4.0)])
+    sampled = TokenLogprobs(3, -4.0, [(2, -0.5), (4, -1.0), (3, -4.0)])
+    out = logprobs.of(RequestOutput("r", [1, 3], "", False, logprobs=[greedy, sampled]))
+    assert out.top_logprobs == [{"\ufffd": -0.1, "a": -3.0}, {"\ufffd": -4.0, "a": -1.0}]
+    assert [top[t] for t, top in zip(out.tokens, out.top_logprobs, strict=True)] == out.token_logprobs

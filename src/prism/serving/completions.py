@@ -7,8 +7,9 @@ Owns, for this endpoint, "a request either validates or is a 4xx naming the fiel
 - `max_tokens` defaults to 16 (OpenAI's default), cut to what the context holds; an explicit one it cannot hold is a
   400, as in the chat endpoint;
 - logprobs in the legacy layout: `tokens`, `token_logprobs`, `top_logprobs` (the k most likely tokens and the
-  chosen one, by their text: tokens of equal text are one entry, as in OpenAI's and vLLM's) and `text_offset`
-  (each token's character offset in the choice's text: `LegacyLogprobs`);
+  chosen one, by their text: tokens of equal text are one entry, as in OpenAI's and vLLM's, listed with the most
+  likely one's logprob, and the chosen token's text with its own: `token_logprobs[i] == top_logprobs[i][tokens[i]]`)
+  and `text_offset` (each token's character offset in the choice's text: `LegacyLogprobs`);
 - `echo` puts the prompt's text before each choice's. Refused with a message: `echo` with logprobs (it needs the
   prompt's own logprobs, which the engine does not compute), `suffix`, and a `best_of` other than n.
 Sampling fields, their defaults and the no-op fields are `protocol.SamplingFields`, shared with chat.
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from ..engine.request import RequestOutput
+from ..engine.request import RequestOutput, TokenLogprobs
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from .protocol import FieldError, ProtocolError, SamplingFields, parse_request
 from .responses import SSE_DONE, OutputModel, Usage, sse
@@ -172,6 +173,15 @@ class LegacyLogprobs:
     def _text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", "replace")
 
+    def _top(self, entry: TokenLogprobs, text: str) -> dict[str, float]:
+        """One token's `top_logprobs`: its alternatives by text, each text with its most likely token's logprob
+        (byte tokens of a split character all read U+FFFD), and the chosen token under its own text with its own."""
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:  # best first
+            top.setdefault(self._text(token_id), finite_logprob(logprob))
+        top[text] = finite_logprob(entry.logprob)
+        return top
+
     def of(self, event: RequestOutput) -> CompletionLogprobs:
         tokens, chosen, tops, offsets = [], [], [], []
         for entry in event.logprobs or ():
@@ -179,9 +189,7 @@ class LegacyLogprobs:
             text = raw.decode("utf-8", "replace")
             tokens.append(text)
             chosen.append(finite_logprob(entry.logprob))
-            top = {self._text(t): finite_logprob(lp) for t, lp in entry.top}
-            top.setdefault(text, finite_logprob(entry.logprob))  # the chosen token is always listed
-            tops.append(top)
+            tops.append(self._top(entry, text))
             offsets.append(self.offset)
             if entry.token_id not in self.skipped:
                 self.offset += len(self._utf8.decode(raw))
