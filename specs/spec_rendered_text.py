@@ -3,10 +3,11 @@ legacy completions, streamed or not, on the real server (tiny checkpoint, CPU), 
 (`prism.testing.scripted_tokens`) so that the text holds multi-byte characters split over byte tokens, and so that
 each token has likely alternatives, often byte tokens of the same text (U+FFFD).
 
-Invariant: for each choice, with `full` the decode of the tokens the script gives it up to its budget:
+Invariant: for each choice, with `full` the decode of the tokens the script gives it up to its budget or up to its
+first stop token (an EOS not ignored, a stop token id), that token's own text left out:
 - its text streamed (the concatenation of its deltas) is its text not streamed, which is `full` cut before its first
   stop string, after the echoed prompt under `echo`; its finish reason is "stop" exactly when `full` holds a stop
-  string, and the same streamed or not;
+  string or a stop token ended it, and the same streamed or not;
 - its logprobs have one entry per generated token, the same streamed or not; in the legacy layout `text_offset`
   starts after the echo and never decreases, and `top_logprobs[i]` lists the chosen token's text with its own logprob
   (`token_logprobs[i]`) and any other text with its most likely token's (greedy: the chosen's is the highest);
@@ -39,14 +40,22 @@ def server():
 
 
 @st.composite
-def scripts(draw: st.DrawFn) -> tuple[list[int], list[dict[int, float]], int, tuple[str, ...]]:
-    """(the scripted tokens, each one's alternatives by logit, the budget, the stop strings): the tokens of a drawn
-    text, one maybe dropped (a byte that cuts a character); alternatives mostly bytes above 0x7f (one of a split
-    character reads U+FFFD, as the scripted token often does); stop strings mostly from the budget's text."""
-    tok = server().engine.inputs.tokenizer
+def scripts(draw: st.DrawFn) -> tuple[list[int], list[dict[int, float]], int, tuple[str, ...], tuple[int, ...]]:
+    """(the scripted tokens, each one's alternatives by logit, the budget, the stop strings, the stop token ids): the
+    tokens of a drawn text, one maybe dropped (a byte that cuts a character), maybe an EOS put in (or one of its
+    tokens made a stop token id); alternatives mostly bytes above 0x7f (one of a split character reads U+FFFD, as the
+    scripted token often does); stop strings mostly from the budget's text."""
+    inputs = server().engine.inputs
+    tok = inputs.tokenizer
     tokens = tok.encode(draw(st.lists(CHARACTERS, min_size=1, max_size=8).map("".join))).ids
     if len(tokens) > 1 and draw(st.booleans()):
         del tokens[draw(st.integers(0, len(tokens) - 1))]
+    ends = draw(st.sampled_from(["budget", "budget", "eos", "stop token id"]))
+    stop_token_ids = ()
+    if ends != "budget":
+        stop_token_ids = (inputs.eos_token_ids[0] if ends == "eos" else draw(st.sampled_from(tokens)),)
+        if draw(st.booleans()):
+            tokens.insert(draw(st.integers(0, len(tokens))), stop_token_ids[0])
     # Byte-level BPE names the bytes 0xa1-0xff but 0xad by their own characters: lead and continuation bytes.
     high_bytes = [tok.token_to_id(chr(b)) for b in range(0xA1, 0x100) if b != 0xAD]
     alternative = st.one_of(st.sampled_from(high_bytes), st.sampled_from(tokens))
@@ -56,12 +65,12 @@ def scripts(draw: st.DrawFn) -> tuple[list[int], list[dict[int, float]], int, tu
     text = tok.decode(tokens[:budget])
     stops = []
     for _ in range(draw(st.integers(0, 2))):
-        if draw(st.booleans()):
+        if text and draw(st.booleans()):
             start = draw(st.integers(0, len(text) - 1))
             stops.append(text[start : draw(st.integers(start + 1, min(len(text), start + 3)))])
         else:
             stops.append("zz")
-    return tokens, alternatives, budget, tuple(stops)
+    return tokens, alternatives, budget, tuple(stops), stop_token_ids
 
 
 def _events(response: httpx.Response) -> list[dict]:
@@ -79,9 +88,16 @@ def _post(path: str, body: dict) -> tuple[dict, list[dict]]:
     return whole.json(), _events(streamed)
 
 
-def _expected(full: str, stops: tuple[str, ...]) -> tuple[str, str]:
+def _expected(tokens: list[int], budget: int, stops: tuple[str, ...], stop_token_ids: tuple[int, ...]
+              ) -> tuple[str, str]:
+    """The text and finish reason of `tokens` generated within `budget`: up to the first stop token (its own text
+    left out), cut before the first stop string."""
+    ended = next((i for i, t in enumerate(tokens[:budget]) if t in stop_token_ids), None)
+    full = server().engine.inputs.tokenizer.decode(tokens[:budget] if ended is None else tokens[:ended])
     found = [full.find(s) for s in stops if s in full]
-    return (full[: min(found)], "stop") if found else (full, "length")
+    if found:
+        return full[: min(found)], "stop"
+    return full, "length" if ended is None else "stop"
 
 
 def _counts(usage: dict) -> dict:
@@ -141,10 +157,13 @@ def _check_legacy_logprobs(logprobs: dict, echo: str) -> None:
 @settings(max_examples=25, deadline=None)
 @given(script=scripts(), n=st.integers(1, 2), k=st.sampled_from([None, 0, 2, 3]), echo=st.booleans())
 def spec_what_a_client_reads_is_the_engines_text(script, n, k, echo) -> None:
-    tokens, alternatives, budget, stops = script
+    tokens, alternatives, budget, stops, stop_token_ids = script
     live = server()
-    want, reason = _expected(live.engine.inputs.tokenizer.decode(tokens[:budget]), stops)
-    common = {"model": MODEL, "max_tokens": budget, "stop": list(stops), "n": n, "temperature": 0, "ignore_eos": True}
+    want, reason = _expected(tokens, budget, stops, stop_token_ids)
+    # The EOS ends the answer when it is asked for as a stop token id: otherwise it is ignored (any text's tokens).
+    common = {"model": MODEL, "max_tokens": budget, "stop": list(stops), "n": n, "temperature": 0,
+              "ignore_eos": live.engine.inputs.eos_token_ids[0] not in stop_token_ids,
+              "stop_token_ids": [t for t in stop_token_ids if t not in live.engine.inputs.eos_token_ids]}
     chat = {"messages": [{"role": "user", "content": "Hi"}]} | ({} if k is None else {"logprobs": True,
                                                                                     "top_logprobs": k})
     echo = echo and k is None  # echo with logprobs is refused
