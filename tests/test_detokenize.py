@@ -335,3 +335,60 @@ def test_stream_eos_stop_ids_and_length():
     assert _push_all(s, body + [eot])[0] == "Hello 世界" and s.flush() == ""
     with pytest.raises(DetokenizeError):
         TextStream(tok, {"max_tokens": 3})  # type: ignore[arg-type]
+
+
+def _released(tok: Tokenizer, ids: list[int]) -> str:
+    """The text a stream has released after `ids`: their decode up to the last token after which it ends no
+    character short (the detokenizer holds an incomplete one back)."""
+    for end in range(len(ids), -1, -1):
+        text = tok.decode(ids[:end])
+        if not text.endswith(FFFD):
+            return text
+    return ""
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60)
+@given(data=st.data(), ignore_eos=st.booleans())
+def test_a_stream_ends_at_its_first_stop_and_its_text_is_the_decode_cut_there(name, data, ignore_eos):
+    """Stop strings, stop token ids, an EOS and a budget at once, over text with bytes and specials put in: the stream
+    stops at the first stop token (EOS unless ignored) or at the first token after which its released text holds a
+    stop string, else the caller's budget ends it; its text is then the decode of what came before the stop token
+    (its own text left out), cut before the first stop string (one completed by the last flush included)."""
+    tok = _get(name)
+    singles, added, _ = _pools(name)
+    eos = added[0]
+    ids = tok.encode(data.draw(_TEXT.filter(bool))).ids
+    for _ in range(data.draw(st.integers(0, 3))):  # a byte that cuts a character, or a special token
+        ids.insert(data.draw(st.integers(0, len(ids))), data.draw(st.sampled_from(singles + added[:3])))
+    full = tok.decode(ids)
+    stops = []
+    if data.draw(st.booleans()):  # an EOS, maybe inside a stop string (its start is held back when the EOS comes)
+        at = data.draw(st.integers(1, len(ids)))
+        before, after = tok.decode(ids[:at]), tok.decode(ids[at:])
+        ids.insert(at, eos)
+        if before and after and data.draw(st.booleans()):
+            stops.append(before[-data.draw(st.integers(1, min(2, len(before)))) :] + after[:1])
+    for _ in range(data.draw(st.integers(0, 3))):
+        if full and data.draw(st.booleans()):
+            a = data.draw(st.integers(0, len(full) - 1))
+            stops.append(full[a : data.draw(st.integers(a + 1, min(len(full), a + 5)))])
+        else:
+            stops.append(data.draw(_TEXT.filter(bool)).strip()[:4] or "zz")
+    stop_ids = tuple(data.draw(st.lists(st.sampled_from(ids), max_size=2)))
+    budget = data.draw(st.integers(1, len(ids)))
+    prompt = tok.encode(data.draw(_TEXT)).ids + data.draw(st.lists(st.sampled_from(singles), max_size=2))
+    params = SamplingParams(stop=tuple(stops), stop_token_ids=stop_ids, ignore_eos=ignore_eos, max_tokens=budget)
+    stream = TextStream(tok, params, prompt, eos_token_ids=[eos])
+    out, used = _push_all(stream, ids[:budget])
+    if not stream.finished:
+        out += stream.flush()
+    ends = set(stop_ids) | (set() if ignore_eos else {eos})
+    by_token = next((k for k, t in enumerate(ids[:budget], start=1) if t in ends), budget + 1)
+    by_string = next((j for j in range(1, budget + 1) if any(s in _released(tok, ids[:j]) for s in stops)), budget + 1)
+    assert used == min(by_token, by_string, budget), "the stream did not stop at its first stop"
+    text = _released(tok, ids[:by_string]) if by_string < by_token else tok.decode(ids[: min(by_token - 1, budget)])
+    found = [text.find(s) for s in stops if s in text]
+    assert out == stream.text == (text[: min(found)] if found else text)
+    stopped = bool(found) or by_token <= budget
+    assert stream.finished and stream.finish_reason == ("stop" if stopped else None)
