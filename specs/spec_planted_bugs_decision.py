@@ -105,3 +105,13 @@ def test_a_reread_of_the_whole_generation_is_caught(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(thinking, "reasoning_of", lambda thought, decode, end_token_ids: list(thought))
     _spec_fails(spec_thinking_reread.spec_the_reread_shows_the_reasoning_once, "end-of-turn|cue")
+
+
+def test_a_failed_reasoning_answered_as_thought_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 33): a reasoning generation the engine failed was re-read as it stood, cut short, and
+    the question answered as if it had thought. Planted: the generation's tokens taken whatever its end."""
+    from prism.decision import plan
+    from specs import spec_decision_liveness
+
+    monkeypatch.setattr(plan, "reasoning_tokens", lambda outcome, index: list(outcome.token_ids or ()))
+    _spec_fails(spec_decision_liveness.spec_a_decide_whose_work_fails_is_never_answered, "answered .* although")

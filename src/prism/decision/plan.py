@@ -40,6 +40,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    aborted: bool = False  # a generation that ended aborted (a readout's is one without readout or error)
 
 
 Plan = Generator[Readouts | Generations, dict[str, Outcome], list[Answer]]
@@ -58,11 +59,21 @@ def grouped(question: Question) -> list[Question]:
 
 
 class DecisionFailed(RuntimeError):
-    """A question's readout ended without probabilities (the engine failed it, or `aborted` it)."""
+    """A question's readout ended without probabilities, or its reasoning did not end (the engine failed it, or
+    `aborted` it)."""
 
     def __init__(self, message: str, aborted: bool = False) -> None:
         super().__init__(message)
         self.aborted = aborted
+
+
+def reasoning_tokens(outcome: Outcome, index: int) -> list[int]:
+    """A question's reasoning generation as it ended; one the engine failed or aborted fails the question (its
+    re-read would show a reasoning cut short, answered as if it had thought)."""
+    if outcome.error is not None or outcome.aborted:
+        raise DecisionFailed(f"question {index}'s reasoning failed: {outcome.error or 'aborted'}",
+                             aborted=outcome.error is None)
+    return list(outcome.token_ids or ())
 
 
 def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
@@ -153,7 +164,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
             requests.append((f"{decision_id}/q{i}/think", *request))
     if thinkers:
         generated = yield Generations(requests)
-        thoughts = {i: generated[f"{decision_id}/q{i}/think"].token_ids or [] for i in thinkers}
+        thoughts = {i: reasoning_tokens(generated[f"{decision_id}/q{i}/think"], i) for i in thinkers}
         decode = functools.partial(inputs.decode, skip_special_tokens=False)
         rereads = [
             Branch(f"{decision_id}/q{i}/reread",
