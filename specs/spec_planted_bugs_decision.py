@@ -115,3 +115,13 @@ def test_a_failed_reasoning_answered_as_thought_is_caught(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(plan, "reasoning_tokens", lambda outcome, index: list(outcome.token_ids or ()))
     _spec_fails(spec_decision_liveness.spec_a_decide_whose_work_fails_is_never_answered, "answered .* although")
+
+
+def test_a_reread_cue_ending_in_a_space_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 33): the re-read's answer cue ended with a space, with Qwen's tokenizer a token of its
+    own, after which "Yes" or "A" was read where the text "answer: Yes" has the one token " Yes". Planted: that cue."""
+    from prism.decision import thinking
+    from specs import spec_thinking_reread
+
+    monkeypatch.setattr(thinking, "ANSWER_CUE", "\nFinal answer: ")
+    _spec_fails(spec_thinking_reread.spec_each_answer_is_read_where_the_tokenizer_puts_it, "the re-read reads")
