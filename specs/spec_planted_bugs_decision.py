@@ -125,3 +125,13 @@ def test_a_reread_cue_ending_in_a_space_is_caught(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(thinking, "ANSWER_CUE", "\nFinal answer: ")
     _spec_fails(spec_thinking_reread.spec_each_answer_is_read_where_the_tokenizer_puts_it, "the re-read reads")
+
+
+def test_a_readout_without_its_temperature_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plausible: a branch read at temperature 1 whatever its question asked (the temperature lost on the way from
+    the question to the engine's readout). Planted: the engine's readout ignores it."""
+    from prism.decision.questions import readout
+    from prism.engine import engine
+
+    monkeypatch.setattr(engine, "readout", lambda logits, candidates, temperature=1.0: readout(logits, candidates))
+    _spec_fails(spec_decision_material.spec_each_answer_is_the_reference_softmax, "against the reference")
