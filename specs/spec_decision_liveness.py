@@ -9,17 +9,24 @@ and afterwards the engine holds no request and no sequence. A branch forked from
 request's prompt gets (the historical bug) waited for ever for pages the pool does not have, holding the engine. So
 did a branch of max_model_len - 1 tokens that fits: copying on write the material's partly filled tail page, which
 only cache entries still shared, needed one page past the pool (found by this spec's random examples, session 23).
+
+And a decide whose engine work fails anywhere (the material, a question's readout, a group's or the final round's,
+a reasoning generation, a re-read) is never answered: it fails (`DecisionFailed`) naming a question whose work
+failed, and the engine is left idle. A reasoning generation the engine failed used to be re-read as it stood, cut
+short, and answered as if the question had thought (found by review, session 33).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
-from hypothesis import example, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from prism.decision.plan import Outcome, Readouts, advance, plan_decision
+from prism.decision.plan import DecisionFailed, Outcome, Readouts, advance, plan_decision
 from prism.decision.questions import Question
+from prism.decision.thinking import ThinkingConfig
 from prism.engine.engine import RequestError
 from prism.engine.llm import LLM
 from prism.engine.request import RequestOutput
@@ -83,3 +90,54 @@ def spec_every_decide_is_answered_or_refused_before_it_runs(padding: list[int]) 
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     assert not llm.engine.requests and not llm.engine.kv.seqs, "a decide left requests or sequences behind"
+
+
+POOL = [Question("yes_no", "Is the lamp on?"), Question("score", "How bright is it?", levels=(1, 2, 3)),
+        Question("choice", "Which is shut?", ("the lamp", "the door", "nothing")),
+        Question("choice", "Which word fits?", tuple(f"word {k}" for k in range(30)))]  # grouped: 15 + 15, then final
+STAGES = {"material": "/material", "readout": "/q{i}", "group": "/q{i}g1", "final": "/q{i}final",
+          "reasoning": "/q{i}/think", "re-read": "/q{i}/reread"}
+QUESTION_ID = re.compile(r"/q(\d+)")  # a question's engine requests: <decide>/q<i>, /q<i>g<g>, /q<i>final, /q<i>/...
+
+
+@functools.cache
+def engine_with_failures() -> LLM:
+    """Thinking decides on one engine; steps go through `runner.execute` alone (no steps launched ahead), where a
+    failure is planted."""
+    return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256, async_scheduling=False,
+               check_invariants=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(picks=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=3), stage=st.sampled_from(sorted(STAGES)),
+       which=st.integers(0, 2))
+def spec_a_decide_whose_work_fails_is_never_answered(picks, stage, which) -> None:
+    llm = engine_with_failures()
+    engine = llm.engine
+    questions = [POOL[p] for p in picks]
+    suffix = STAGES[stage].format(i=which % len(questions))
+    execute = engine.runner.execute
+    failed: set[str] = set()
+
+    def fail_the_stage_once(slices, *args, **kwargs):
+        ids = {s.request.request_id for s in slices}
+        if not failed and any(i.endswith(suffix) for i in ids):
+            failed.update(ids)
+            raise RuntimeError(f"planted failure of a step of {sorted(ids)}")
+        return execute(slices, *args, **kwargs)
+
+    engine.runner.execute = fail_the_stage_once
+    try:
+        answers = llm.decide(MATERIAL, questions, ThinkingConfig(gate=1.0, max_tokens=4))
+    except DecisionFailed as error:
+        assert failed, f"the decide failed ({error}) though none of its work did"
+        named = {f"question {m.group(1)}" for m in map(QUESTION_ID.search, failed) if m}
+        assert any(n in str(error) for n in named) or any(q.endswith("/material") for q in failed), \
+            f"the decide failed naming none of the questions whose work failed ({sorted(failed)}): {error}"
+        event(f"failed at the {stage}")
+    else:
+        event(f"no {stage} to fail")
+        assert not failed, f"answered {[a.answer for a in answers]} although its step of {sorted(failed)} failed"
+    finally:
+        engine.runner.execute = execute
+    assert not engine.requests and not engine.kv.seqs and not engine._unspawned, "a decide left work behind"

@@ -105,3 +105,33 @@ def test_a_reread_of_the_whole_generation_is_caught(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(thinking, "reasoning_of", lambda thought, decode, end_token_ids: list(thought))
     _spec_fails(spec_thinking_reread.spec_the_reread_shows_the_reasoning_once, "end-of-turn|cue")
+
+
+def test_a_failed_reasoning_answered_as_thought_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 33): a reasoning generation the engine failed was re-read as it stood, cut short, and
+    the question answered as if it had thought. Planted: the generation's tokens taken whatever its end."""
+    from prism.decision import plan
+    from specs import spec_decision_liveness
+
+    monkeypatch.setattr(plan, "reasoning_tokens", lambda outcome, index: list(outcome.token_ids or ()))
+    _spec_fails(spec_decision_liveness.spec_a_decide_whose_work_fails_is_never_answered, "answered .* although")
+
+
+def test_a_reread_cue_ending_in_a_space_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 33): the re-read's answer cue ended with a space, with Qwen's tokenizer a token of its
+    own, after which "Yes" or "A" was read where the text "answer: Yes" has the one token " Yes". Planted: that cue."""
+    from prism.decision import thinking
+    from specs import spec_thinking_reread
+
+    monkeypatch.setattr(thinking, "ANSWER_CUE", "\nFinal answer: ")
+    _spec_fails(spec_thinking_reread.spec_each_answer_is_read_where_the_tokenizer_puts_it, "the re-read reads")
+
+
+def test_a_readout_without_its_temperature_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plausible: a branch read at temperature 1 whatever its question asked (the temperature lost on the way from
+    the question to the engine's readout). Planted: the engine's readout ignores it."""
+    from prism.decision.questions import readout
+    from prism.engine import engine
+
+    monkeypatch.setattr(engine, "readout", lambda logits, candidates, temperature=1.0: readout(logits, candidates))
+    _spec_fails(spec_decision_material.spec_each_answer_is_the_reference_softmax, "against the reference")

@@ -391,12 +391,15 @@ def test_a_bad_decide_gets_a_clear_error(live, content, needle):
     [
         ([YES_NO, {"type": "score", "text": "Rate it", "levels": [1, 10000]}], None, "questions[1]", "questions[1]: "),
         ([YES_NO], "data:image/png;base64,!!!notbase64", "material[0].content[0].image_url.url", "base64"),
+        ([YES_NO, {"type": "choice", "text": "Pick", "options": [f"o{k}" for k in range(677)]}], None, "questions[1]",
+         "questions[1]: 677 options"),
     ],
-    ids=["multi-token-answer", "bad-material-image"],
+    ids=["multi-token-answer", "bad-material-image", "more-than-26-groups"],
 )
 def test_a_decide_error_names_where_it_is(live, questions, material_url, param, needle):
-    """A refusal points into the decide's own body: the question whose answers are not single tokens, the
-    material's part that is not an image (it named a chat's messages[...])."""
+    """A refusal points into the decide's own body: the question whose answers are not single tokens or whose options
+    are more than 26 groups (it named no param), the material's part that is not an image (it named a chat's
+    messages[...])."""
     body = _decide_body(questions)
     if material_url is not None:
         body["material"] = _image_message(material_url, "Look.")

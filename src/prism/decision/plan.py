@@ -40,6 +40,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    aborted: bool = False  # a generation that ended aborted (a readout's is one without readout or error)
 
 
 Plan = Generator[Readouts | Generations, dict[str, Outcome], list[Answer]]
@@ -58,11 +59,28 @@ def grouped(question: Question) -> list[Question]:
 
 
 class DecisionFailed(RuntimeError):
-    """A question's readout ended without probabilities (the engine failed it, or `aborted` it)."""
+    """A question's readout ended without probabilities, or its reasoning did not end (the engine failed it, or
+    `aborted` it)."""
 
     def __init__(self, message: str, aborted: bool = False) -> None:
         super().__init__(message)
         self.aborted = aborted
+
+
+def located(error: QuestionError, index: int) -> QuestionError:
+    """`error` as the refusal of the decide's questions[index]: its message and its param say which."""
+    refusal = QuestionError(f"questions[{index}]: {error}")
+    refusal.param = f"questions[{index}]"
+    return refusal
+
+
+def reasoning_tokens(outcome: Outcome, index: int) -> list[int]:
+    """A question's reasoning generation as it ended; one the engine failed or aborted fails the question (its
+    re-read would show a reasoning cut short, answered as if it had thought)."""
+    if outcome.error is not None or outcome.aborted:
+        raise DecisionFailed(f"question {index}'s reasoning failed: {outcome.error or 'aborted'}",
+                             aborted=outcome.error is None)
+    return list(outcome.token_ids or ())
 
 
 def plan_decision(decision_id: str, material: list[dict], questions: list[Question], inputs,
@@ -96,17 +114,15 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
     for i, q in enumerate(questions):
         subs = grouped(q) if q.kind == "choice" and len(q.options) > MAX_OPTIONS else [q]
         if len(subs) > MAX_OPTIONS:
-            raise QuestionError(f"question {i} has {len(q.options)} options: more than {MAX_OPTIONS} groups of "
-                                f"{MAX_OPTIONS}")
+            raise located(QuestionError(f"{len(q.options)} options are more than {MAX_OPTIONS} groups of "
+                                        f"{MAX_OPTIONS}"), i)
         asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
     round1 = []
     for request_id, i, sub in asked:
         try:
             round1.append(branch(request_id, sub))
         except QuestionError as error:  # e.g. an answer of several tokens: say which question
-            located = QuestionError(f"questions[{i}]: {error}")
-            located.param = f"questions[{i}]"
-            raise located from error
+            raise located(error, i) from error
     by_question = {i: b for (_, i, _), b in zip(asked, round1, strict=True)}  # ungrouped questions' branches
     outcomes = yield Readouts(decision_id, round1)
     answers: dict[int, Answer] = {}
@@ -153,7 +169,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
             requests.append((f"{decision_id}/q{i}/think", *request))
     if thinkers:
         generated = yield Generations(requests)
-        thoughts = {i: generated[f"{decision_id}/q{i}/think"].token_ids or [] for i in thinkers}
+        thoughts = {i: reasoning_tokens(generated[f"{decision_id}/q{i}/think"], i) for i in thinkers}
         decode = functools.partial(inputs.decode, skip_special_tokens=False)
         rereads = [
             Branch(f"{decision_id}/q{i}/reread",

@@ -18,7 +18,10 @@ from ..engine.sampling import SamplingParams
 from .questions import Question
 
 THINKING_PREAMBLE = "Let me think about this step by step.\n"
-ANSWER_CUE = "\nFinal answer: "
+# Ends with a newline, not a space: the answer token is read where the tokenizer puts it. After a trailing space (a
+# token of its own in Qwen's BPE) a "Yes" or an "A" would be read where the text "answer: Yes" never has it (" Yes" is
+# one token); after ":\n" a letter, a word or a digit starts a token, as the first readout's do after "assistant\n".
+ANSWER_CUE = "\nFinal answer:\n"
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ class LLM:
         else:
             ids = [engine.add_request(rid, prompt, params).request_id for rid, prompt, params in work.requests]
         done = self._run_until_finished(ids)
-        return {rid: Outcome(c.readout, c.token_ids, c.prompt_tokens, c.cached_tokens, c.error) for rid, c in done.items()}
+        return {rid: Outcome(c.readout, c.token_ids, c.prompt_tokens, c.cached_tokens, c.error,
+                             c.finish_reason is FinishReason.ABORT) for rid, c in done.items()}
 
     def _run_until_finished(self, request_ids: list[str]) -> dict[str, Completion]:
         """Step until every listed request finished; their accumulated outputs (their mailboxes closed). A request

@@ -4,7 +4,7 @@ its batches of readouts and generations run all or none."""
 from __future__ import annotations
 
 from ..decision.plan import Generations, Outcome, Readouts, advance
-from ..engine.request import RequestOutput
+from ..engine.request import FinishReason, RequestOutput
 from .cancellation import all_or_none
 from .server_state import ServerState
 
@@ -38,7 +38,7 @@ async def run_work(state: ServerState, work: Readouts | Generations) -> dict[str
 
         results = await all_or_none([generate(*r) for r in work.requests])
         return {
-            rid: Outcome(None, tokens, e.prompt_tokens, e.cached_tokens, e.error)
+            rid: Outcome(None, tokens, e.prompt_tokens, e.cached_tokens, e.error, e.finish_reason is FinishReason.ABORT)
             for (rid, _, _), (e, tokens) in zip(work.requests, results, strict=True)
         }
     return {rid: Outcome(e.readout, None, e.prompt_tokens, e.cached_tokens, e.error) for rid, e in finals.items()}
