@@ -149,6 +149,7 @@ def spec_a_dead_follower_fails_the_wait_at_once_naming_it(schedule, timeout_s: f
 SIM_TIMEOUT_S = 20.0  # distributed_timeout_s: rank 0 must fail well within it
 PROMPT_S = 5.0
 STORE_SETTLE_S = 0.1
+WARM_UP_S = 0.05  # a follower's warm-up takes time (a real one captures CUDA graphs): a start not waiting for it shows
 POINTS = ("reporting joining", "loading", "reporting loaded", "collective 1", "collective 2", "collective 3",
           "collective 4", "collective 5", "after the pools", "warming up", "reporting ready", "idle")
 _current = threading.local()
@@ -255,6 +256,7 @@ class SimRunner:
         _at("warming up")
         follower = getattr(_current, "follower", None)
         if follower is not None:  # its start is done, but for its READY report (`rank.finish_start`)
+            time.sleep(WARM_UP_S)
             follower.finished.set()
 
     def release_cuda_graphs(self) -> None:
