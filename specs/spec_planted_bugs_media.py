@@ -102,3 +102,14 @@ def test_small_budgets_left_above_by_rounding_are_caught(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(spec_image_token_budget, "target_size", two_smart_resizes)
     _spec_fails(spec_image_token_budget.spec_every_image_fits_even_a_small_step, "the step has")
+
+
+def test_decoding_every_format_pillow_opens_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the media bug hunt: client bytes were opened in any format Pillow knows, and an EPS was
+    decoded by running Ghostscript on them. Planted: `Image.open` without a list of formats again."""
+    from prism.media import image
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(image, "decoded_formats", lambda: None)
+    _spec_fails(spec_image_decoding.spec_decoding_runs_no_program_and_decodes_as_hf, "started")
+

@@ -216,6 +216,46 @@ def test_bad_bytes_raise_typed_errors():
         decode_image(_png_bytes(), DecodeLimits(max_bytes=10))
 
 
+EPS_BYTES = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+
+
+def test_an_eps_is_refused_without_running_ghostscript(monkeypatch):
+    """Before: Pillow opened any format it knows, and decoding an EPS ran Ghostscript (`gs`, from PATH) on the
+    client's bytes; here Pillow is told Ghostscript is installed and every process start is recorded."""
+    import subprocess
+
+    from PIL import EpsImagePlugin
+
+    started = []
+
+    def record(args, *a, **k):
+        started.append(args)
+        raise OSError("no process may start while an image is decoded")
+
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", "gs")
+    monkeypatch.setattr(subprocess, "Popen", record)
+    with pytest.raises(MediaDecodeError, match="PNG"):
+        decode_image(EPS_BYTES)
+    assert started == []
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO", "PPM", "TGA"])
+def test_the_common_formats_decode(fmt):
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (12, 16, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    assert decode_image(buf.getvalue()).size == (16, 12)
+
+
+def test_a_multi_picture_jpeg_decodes():
+    """Phones write MPO (JPEG with a second picture): Pillow opens it through its JPEG plugin."""
+    img = Image.new("RGB", (16, 12), (9, 8, 7))
+    buf = io.BytesIO()
+    img.save(buf, format="MPO", save_all=True, append_images=[img])
+    assert Image.open(io.BytesIO(buf.getvalue())).format == "MPO"
+    assert decode_image(buf.getvalue()).size == (16, 12)
+
+
 def test_size_and_aspect_errors():
     cfg = _image_cfg(1, 16)
     with pytest.raises(AspectRatioError):

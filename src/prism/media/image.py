@@ -17,6 +17,9 @@ Owns: the pixel layout the vision encoder consumes. It reproduces HF transformer
 
 Decoding from bytes refuses oversized images from the header alone (before any pixel is decoded), maps every
 PIL failure to a typed error, applies the EXIF orientation and converts to RGB (what HF's `load_image` does).
+Bytes are decoded only in the formats of `ACCEPTED_FORMATS`, by Pillow's own decoders: Pillow opens many more,
+and its EPS plugin decodes by running Ghostscript (`gs` from PATH) on the bytes, a program interpreting a
+client's PostScript on the server. Anything else is a `MediaDecodeError` naming the accepted formats.
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ from .pil_pixels import rgb0_frame
 from .pixels import PatchPixels
 
 MAX_ASPECT_RATIO = 200  # Qwen's smart_resize limit on long side / short side
+
+# The picture formats clients send (MPO, a phone's JPEG with a second picture, opens as JPEG), all decoded inside
+# Pillow. Not every format Pillow opens: EPS runs Ghostscript, and its rarer decoders are parsers no client needs.
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "JPEG2000", "ICO", "PPM", "TGA", "QOI")
+
+
+@functools.cache
+def decoded_formats() -> tuple[str, ...]:
+    """`ACCEPTED_FORMATS` this Pillow has decoders for (`Image.open` fails on a format name it does not know)."""
+    Image.init()
+    return tuple(f for f in ACCEPTED_FORMATS if f in Image.OPEN)
 
 
 @dataclass(frozen=True)
@@ -170,11 +184,13 @@ def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DE
     try:
         # No warnings.catch_warnings() here: it mutates process-global state and decoding runs on a
         # worker pool. PIL's own bomb check (warning / error at 2x its global limit) may add to ours.
-        img = Image.open(io.BytesIO(bytes(data)))
+        img = Image.open(io.BytesIO(bytes(data)), formats=decoded_formats())
     except Image.DecompressionBombError as exc:
         raise DecompressionBombError(f"image header announces too many pixels: {exc}") from exc
     except UnidentifiedImageError as exc:  # PIL's message names its BytesIO object: nothing for the client
-        raise MediaDecodeError("bytes are not a decodable image (no image format recognised)") from exc
+        raise MediaDecodeError(
+            f"bytes are not a decodable image (no image format recognised; accepted: {', '.join(decoded_formats())})"
+        ) from exc
     except Exception as exc:  # untrusted bytes: any parser failure is a decode error, not a crash
         raise MediaDecodeError(f"bytes are not a decodable image: {type(exc).__name__}: {exc}") from exc
     width, height = img.size  # read from the header; nothing decoded yet
