@@ -113,3 +113,29 @@ def test_decoding_every_format_pillow_opens_is_caught(monkeypatch: pytest.Monkey
     monkeypatch.setattr(image, "decoded_formats", lambda: None)
     _spec_fails(spec_image_decoding.spec_decoding_runs_no_program_and_decodes_as_hf, "started")
 
+
+def test_a_frame_count_past_the_floats_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the media bug hunt: a video at a tiny (subnormal) fps made `int(total / fps * 2)` an
+    OverflowError, a 500. Planted: the frame count at the sampling fps unguarded again."""
+    from prism.media import video
+    from specs import spec_video_sampling
+
+    def unguarded(total_frames, video_fps, fps, config):
+        return min(max(int(total_frames / video_fps * fps), config.min_frames), config.max_frames, total_frames)
+
+    monkeypatch.setattr(video, "_frames_at_fps", unguarded)
+    _spec_fails(spec_video_sampling.spec_any_frame_rate_is_a_video_or_a_video_error, "infinity", OverflowError)
+
+
+def test_timestamps_past_the_floats_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same hunt: frames kept as given (no sampling) at a subnormal fps got `<inf seconds>` timestamps. Planted:
+    HF's timestamps, unchecked."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from prism.media import video
+    from specs import spec_video_sampling
+
+    monkeypatch.setattr(video, "frame_group_timestamps", lambda indices, video_fps, temporal_patch_size:
+                        Qwen3VLProcessor._calculate_timestamps(None, [int(i) for i in indices], video_fps,
+                                                                            temporal_patch_size))
+    _spec_fails(spec_video_sampling.spec_any_frame_rate_is_a_video_or_a_video_error, "HF does not make")

@@ -10,6 +10,7 @@ so the video path is compared piecewise with HF's own pure functions: the Qwen3-
 from __future__ import annotations
 
 import io
+import math
 import struct
 import types
 import zlib
@@ -477,6 +478,20 @@ def test_video_errors():
         preprocess_video("frames", 10.0, cfg)  # type: ignore[arg-type]
     with pytest.raises(AspectRatioError):
         preprocess_video([np.zeros((2, 600, 3), np.uint8)] * 4, 10.0, cfg, sample=False)
+
+
+@pytest.mark.parametrize("fps", [5e-324, 1e-310, 4e-308])
+def test_a_video_fps_too_small_for_its_duration_is_a_video_error(fps):
+    """Before: `int(total / fps * target)` overflowed to an OverflowError (a 500 over HTTP) once the frame count
+    over the frame rate left the floats."""
+    frame = np.zeros((40, 40, 3), np.uint8)
+    with pytest.raises(VideoError, match="fps"):
+        preprocess_video([frame] * 4, fps, VideoProcessorConfig())
+    if 3 / fps == float("inf"):  # the last frame's time is not a float either
+        with pytest.raises(VideoError, match="fps"):
+            preprocess_video([frame] * 4, fps, VideoProcessorConfig(), sample=False)
+    else:
+        assert all(map(math.isfinite, preprocess_video([frame] * 4, fps, VideoProcessorConfig(), sample=False).timestamps))
 
 
 def test_patch_pixels_are_checked():

@@ -5,12 +5,15 @@ the failure. Refusals (4xx) keep their own messages."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import re
 
 import httpx
 import pytest
+from PIL import Image
 
 from prism.serving.settings import ServerSettings
 from prism.testing.serving import failing_at, requests_left_after, serve_in_thread
@@ -61,7 +64,15 @@ def _check_500(response: httpx.Response, caplog, stream: bool) -> str:
     return request_id
 
 
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (5, 6, 7)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 CHAT = ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+PNG_URL = "data:image/png;base64," + base64.b64encode(_png()).decode()
+EPS_URL = "data:image/eps;base64," + base64.b64encode(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n").decode()
 COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
 
 
@@ -130,6 +141,10 @@ def test_a_failure_outside_every_handler_is_a_json_500(live, caplog):
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]}, 404, "does not exist"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10**6}, 400, "context"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [  # before: an OverflowError, a 500
+        {"type": "video", "video": {"frames": [PNG_URL] * 4, "fps": 5e-324}}]}]}, 400, "video_fps"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [  # before: decoded by running Ghostscript
+        {"type": "image_url", "image_url": {"url": EPS_URL}}]}]}, 400, "not a decodable image"),
 ])
 def test_refusals_keep_their_messages(live, body, status, words):
     response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)

@@ -4,7 +4,8 @@ the per-temporal-patch timestamps that Qwen3-VL renders as text.
 Owns: the video pixel layout and the timestamps, following HF transformers 5.17
 (`Qwen3VLVideoProcessor`, `Qwen3VLProcessor._calculate_timestamps`):
 - sampling: n = int(total / video_fps * fps) clamped to [min_frames, max_frames] and to total; with an
-  explicit frame count, n is used as is; indices = round(linspace(0, total - 1, n)).
+  explicit frame count, n is used as is; indices = round(linspace(0, total - 1, n)). A video_fps so small that
+  total / video_fps * fps, or a timestamp, leaves the floats is a `VideoError` (HF's int() of it fails).
 - smart resize of the Qwen3-VL video variant: min/max pixels bound the TOTAL over the sampled frames
   (t_bar * h * w), frames smaller than factor are first scaled up; fewer sampled frames than the temporal
   patch is an error. Optional per-frame cap (`cap_pixels_per_frame`, qwen-vl-utils behaviour).
@@ -120,6 +121,16 @@ def _check_fps(value: float | None, name: str) -> float:
     return float(value)
 
 
+def _frames_at_fps(total_frames: int, video_fps: float, fps: float, config: VideoProcessorConfig) -> int:
+    """HF's frame count for sampling at `fps`: int(total / video_fps * fps) clamped to [min_frames, max_frames] and
+    to total; a VideoError where that product is not a float (int() of it would be an OverflowError)."""
+    wanted = total_frames / video_fps * fps
+    if not math.isfinite(wanted):
+        raise VideoError(f"video_fps={video_fps!r} is too small: {total_frames} frames at that rate last longer "
+                         "than a float holds")
+    return min(max(int(wanted), config.min_frames), config.max_frames, total_frames)
+
+
 def sample_frame_indices(
     total_frames: int,
     video_fps: float,
@@ -138,10 +149,7 @@ def sample_frame_indices(
         num_frames = config.num_frames
         fps = config.fps if num_frames is None else None
     if num_frames is None and fps is not None:
-        target = _check_fps(fps, "target fps")
-        source = _check_fps(video_fps, "video_fps")
-        n = int(total_frames / source * target)
-        n = min(max(n, config.min_frames), config.max_frames, total_frames)
+        n = _frames_at_fps(total_frames, _check_fps(video_fps, "video_fps"), _check_fps(fps, "target fps"), config)
     elif num_frames is None:
         n = min(max(total_frames, config.min_frames), config.max_frames)
     else:
@@ -162,9 +170,13 @@ def frame_group_timestamps(
     fps = _check_fps(video_fps, "video_fps")
     if pad := -idx.size % temporal_patch_size:
         idx = np.concatenate([idx, np.full(pad, idx[-1], dtype=np.int64)])
-    seconds = idx.astype(np.float64) / fps
-    groups = seconds.reshape(-1, temporal_patch_size)
-    return ((groups[:, 0] + groups[:, -1]) / 2).tolist()
+    with np.errstate(over="ignore"):  # a time past the floats is refused below, not warned about
+        groups = (idx.astype(np.float64) / fps).reshape(-1, temporal_patch_size)
+        stamps = (groups[:, 0] + groups[:, -1]) / 2
+    if not np.isfinite(stamps).all():
+        raise VideoError(f"video_fps={video_fps!r} is too small: frame {int(idx.max())} at that rate lies later than a "
+                         "float holds")
+    return stamps.tolist()
 
 
 def _frame_list(frames: Sequence[Frame] | np.ndarray) -> list[Frame]:
