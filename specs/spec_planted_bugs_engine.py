@@ -1,6 +1,6 @@
 """Proof that the engine's specs bite: each historical bug of hit == miss on the real engine (tail copies, deterministic
 tiles, the graphs' positions), async scheduling and admissions, failed steps, sampling beside other rows, the LLM's
-event routing, stop strings at the last flush and the config's checks, planted.
+event routing, stop strings at the last flush, the config's checks and the detokenizer's cost, planted.
 
 Each test monkeypatches one buggy variant into the real engine and requires the spec that owns the invariant to fail
 (see `specs/planted.py`).
@@ -320,3 +320,41 @@ def test_an_unchecked_config_value_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(config, "_DEVICE", re.compile(r".*", re.DOTALL))
     _spec_fails(spec_engine_config.spec_a_config_value_is_refused_naming_its_key_or_serves,
                 "passed the config checks")
+
+
+def test_a_detokenizer_decoding_its_pending_run_again_at_each_token_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of the streamed text: the detokenizer decoded a window of tokens from its last clean
+    boundary at each token, and held the window while its text ended in U+FFFD, so a run of tokens that never ends a
+    character (lone continuation bytes, lead bytes each cutting the one before) was decoded again whole at every token:
+    quadratic work. Planted: that windowed detokenizer."""
+    from prism.engine.detokenize import IncrementalDetokenizer
+    from specs import spec_detokenizer_work
+
+    def windowed_init(self, tokenizer, prompt_token_ids=(), skip_special_tokens=True):
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._ids, self._prefix_offset, self._read_offset = [], 0, 0
+        self._prefix_text, self._finished, self._num_generated, self.text = "", False, 0, ""
+
+    def decode(self, start, end):
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def windowed_add(self, token_id):
+        self._ids.append(token_id)
+        new_text = decode(self, self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = decode(self, self._prefix_offset, self._read_offset)
+        self.text += delta
+        return delta
+
+    def windowed_flush(self):
+        delta = decode(self, self._prefix_offset, len(self._ids))[len(self._prefix_text) :]
+        self.text += delta
+        return delta
+
+    monkeypatch.setattr(IncrementalDetokenizer, "__init__", windowed_init)
+    monkeypatch.setattr(IncrementalDetokenizer, "add", windowed_add)
+    monkeypatch.setattr(IncrementalDetokenizer, "flush", windowed_flush)
+    _spec_fails(spec_detokenizer_work.spec_the_detokenizers_work_is_linear_in_the_tokens, "units of work")

@@ -1,5 +1,5 @@
 """Proof that the server's specs bite: each historical bug of its internal errors (a 500 or a stream's error event,
-a choice failing unseen) and of the body deadline, planted.
+a choice failing unseen), of the body deadline and of the rendered text (legacy logprobs, the echo), planted.
 
 Each test monkeypatches one buggy variant into the real server and requires the spec that owns the invariant to fail
 (see `specs/planted.py`).
@@ -147,3 +147,28 @@ def test_legacy_top_logprobs_keeping_the_last_of_equal_texts_are_caught(monkeypa
 
     monkeypatch.setattr(LegacyLogprobs, "_top", last_of_equal_texts)
     _spec_fails(spec_rendered_text.spec_what_a_client_reads_is_the_engines_text, "another logprob than its own")
+
+
+def test_legacy_text_offsets_lagging_after_a_cut_character_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of the streamed text: a legacy completion's `text_offset` counted the U+FFFD of an
+    incomplete character cut by a token's first byte only after that token ("\\xe4", "a": offsets [0, 0], "a" at 1 in
+    "\\ufffda"), so the token's own text did not start at its offset. Planted: no cut counted before a token."""
+    from prism.serving.completions import LegacyLogprobs
+    from specs import spec_rendered_text
+
+    monkeypatch.setattr(LegacyLogprobs, "_cut_before", lambda self, raw: 0)
+    _spec_fails(spec_rendered_text.spec_what_a_client_reads_is_the_engines_text, "text offsets")
+
+
+def test_an_echo_with_a_cut_character_at_the_seam_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of the streamed text: a legacy completion echoing a prompt of token ids that ends inside a
+    character showed that character as U+FFFD, and the completion's text began with one U+FFFD per byte completing it
+    (its tokens decoded on their own), not the decode of prompt and completion together. Planted: no prompt ends
+    inside a character, for the engine's text and for the echo."""
+    from prism.engine import detokenize
+    from prism.serving import app
+    from specs import spec_rendered_text
+
+    for module in (detokenize, app):
+        monkeypatch.setattr(module, "incomplete_tail", lambda vocab, token_ids: b"")
+    _spec_fails(spec_rendered_text.spec_what_a_client_reads_is_the_engines_text, "completions answered")

@@ -198,6 +198,28 @@ def test_text_offset_indexes_the_text_across_split_characters_and_skipped_specia
     assert [text[o] for o in out.text_offset] == ["é", "é", "a", "c", "c"]
 
 
+def test_text_offset_counts_a_cut_character_before_the_token_that_cuts_it():
+    """Found by the review of the streamed text: the U+FFFD of an incomplete character cut by a token's first byte
+    counted only after that token, whose own text then did not start at its offset."""
+    from prism.engine.request import RequestOutput, TokenLogprobs
+    from prism.serving.completions import LegacyLogprobs
+
+    pieces = {1: b"\xe4", 2: b"a", 3: b"\xe4\xbd", 4: b"\xa0b", 5: b"\xf0\x9f", 6: b"\xe4", 7: b"<|im_end|>", 8: b"c",
+              9: b"\xbd"}
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    logprobs = LegacyLogprobs(pieces.__getitem__, offset=0, skipped={7})
+    out = logprobs.of(RequestOutput("r", ids, "", False, logprobs=[TokenLogprobs(t, -1.0, []) for t in ids]))
+    text = b"".join(pieces[t] for t in ids if t != 7).decode("utf-8", "replace")
+    assert text == "\ufffda你b\ufffd\ufffdc"
+    # "a" after the cut "\xe4"; "\xa0b" completes 你 (counted at it); "\xe4" cuts "\xf0\x9f"; the special token comes
+    # after the characters known complete ("\xe4" still pending), "c" after that "\xe4", which it cuts.
+    assert out.text_offset == [0, 1, 2, 2, 4, 5, 5, 6]
+    # A prompt ending inside a character: the text starts by completing it.
+    logprobs = LegacyLogprobs(pieces.__getitem__, offset=0, tail=b"\xe4")
+    out = logprobs.of(RequestOutput("r", [9, 2], "", False, logprobs=[TokenLogprobs(t, -1.0, []) for t in (9, 2)]))
+    assert out.text_offset == [0, 1]  # "\xe4" + "\xbd" + "a": one U+FFFD (cut by "a"), then "a"
+
+
 def test_prompt_limits_are_checked_before_anything_else():
     """Review (session 28): a 59 MB body of token ids was checked id by id before its length; a 57 MB string was
     tokenized (112 s holding the GIL) before its length was known to be too much."""

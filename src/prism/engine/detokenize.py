@@ -1,17 +1,20 @@
 """Streamed text output: incremental detokenization, stop strings, and the per-request text stream.
 
 Owns *the stream is the text*: for every request, the concatenation of all streamed deltas equals the
-final text, which equals `tokenizer.decode(generated ids)` cut before the first stop string; no delta
-ever splits a multi-byte UTF-8 character, and no delta contains a U+FFFD that the final text lacks.
+final text, which is what its generated ids add to its prompt's text, cut before the first stop string: the decode
+of prompt and generated ids together after the prompt's whole characters. That is `tokenizer.decode(generated ids)`
+whenever the prompt ends on a character boundary (every chat prompt, every text prompt); a prompt of token ids that
+ends inside a character has that character completed (or, cut, replaced by U+FFFD) at the start of the text, so that
+the prompt's whole characters and the text are the decode of both together (the echo of a legacy completion). No
+delta ever splits a multi-byte UTF-8 character, and no delta contains a U+FFFD that the final text lacks. The work
+per generated token is bounded: one look-up of its bytes and one step of a UTF-8 decoder.
 
-How (byte-level BPE, e.g. Qwen): a token is a run of bytes that may end inside a UTF-8 character, so
-decoding token by token is wrong. `IncrementalDetokenizer` decodes a short window of tokens
-`[prefix_offset, len)` and emits what the window adds after `[prefix_offset, read_offset)`, and only
-when the window's text does not end in U+FFFD (an incomplete character decodes to U+FFFD). A boundary
-accepted that way is a *clean* boundary: the decoder holds no pending bytes there, and every lossy UTF-8
-decoder resynchronises on the first non-continuation byte, so the window's text after a clean boundary
-is exactly the whole sequence's text after it. The window starts a few prompt tokens back so decoders
-that depend on the left context (leading-space rules) see some.
+How: the tokenizers Prism loads are byte-level BPE (Qwen's; `ByteLevelVocab` refuses others): a token is a run of
+bytes that may end inside a UTF-8 character, and `Tokenizer.decode` joins the bytes of the ids (special tokens
+skipped or not, ids beyond the vocabulary none) and decodes them lossily, each maximal invalid run of bytes one
+U+FFFD, exactly as Python's incremental UTF-8 decoder with errors="replace" does. `IncrementalDetokenizer` feeds each
+generated token's bytes to one such decoder, which releases every character once it is complete and holds at most
+the three bytes of an incomplete one. The decoder starts holding the prompt's incomplete last character, if any.
 
 `StopChecker` finds stop strings that span tokens: it withholds the longest tail of the text that is
 still a prefix of some stop string, so a stop string is never partly streamed before it is recognised.
@@ -24,20 +27,22 @@ completed mid-stream: cut before it, `finish_reason == "stop"`, which the engine
 
 from __future__ import annotations
 
+import codecs
+import weakref
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from tokenizers import Tokenizer
 
 from .sampling import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens decoded as left context in the first window (vLLM uses the same small number).
-PROMPT_CONTEXT_TOKENS = 5
+# The longest incomplete UTF-8 character: the first three bytes of a four-byte one.
+MAX_INCOMPLETE_BYTES = 3
 
 
 class DetokenizeError(ValueError):
-    """A token id is not an integer >= 0, or a stream is used after it finished."""
+    """A token id is not an integer >= 0, a tokenizer is not byte-level BPE, or a stream is used after it finished."""
 
 
 def _check_id(token_id: object) -> int:
@@ -46,8 +51,90 @@ def _check_id(token_id: object) -> int:
     return token_id
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2 byte-level BPE alphabet: printable bytes map to themselves, the others to code points from 256 up.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class ByteLevelVocab:
+    """A byte-level BPE tokenizer's tokens as bytes: `vocab(token_id)` is the exact bytes `Tokenizer.decode` puts in
+    the text for it (vocabulary strings mapped back through the GPT-2 byte alphabet; an added token, `<|im_end|>`, its
+    UTF-8; an id beyond the vocabulary nothing); `special` are the ids `decode(skip_special_tokens=True)` leaves out.
+    Built once per tokenizer (`byte_level_vocab`), which is not changed after."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        _check_byte_level(tokenizer)
+        self._tokenizer = tokenizer
+        self.special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self._bytes: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        if (hit := self._bytes.get(token_id)) is not None:
+            return hit
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            out = b""
+        elif all(c in _UNICODE_TO_BYTE for c in piece):
+            out = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        else:  # the decoder's own rule: a token with a character outside the byte alphabet is its UTF-8
+            out = piece.encode("utf-8")
+        self._bytes[token_id] = out
+        return out
+
+
+def _check_byte_level(tokenizer: Any) -> None:
+    if not hasattr(tokenizer, "decode"):
+        raise DetokenizeError(f"tokenizer must be a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
+    decoder = type(getattr(tokenizer, "decoder", None)).__name__
+    if decoder != "ByteLevel":
+        raise DetokenizeError(f"the tokenizer must be byte-level BPE (a ByteLevel decoder, as Qwen's), its decoder is "
+                              f"{decoder}")
+
+
+_VOCABS: weakref.WeakKeyDictionary[Any, ByteLevelVocab] = weakref.WeakKeyDictionary()
+
+
+def byte_level_vocab(tokenizer: Tokenizer) -> ByteLevelVocab:
+    """The tokenizer's `ByteLevelVocab`, built on first use (`DetokenizeError` unless it is byte-level BPE)."""
+    _check_byte_level(tokenizer)
+    vocab = _VOCABS.get(tokenizer)
+    if vocab is None:
+        vocab = _VOCABS[tokenizer] = ByteLevelVocab(tokenizer)
+    return vocab
+
+
+def utf8_decoder() -> codecs.IncrementalDecoder:
+    """The lossy UTF-8 decoder of `Tokenizer.decode`, fed bytes in pieces."""
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+def incomplete_tail(vocab: ByteLevelVocab, token_ids: Sequence[int]) -> bytes:
+    """The bytes of the incomplete character the text of `token_ids` (special tokens kept) ends with, b"" if it ends
+    on a character boundary. Only its last tokens are looked at: the character's bytes are among the last three."""
+    end = b""
+    for token_id in reversed(token_ids):
+        end = vocab(_check_id(token_id)) + end
+        if len(end) >= MAX_INCOMPLETE_BYTES:
+            break
+    decoder = utf8_decoder()
+    decoder.decode(end[-MAX_INCOMPLETE_BYTES:])
+    return decoder.getstate()[0]
+
+
 class IncrementalDetokenizer:
-    """Turns generated token ids into text deltas, never emitting an incomplete character.
+    """Turns generated token ids into text deltas, never emitting an incomplete character (see the module docstring:
+    the text continues the prompt's incomplete last character, if any).
 
     Ids beyond the tokenizer's vocabulary (the padded rows of a model's vocabulary) decode to "",
     exactly as `Tokenizer.decode` treats them.
@@ -59,21 +146,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ) -> None:
-        if not hasattr(tokenizer, "decode"):
-            raise DetokenizeError(f"tokenizer must be a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
-        self._tok = tokenizer
-        self._skip = bool(skip_special_tokens)
-        # Only the context decoded here is checked: a prompt's ids came from the tokenizer, and walking all of
-        # them cost ~0.4 ms per request of a 1,600-token prompt (every branch of a decision pays it).
-        context = [_check_id(t) for t in list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])]
-        self._ids: list[int] = context
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._prefix_text = self._decode(0, len(context))
-        if self._prefix_text.endswith(REPLACEMENT_CHAR):
-            # The prompt ends inside a character: no clean boundary to continue from, so the output is
-            # decoded on its own (it then equals decode(generated ids), the stream's contract).
-            self._ids, self._read_offset, self._prefix_text = [], 0, ""
+        self._vocab = byte_level_vocab(tokenizer)
+        self._skipped = self._vocab.special if skip_special_tokens else frozenset()
+        self._utf8 = utf8_decoder()
+        self._utf8.setstate((incomplete_tail(self._vocab, prompt_token_ids), 0))
         self._num_generated = 0
         self._finished = False
         self.text = ""  # everything emitted so far
@@ -82,23 +158,15 @@ class IncrementalDetokenizer:
     def num_generated(self) -> int:
         return self._num_generated
 
-    def _decode(self, start: int, end: int) -> str:
-        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
-
     def add(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text ("" while it is incomplete)."""
         if self._finished:
             raise DetokenizeError("add() after flush(): this detokenizer has finished")
-        self._ids.append(_check_id(token_id))
+        token_id = _check_id(token_id)
         self._num_generated += 1
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if token_id in self._skipped:
             return ""
-        delta = new_text[len(self._prefix_text) :]
-        # The window start moves to the old read offset (a clean boundary); the window stays short.
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        delta = self._utf8.decode(self._vocab(token_id))
         self.text += delta
         return delta
 
@@ -107,8 +175,7 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        delta = new_text[len(self._prefix_text) :]
+        delta = self._utf8.decode(b"", final=True)
         self.text += delta
         return delta
 

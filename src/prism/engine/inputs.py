@@ -43,6 +43,7 @@ from .chat import (
     read_eos_token_ids,
     special_token_strings,
 )
+from .detokenize import DetokenizeError, byte_level_vocab
 from .image_names import ImageNameConflict, ImageNames
 from .media_preparation import MediaPreparer, place_media
 from .prompt import PreparedMedia, PreparedPrompt
@@ -146,6 +147,10 @@ class InputProcessor:
             self._tokenizer = Tokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust loader raises its own exception type
             raise InputError(f"cannot load {tok_file}: {exc}") from exc
+        try:
+            byte_level_vocab(self._tokenizer)  # what the detokenizer and the logprobs' bytes read
+        except DetokenizeError as exc:
+            raise InputError(f"{tok_file}: {exc}") from exc
         for name, tid in (
             ("image_token_id", self.special.image_pad),
             ("video_token_id", self.special.video_pad),

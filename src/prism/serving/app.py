@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decision.plan import DecisionFailed, plan_decision
 from ..engine.chat import InputError
+from ..engine.detokenize import incomplete_tail
 from ..engine.engine import Engine
 from .body_deadline import BodyDeadline
 from .cancellation import ClientGone, until_disconnected
@@ -163,15 +164,15 @@ def create_app(settings: ServerSettings | None = None, engine: Engine | None = N
                 raise model_not_found(completion.model, state)
             prompts = await state.async_engine.run_in_media_pool(_completion_prompts, state, completion)
             params = [completion.params_for(len(p.token_ids), state.engine.max_model_len) for p in prompts]
-            echoes = (await state.async_engine.run_in_media_pool(_echoes, state, prompts, completion.prompts)
-                      if completion.echo else [""] * len(prompts))
+            ends = await state.async_engine.run_in_media_pool(_prompt_ends, state, prompts, completion.prompts,
+                                                              bool(completion.echo))
         except Exception as error:  # noqa: BLE001 - every refusal becomes an OpenAI error body
             return error_response(state, error, "POST /v1/completions")
         n = completion.num_choices
         renderer = CompletionRenderer(
-            completion.model, [echo for echo in echoes for _ in range(n)], n, include_usage=completion.include_usage,
+            completion.model, [echo for echo, _ in ends for _ in range(n)], n, include_usage=completion.include_usage,
             token_bytes=state.token_bytes if completion.logprobs is not None else None,
-            skipped_tokens=state.special_token_ids)
+            skipped_tokens=state.token_bytes.special, prompt_tails=[tail for _, tail in ends for _ in range(n)])
         submitted = await start_choices(
             state, renderer.id, [(prompt, p) for prompt, p in zip(prompts, params, strict=True) for _ in range(n)],
             arrival, per_prompt=n)
@@ -293,7 +294,19 @@ def _completion_prompts(state: ServerState, completion: CompletionRequest) -> li
     return prepared
 
 
-def _echoes(state: ServerState, prompts: list, raws: list) -> list[str]:
-    """The text each echoed prompt shows: the string as sent, or its token ids decoded (special tokens kept)."""
-    return [raw if isinstance(raw, str) else state.engine.inputs.decode(prompt.token_ids, skip_special_tokens=False)
-            for prompt, raw in zip(prompts, raws, strict=True)]
+def _prompt_ends(state: ServerState, prompts: list, raws: list, echo: bool) -> list[tuple[str, bytes]]:
+    """Each prompt's echo ("" without `echo`) and the bytes of the incomplete character it ends with (b"" if none),
+    which the completion's text starts with (`engine.detokenize`). The echo is the string as sent, or the token ids
+    decoded (special tokens kept) but that character (the decode ends with it as one U+FFFD)."""
+    ends = []
+    for prompt, raw in zip(prompts, raws, strict=True):
+        tail = incomplete_tail(state.token_bytes, prompt.token_ids)
+        if not echo:
+            text = ""
+        elif isinstance(raw, str):
+            text = raw  # whole characters: its tokens end with none incomplete
+        else:
+            text = state.engine.inputs.decode(prompt.token_ids, skip_special_tokens=False)
+            text = text[:-1] if tail else text
+        ends.append((text, tail))
+    return ends

@@ -10,8 +10,11 @@ Owns, for this endpoint, "a request either validates or is a 4xx naming the fiel
   chosen one, by their text: tokens of equal text are one entry, as in OpenAI's and vLLM's, listed with the most
   likely one's logprob, and the chosen token's text with its own: `token_logprobs[i] == top_logprobs[i][tokens[i]]`)
   and `text_offset` (each token's character offset in the choice's text: `LegacyLogprobs`);
-- `echo` puts the prompt's text before each choice's. Refused with a message: `echo` with logprobs (it needs the
-  prompt's own logprobs, which the engine does not compute), `suffix`, and a `best_of` other than n.
+- `echo` puts the prompt's text before each choice's: its whole characters, the choice's text then starting with the
+  character a prompt of token ids ends inside (completed by the first tokens, or cut, as U+FFFD), so that the two are
+  the decode of prompt and completion together (vLLM echoes that U+FFFD, then the completed character). Refused with
+  a message: `echo` with logprobs (it needs the prompt's own logprobs, which the engine does not compute), `suffix`,
+  and a `best_of` other than n.
 Sampling fields, their defaults and the no-op fields are `protocol.SamplingFields`, shared with chat.
 """
 
@@ -25,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from ..engine.detokenize import utf8_decoder
 from ..engine.request import RequestOutput, TokenLogprobs
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams
 from .protocol import FieldError, ProtocolError, SamplingFields, parse_request
@@ -159,16 +163,22 @@ def new_completion_id() -> str:
 
 
 class LegacyLogprobs:
-    """Accumulates one choice's logprobs in the legacy layout. `text_offset`: where each token starts in the choice's
-    text, in characters: the tokens' bytes decoded in order (a character split over tokens counts where it
-    completes, so a token inside it has the offset of that character), the special tokens the text leaves out
-    counting none. (Past a stop string, inside the last token, the offsets go beyond the cut text.)"""
+    """Accumulates one choice's logprobs in the legacy layout. `text_offset[i]`: the number of characters of the
+    choice's text (after `offset`, the echo's) made wholly of bytes before token i. A character ends in the token
+    holding its last byte, so a character split over tokens counts where it completes (a token inside it has the
+    offset of that character), and an invalid run of bytes (one U+FFFD) counts before the token whose first byte cuts
+    it; a token without bytes in the text (a special token it leaves out) comes after the characters known complete
+    when it came. So each token's own text starts at its offset when that text is whole characters. `tail`: the bytes
+    of the prompt's incomplete last character, which the text starts by completing (`engine.detokenize`). (Past a
+    stop string, inside the last token, the offsets go beyond the cut text.) vLLM's offsets are the running sum of
+    each token's own text, which counts a split character once per byte token: they point past the text."""
 
-    def __init__(self, token_bytes: TokenBytes, offset: int, skipped: Collection[int] = ()) -> None:
+    def __init__(self, token_bytes: TokenBytes, offset: int, skipped: Collection[int] = (), tail: bytes = b"") -> None:
         self.token_bytes = token_bytes
         self.offset = offset
         self.skipped = skipped
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._utf8 = utf8_decoder()
+        self._utf8.setstate((tail, 0))
 
     def _text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", "replace")
@@ -182,6 +192,18 @@ class LegacyLogprobs:
         top[text] = finite_logprob(entry.logprob)
         return top
 
+    def _cut_before(self, raw: bytes) -> int:
+        """1 when the decoder holds an incomplete character that the first byte of `raw` cannot continue: that byte
+        ends it as a U+FFFD before `raw`'s own text (the decoder releases it only with `raw`)."""
+        held = self._utf8.getstate()[0]
+        if not held or not raw:
+            return 0
+        try:
+            codecs.utf_8_decode(held + raw[:1], "strict", False)  # an incomplete character is no error, a cut one is
+        except UnicodeDecodeError:
+            return 1
+        return 0
+
     def of(self, event: RequestOutput) -> CompletionLogprobs:
         tokens, chosen, tops, offsets = [], [], [], []
         for entry in event.logprobs or ():
@@ -190,9 +212,9 @@ class LegacyLogprobs:
             tokens.append(text)
             chosen.append(finite_logprob(entry.logprob))
             tops.append(self._top(entry, text))
-            offsets.append(self.offset)
-            if entry.token_id not in self.skipped:
-                self.offset += len(self._utf8.decode(raw))
+            in_text = b"" if entry.token_id in self.skipped else raw
+            offsets.append(self.offset + self._cut_before(in_text))
+            self.offset += len(self._utf8.decode(in_text))
         return CompletionLogprobs(tokens=tokens, token_logprobs=chosen, top_logprobs=tops, text_offset=offsets)
 
 
@@ -207,19 +229,21 @@ class CompletionRenderer:
     """Engine events of one completion (`len(echoes)` choices) -> the response body, or its SSE bytes:
     `start()`, `on_output(index, event)` per event, `finish()` (usage chunk if asked, [DONE]) or `error()`.
     `echoes[i]`: the text choice i starts with (its prompt's under `echo`, else ""). `skipped_tokens`: the special
-    tokens a choice's text leaves out (for `text_offset`)."""
+    tokens a choice's text leaves out, `prompt_tails[i]` the bytes of the incomplete character choice i's prompt ends
+    with (b"" for each if not given): both for `text_offset`."""
 
     def __init__(self, model: str, echoes: Sequence[str], n: int, *, include_usage: bool = False,
                  token_bytes: TokenBytes | None = None, skipped_tokens: Collection[int] = (),
-                 completion_id: str | None = None) -> None:
+                 prompt_tails: Sequence[bytes] | None = None, completion_id: str | None = None) -> None:
         self.id = completion_id or new_completion_id()
         self.created = int(time.time())
         self.model = model
         self.n = n
         self.include_usage = include_usage
         self.echoes = list(echoes)
-        self._logprobs = ([LegacyLogprobs(token_bytes, len(e), skipped_tokens) for e in echoes] if token_bytes
-                          else None)
+        tails = [b""] * len(echoes) if prompt_tails is None else prompt_tails
+        self._logprobs = ([LegacyLogprobs(token_bytes, len(e), skipped_tokens, tail)
+                           for e, tail in zip(echoes, tails, strict=True)] if token_bytes else None)
         self._finals: list[RequestOutput | None] = [None] * len(echoes)
 
     @property

@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 from ..engine.config import EngineConfig
+from ..engine.detokenize import byte_level_vocab
 from ..engine.engine import Engine
 from .async_engine import AsyncEngine
 from .media_urls import MediaResolver
 from .metrics import ServingMetrics
 from .settings import ServerSettings
-from .stream import byte_level_token_bytes
 
 log = logging.getLogger("prism.server")
 
@@ -29,10 +29,7 @@ class ServerState:
         )
         self.metrics = ServingMetrics(engine)
         self.resolver = MediaResolver(settings)
-        self.token_bytes = byte_level_token_bytes(engine.inputs.tokenizer)
-        # The special tokens a completion's text leaves out (its detokenizer skips them): `text_offset` counts none.
-        self.special_token_ids = frozenset(
-            i for i, token in engine.inputs.tokenizer.get_added_tokens_decoder().items() if token.special)
+        self.token_bytes = byte_level_vocab(engine.inputs.tokenizer)
         self.created = int(time.time())
 
 

@@ -5,7 +5,7 @@ Owns the mapping from `RequestOutput` events (one engine request per choice) to 
   guarantees deltas never split a character), streamed as one chunk per event that carries anything;
 - finish reasons: STOP -> "stop", LENGTH -> "length"; ABORT and ERROR never become a finish_reason
   (`RequestFailedError`, which the server turns into an error response or an SSE error event);
-- logprobs: one entry per generated token with its exact bytes (`byte_level_token_bytes`), -inf -> -9999;
+- logprobs: one entry per generated token with its exact bytes (`engine.detokenize.ByteLevelVocab`), -inf -> -9999;
 - usage: the prompt (and its prefix-cache hits) counted once, completion tokens summed over choices.
 Shapes and serialization are `protocol`'s; this module only fills them.
 """
@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from ..engine.request import FinishReason, RequestOutput, TokenLogprobs
 from .responses import (
@@ -65,46 +65,6 @@ def openai_finish_reason(
 
 def finite_logprob(x: float) -> float:
     return x if math.isfinite(x) and x >= MIN_LOGPROB else MIN_LOGPROB
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2 byte-level BPE alphabet: printable bytes map to themselves, the others to code points from 256 up.
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
-
-
-def byte_level_token_bytes(tokenizer: Any) -> TokenBytes:
-    """token id -> its exact bytes. Byte-level BPE (Qwen) vocab strings map back through the GPT-2 byte
-    alphabet; added tokens (`<|im_end|>`) and other tokenizers fall back to the UTF-8 of the decoded token."""
-    byte_level = type(getattr(tokenizer, "decoder", None)).__name__ == "ByteLevel"
-    cache: dict[int, bytes] = {}
-
-    def token_bytes(token_id: int) -> bytes:
-        if (hit := cache.get(token_id)) is not None:
-            return hit
-        piece = tokenizer.id_to_token(token_id)
-        if piece is None:
-            out = b""
-        elif byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
-            out = bytes(_UNICODE_TO_BYTE[c] for c in piece)
-        elif byte_level:
-            out = piece.encode("utf-8")
-        else:
-            out = tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
-        cache[token_id] = out
-        return out
-
-    return token_bytes
 
 
 def token_logprobs(entries: Sequence[TokenLogprobs], token_bytes: TokenBytes) -> list[TokenLogprob]:
