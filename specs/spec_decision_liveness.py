@@ -10,6 +10,12 @@ request's prompt gets (the historical bug) waited for ever for pages the pool do
 did a branch of max_model_len - 1 tokens that fits: copying on write the material's partly filled tail page, which
 only cache entries still shared, needed one page past the pool (found by this spec's random examples, session 23).
 
+A grouped choice (more than 26 options) asks its final round among the group winners only after its groups ran, so
+what that round will be is known only then: it is refused before anything runs when some winners would make its
+final round past the engine's prompt limit (and then such winners exist), and when it is not refused, whichever
+options win their groups, its final round is a prompt the engine takes. Its final round used to be refused only when
+built, after the groups had run, naming an engine request (found by review, session 35).
+
 And a decide whose engine work fails anywhere (the material, a question's readout, a group's or the final round's,
 a reasoning generation, a re-read) is never answered: it fails (`DecisionFailed`) naming a question whose work
 failed, and the engine is left idle. A reasoning generation the engine failed used to be re-read as it stood, cut
@@ -24,8 +30,8 @@ import re
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from prism.decision.plan import DecisionFailed, Outcome, Readouts, advance, plan_decision
-from prism.decision.questions import Question
+from prism.decision.plan import DecisionFailed, Outcome, Readouts, advance, grouped, plan_decision
+from prism.decision.questions import Question, QuestionError
 from prism.decision.thinking import ThinkingConfig
 from prism.engine.engine import RequestError
 from prism.engine.llm import LLM
@@ -90,6 +96,78 @@ def spec_every_decide_is_answered_or_refused_before_it_runs(padding: list[int]) 
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     assert not llm.engine.requests and not llm.engine.kv.seqs, "a decide left requests or sequences behind"
+
+
+QUESTION_GROUP = re.compile(r"/q\d+g(\d+)$")  # a group's readout: <decide>/q<i>g<g>
+
+
+@settings(max_examples=40, deadline=None)
+# (groups of few options leave a group's long option the most room: 2 groups of 13 to 16 options, 3 of 17 to 22)
+@given(data=st.data(), count=st.integers(27, 32) | st.integers(53, 64) | st.integers(27, 120), before=st.booleans())
+def spec_a_grouped_choice_is_refused_up_front_or_its_final_round_fits(data, count, before) -> None:
+    llm = engine_under_test()
+    engine = llm.engine
+
+    def prompt(question: Question):
+        return engine.inputs.prepare_chat([*MATERIAL, {"role": "user", "content": question.render()}])
+
+    def refused(question: Question) -> bool:
+        try:
+            engine._check_prompt(prompt(question))
+        except RequestError:
+            return True
+        return False
+
+    # Each group: one option of k more tokens ("a " is one token of the tiny tokenizer) at a drawn place, the others
+    # short, so that the longest final round is that of the long ones. k is drawn around the room a group of short
+    # options leaves (the group sizes are those of any choice of `count`), where a group fits and a final may not.
+    sizes = [len(g.options) for g in grouped(Question("choice", "Which fits?", ("end",) * count))]
+    room = engine.max_prompt_tokens - len(prompt(Question("choice", "Which fits?", ("end",) * max(sizes))).token_ids)
+    options = []
+    for size in sizes:
+        where = data.draw(st.integers(0, size - 1))
+        k = data.draw(st.integers(room * 3 // 4, room + 4) if data.draw(st.integers(0, 9)) else st.just(0))
+        options += ["a " * k + "end" if place == where else "end" for place in range(size)]
+    choice = Question("choice", "Which fits?", tuple(options))
+    questions = [Question("yes_no", "Is the lamp on?"), choice] if before else [choice]
+    index = questions.index(choice)
+    groups = grouped(choice)
+
+    def final_round(winners: list[int]) -> list:
+        """The final round's branches when each group's readout is certain of its winner (`winners`: by place)."""
+        plan = plan_decision("spec", MATERIAL, questions, engine.inputs, max_prompt_tokens=engine.max_prompt_tokens)
+        _, round1 = advance(plan, None)
+        outcomes = {}
+        for b in round1.branches:
+            group = QUESTION_GROUP.search(b.request_id)
+            winner = winners[int(group.group(1))] if group else 0
+            outcomes[b.request_id] = Outcome(readout=[1.0 if k == winner else 0.0 for k in range(len(b.candidates))])
+        return advance(plan, outcomes)[1].branches
+
+    longest = [g.options.index(max(g.options, key=len)) for g in groups]
+    groups_fit = not any(refused(g) for g in groups)  # (else the engine refuses the decide before anything runs)
+    try:
+        advance(plan_decision("spec", MATERIAL, questions, engine.inputs, max_prompt_tokens=engine.max_prompt_tokens),
+                None)
+    except QuestionError as error:
+        assert error.param == f"questions[{index}]", f"the refusal names {error.param!r}: {error}"
+        assert refused(Question("choice", choice.text, tuple(g.options[w] for g, w in zip(groups, longest, strict=True)))), \
+            f"refused ({error}) though every final round fits"
+        event(f"refused up front ({'its groups fit' if groups_fit else 'a group too long too'})")
+        return
+    if not groups_fit:
+        event("a group refused by the engine (before anything runs)")
+        return
+    # the longest options winning (the worst case), and drawn winners
+    drawn = [data.draw(st.integers(0, len(g.options) - 1), label=f"winner of group {k}") for k, g in enumerate(groups)]
+    for winners in (longest, drawn):
+        for b in final_round(winners):
+            try:
+                engine._check_prompt(b.prompt, b.request_id)
+            except RequestError as error:
+                raise AssertionError(f"the final round of winners {winners} was refused after the groups ran: "
+                                     f"{error}") from error
+    event("final round taken")
 
 
 POOL = [Question("yes_no", "Is the lamp on?"), Question("score", "How bright is it?", levels=(1, 2, 3)),

@@ -135,3 +135,55 @@ def test_a_readout_without_its_temperature_is_caught(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(engine, "readout", lambda logits, candidates, temperature=1.0: readout(logits, candidates))
     _spec_fails(spec_decision_material.spec_each_answer_is_the_reference_softmax, "against the reference")
+
+
+def test_a_grouped_choice_checked_for_other_winners_than_its_longest_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 35): a grouped choice's final round was built, and refused, only after its groups ran.
+    Planted: the up-front check made on one final round that is not the longest (each group's first option), so that
+    a longer one is still refused late."""
+    from prism.decision import plan
+    from prism.decision.questions import Question
+    from specs import spec_decision_liveness
+
+    monkeypatch.setattr(plan, "longest_final", lambda question, encode: Question(
+        "choice", question.text, tuple(g.options[0] for g in plan.grouped(question)), temperature=question.temperature))
+    _spec_fails(spec_decision_liveness.spec_a_grouped_choice_is_refused_up_front_or_its_final_round_fits,
+                "refused after the groups ran")
+
+
+def test_usage_of_one_request_per_question_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 35): a question's usage was one engine request's (a grouped choice's final round, a
+    thinking question's first readout). Planted: only a question's last request counted."""
+    from prism.decision import plan
+    from specs import spec_decision_usage
+
+    usage_of = plan.usage_of
+    monkeypatch.setattr(plan, "usage_of", lambda spent: usage_of(spent[-1:]))
+    _spec_fails(spec_decision_usage.spec_each_answer_counts_every_request_of_its_question, "its engine requests used")
+
+
+def test_a_reasoning_seed_of_the_engines_history_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plausible (what `question_seed` exists against): a reasoning seeded by what ran before it, not by its question.
+    Planted: the seed counts the reasoning generations asked so far."""
+    import itertools
+
+    from prism.decision import thinking
+    from specs import spec_decision_thinking
+
+    asked = itertools.count()
+    monkeypatch.setattr(thinking, "question_seed", lambda config, question: next(asked))
+    spec_decision_thinking.alone.cache_clear()  # answers computed with the planted seed only
+    try:
+        _spec_fails(spec_decision_thinking.spec_a_thinking_answer_is_the_questions_own, "where alone it answers")
+    finally:
+        spec_decision_thinking.alone.cache_clear()
+
+
+def test_numpy_integer_levels_refused_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 35): score levels of numpy's integer types were refused. Planted: Python's int only."""
+    from prism.decision import questions
+    from specs import spec_decision_questions
+
+    monkeypatch.setattr(questions, "integral", lambda x: isinstance(x, int) and not isinstance(x, bool))
+    _spec_fails(spec_decision_questions.spec_score_levels_are_any_integers, "score levels must be integers",
+                questions.QuestionError)

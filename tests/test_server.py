@@ -357,6 +357,10 @@ def test_decide_endpoint(live):
     thinking = httpx.post(live.url + "/v1/decide", json={**body, "thinking": {"gate": 1.0, "max_tokens": 6}}, timeout=60)
     assert thinking.status_code == 200, thinking.text
     assert all(a["thought"] and 0 < a["thinking_tokens"] <= 6 for a in thinking.json()["answers"])
+    # usage counts every engine request: here each question's readout, reasoning (its prompt and tokens) and re-read
+    usage, plain = thinking.json()["usage"], second["usage"]
+    assert usage["completion_tokens"] == sum(a["thinking_tokens"] for a in thinking.json()["answers"])
+    assert plain["completion_tokens"] == 0 and usage["prompt_tokens"] > 3 * plain["prompt_tokens"], (usage, plain)
     bad = httpx.post(live.url + "/v1/decide", json={**body, "questions": [{"type": "choice", "text": "x", "options": ["one"]}]})
     assert bad.status_code == 400 and "at least two options" in bad.json()["error"]["message"]
 
@@ -407,6 +411,22 @@ def test_a_decide_error_names_where_it_is(live, questions, material_url, param, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and needle in error["message"], error
+
+
+def test_a_grouped_choice_whose_final_round_cannot_fit_is_a_400_before_it_runs(live):
+    """Review (session 35): a grouped choice whose final round (the group winners) is too long was refused only once
+    its groups had run, naming an engine request. Each group here fits; the final round of the two long options
+    would not: a 400 naming the question, and no engine work."""
+    limit = live.engine.max_prompt_tokens
+    options = [f"short {k}" for k in range(27)]  # groups of 13 and 14
+    options[0] = options[13] = "a " * (limit * 6 // 10)
+    computed = live.engine.runner.stats.tokens_computed
+    response = httpx.post(live.url + "/v1/decide", timeout=60, json=_decide_body(
+        [YES_NO, {"type": "choice", "text": "Which fits?", "options": options}]))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "questions[1]" and "questions[1]: its final round" in error["message"], error
+    assert live.engine.runner.stats.tokens_computed == computed, "the refused decide ran engine work"
 
 
 def test_a_decide_at_a_tiny_temperature_reads_the_argmax(live):

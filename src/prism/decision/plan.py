@@ -6,17 +6,31 @@ or generations) and receives each batch's outcomes, until it returns the answers
 question from one material; a choice question with more than 26 options is asked in grouped rounds
 (groups of at most 26, then a final round among the group winners); gated thinking, when asked for,
 re-reads the questions whose confidence stays below the gate after reasoning.
+
+Owns that a decide is refused before anything runs when a round it may reach cannot be asked (a grouped choice's
+longest final round past the engine's prompt limit), and that each answer's usage counts every engine request its
+question made: every round, a reasoning generation's prompt and tokens, its re-read.
 """
 
 from __future__ import annotations
 
 import functools
+import string
 from collections.abc import Generator
 from dataclasses import dataclass
 
+from ..engine.chat import InputError
 from ..engine.request import Branch
 from ..engine.sampling import SamplingParams
-from .questions import MAX_OPTIONS, Answer, Question, QuestionError, candidate_token_ids, make_answer
+from .questions import (
+    MAX_OPTIONS,
+    Answer,
+    Question,
+    QuestionError,
+    candidate_token_ids,
+    make_answer,
+    option_line,
+)
 from .thinking import ThinkingConfig, answer_after_thinking, reasoning_of, thinking_request
 
 
@@ -58,6 +72,16 @@ def grouped(question: Question) -> list[Question]:
     ]
 
 
+def longest_final(question: Question, encode) -> Question:
+    """Of the final rounds a grouped choice can reach, one whose prompt is the longest: each group's option whose line
+    has the most tokens there. A line's tokens do not depend on the lines around it (Qwen's pre-tokenizer ends a piece
+    at the newline that ends a line, and the next begins with its label's letter), so no other winners make a longer
+    prompt."""
+    winners = [max(group.options, key=lambda option: len(encode(option_line(label, option))))
+               for label, group in zip(string.ascii_uppercase, grouped(question), strict=False)]
+    return Question("choice", question.text, tuple(winners), temperature=question.temperature)
+
+
 class DecisionFailed(RuntimeError):
     """A question's readout ended without probabilities, or its reasoning did not end (the engine failed it, or
     `aborted` it)."""
@@ -72,6 +96,13 @@ def located(error: QuestionError, index: int) -> QuestionError:
     refusal = QuestionError(f"questions[{index}]: {error}")
     refusal.param = f"questions[{index}]"
     return refusal
+
+
+def usage_of(spent: list[Outcome]) -> tuple[int, int, int]:
+    """A question's usage from every engine request made for it: (prompt tokens, of them from the prefix cache,
+    generated tokens)."""
+    return (sum(o.prompt_tokens for o in spent), sum(o.cached_tokens for o in spent),
+            sum(len(o.token_ids or ()) for o in spent))
 
 
 def reasoning_tokens(outcome: Outcome, index: int) -> list[int]:
@@ -102,12 +133,19 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
                                      media_memo=media_memo, bind_names=False)  # bound when the engine accepts
         return Branch(request_id, prompt, candidate_token_ids(question, inputs.encode), question.temperature)
 
+    spent: dict[int, list[Outcome]] = {i: [] for i in range(len(questions))}  # each question's engine requests
+
     def read(outcome: Outcome, index: int, question: Question) -> Answer:
+        spent[index].append(outcome)
         if outcome.readout is None:
             raise DecisionFailed(f"question {index} failed: {outcome.error or 'aborted'}", aborted=outcome.error is None)
-        answer = make_answer(index, question, outcome.readout)
-        answer.prompt_tokens, answer.cached_tokens = outcome.prompt_tokens, outcome.cached_tokens
-        return answer
+        return make_answer(index, question, outcome.readout)
+
+    def final_branch(index: int, final: Question) -> Branch:
+        try:
+            return branch(f"{decision_id}/q{index}final", final)
+        except QuestionError as error:
+            raise located(error, index) from error
 
     # Round 1: every question (grouped ones as their groups), forked from one material.
     asked: list[tuple[str, int, Question]] = []  # (request id, question index, question asked)
@@ -116,6 +154,16 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
         if len(subs) > MAX_OPTIONS:
             raise located(QuestionError(f"{len(q.options)} options are more than {MAX_OPTIONS} groups of "
                                         f"{MAX_OPTIONS}"), i)
+        if len(subs) > 1:  # its final round is built after the groups ran: the longest it can reach must fit now
+            try:
+                longest = final_branch(i, longest_final(q, inputs.encode)).prompt
+            except InputError as error:
+                raise located(QuestionError(f"its final round among the group winners cannot be asked: {error}"),
+                              i) from error
+            if max_prompt_tokens is not None and len(longest.token_ids) > max_prompt_tokens:
+                raise located(QuestionError(
+                    f"its final round among the group winners can be {len(longest.token_ids)} tokens long (its groups' "
+                    f"longest options winning), past the limit of {max_prompt_tokens}: shorten its longest options"), i)
         asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
     round1 = []
     for request_id, i, sub in asked:
@@ -141,7 +189,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
         finals.append((i, winners, Question("choice", q.text, tuple(q.options[w] for w in winners),
                                             temperature=q.temperature)))
     if finals:  # Round 2: the group winners of each grouped question, forked from the same material
-        round2 = [branch(f"{decision_id}/q{i}final", final) for i, _, final in finals]
+        round2 = [final_branch(i, final) for i, _, final in finals]
         outcomes = yield Readouts(f"{decision_id}/final", round2)
         for (i, winners, final), b in zip(finals, round2, strict=True):
             final_answer = read(outcomes[b.request_id], i, final)
@@ -153,8 +201,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
             for label, position in zip(final.labels, winners, strict=True):
                 probs[labels[position]] = final_answer.probabilities[label]
             best = max(probs, key=lambda label: probs[label])
-            answers[i] = Answer(i, "choice", probs, best, probs[best], None, final_answer.prompt_tokens,
-                                final_answer.cached_tokens)
+            answers[i] = Answer(i, "choice", probs, best, probs[best])
 
     grouped_questions = {i for i, _, _ in finals}
     doubtful = [] if thinking is None else [
@@ -169,6 +216,8 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
             requests.append((f"{decision_id}/q{i}/think", *request))
     if thinkers:
         generated = yield Generations(requests)
+        for i in thinkers:
+            spent[i].append(generated[f"{decision_id}/q{i}/think"])
         thoughts = {i: reasoning_tokens(generated[f"{decision_id}/q{i}/think"], i) for i in thinkers}
         decode = functools.partial(inputs.decode, skip_special_tokens=False)
         rereads = [
@@ -181,9 +230,10 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
         outcomes = yield Readouts(None, rereads)
         for i, b in zip(thinkers, rereads, strict=True):
             answer = read(outcomes[b.request_id], i, questions[i])
-            answer.prompt_tokens, answer.cached_tokens = answers[i].prompt_tokens, answers[i].cached_tokens
             answer.thought, answer.thinking_tokens = True, len(thoughts[i])
             answers[i] = answer
+    for i, answer in answers.items():
+        answer.prompt_tokens, answer.cached_tokens, answer.completion_tokens = usage_of(spent[i])
     return [answers[i] for i in range(len(questions))]
 
 

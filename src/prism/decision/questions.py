@@ -9,6 +9,7 @@ be exactly one token of the checkpoint's tokenizer, checked before anything runs
 from __future__ import annotations
 
 import math
+import numbers
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,16 @@ MAX_OPTIONS = len(string.ascii_uppercase)
 
 class QuestionError(ValueError):
     """A question that cannot be asked (no options, too many, a candidate that is not one token...)."""
+
+
+def integral(x) -> bool:
+    """An integer to a user: Python's or numpy's (any `numbers.Integral`), but not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def finite_real(x) -> bool:
+    """A finite number to a user: Python's or numpy's (any `numbers.Real`), but not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,12 @@ class Question:
             raise QuestionError(f"a question needs text (a non-empty string), got {self.text!r}")
         if not all(isinstance(option, str) and option.strip() for option in self.options):
             raise QuestionError(f"options must be non-empty strings, got {list(self.options)!r}")
-        if not all(isinstance(level, int) and not isinstance(level, bool) for level in self.levels):
+        if not all(integral(level) for level in self.levels):
             raise QuestionError(f"score levels must be integers, got {list(self.levels)!r}")
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and math.isfinite(self.temperature) and self.temperature > 0):
+        object.__setattr__(self, "levels", tuple(int(level) for level in self.levels))  # (numpy's integers as Python's)
+        if not (finite_real(self.temperature) and self.temperature > 0):
             raise QuestionError(f"temperature must be a positive number, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
         if self.kind == "choice":
             if len(self.options) < 2:
                 raise QuestionError("a choice question needs at least two options")
@@ -75,11 +87,16 @@ class Question:
     def render(self) -> str:
         """The user turn that asks this question."""
         if self.kind == "choice":
-            lines = [f"{label}. {option}" for label, option in zip(self.labels, self.options, strict=True)]
-            return f"{self.text}\n" + "\n".join(lines) + "\nAnswer with the letter of the correct option only."
+            lines = [option_line(label, option) for label, option in zip(self.labels, self.options, strict=True)]
+            return f"{self.text}\n" + "".join(lines) + "Answer with the letter of the correct option only."
         if self.kind == "yes_no":
             return f"{self.text}\nAnswer Yes or No only."
         return f"{self.text}\nAnswer with one score from {', '.join(self.labels)} only."
+
+
+def option_line(label: str, option: str) -> str:
+    """A choice's option as its rendering shows it: a line of its own."""
+    return f"{label}. {option}\n"
 
 
 def candidate_token_ids(question: Question, encode) -> tuple[int, ...]:
@@ -107,10 +124,14 @@ class Answer:
     answer: str
     confidence: float
     expected_value: float | None = None
+    # Usage: the sums over every engine request asked for this question (each round of a grouped choice; a thinking
+    # one's first readout, reasoning and re-read): their prompt tokens, those of them from the prefix cache, and the
+    # tokens they generated (a readout generates none).
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0
     thought: bool = False  # gated thinking ran for this question
-    thinking_tokens: int = 0
+    thinking_tokens: int = 0  # the tokens its reasoning generated
 
 
 def readout(logits: torch.Tensor, candidates: Sequence[int], temperature: float = 1.0) -> list[float]:

@@ -1,21 +1,26 @@
 """Gated thinking: a question whose first readout is not confident enough (below the gate) gets to
 reason, then is read again.
 
-Owns that a question's reasoning depends on nothing but the question: its sampling seed is derived
-from the decision's seed and the question's own text (not its position among siblings), and sampling
-uses a per-request generator, so sibling questions and batch companions cannot change it.
+Owns that a question's reasoning draws its randomness from nothing but the question: its sampling seed is
+derived from the decision's seed and the question's own text (not its position among siblings), and sampling
+uses a per-request generator, so no sibling question or batch companion draws from its random stream.
+
+What it samples from are the model's logits, and those are bitwise independent of a request's batch
+companions and prefix-cache hits only in deterministic mode (`deterministic: true`). There a thinking
+question's whole answer (whether its first readout passes the gate, its reasoning, its re-read) is the same
+whatever its siblings, their order or a cache hit (`specs/spec_decision_thinking.py`). Outside it the logits
+round differently with the batch and the hits: that can move a confidence across the gate or change a sampled
+token, and with it the reasoning and the answer.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import numbers
 from dataclasses import dataclass
 
 from ..engine.inputs import PreparedPrompt
 from ..engine.sampling import SamplingParams
-from .questions import Question
+from .questions import Question, finite_real, integral
 
 THINKING_PREAMBLE = "Let me think about this step by step.\n"
 # Ends with a newline, not a space: the answer token is read where the tokenizer puts it. After a trailing space (a
@@ -32,19 +37,13 @@ class ThinkingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def integer(x) -> bool:
-            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-        def finite(x) -> bool:
-            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-        if not finite(self.gate) or not 0.0 <= self.gate <= 1.0:
+        if not finite_real(self.gate) or not 0.0 <= self.gate <= 1.0:
             raise ValueError(f"the thinking gate must be a number in [0, 1], got {self.gate!r}")
-        if not integer(self.max_tokens) or self.max_tokens < 1:
+        if not integral(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"thinking max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not finite(self.temperature) or self.temperature < 0:
+        if not finite_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"thinking temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not integer(self.seed):
+        if not integral(self.seed):
             raise ValueError(f"thinking seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "max_tokens", int(self.max_tokens))  # (numpy's integers as Python's)
         object.__setattr__(self, "seed", int(self.seed))

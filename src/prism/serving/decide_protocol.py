@@ -57,7 +57,11 @@ class DecideAnswer(BaseModel):
 
 
 class DecideUsage(BaseModel):
+    """Sums over every engine request the decide made but its material's (whose tokens each question's prompt holds):
+    each readout, group and final round, reasoning and re-read (`Answer`'s usage)."""
+
     prompt_tokens: int
+    completion_tokens: int
     cached_tokens: int
     questions: int
 
@@ -104,5 +108,6 @@ def decide_response(decision_id: str, created: int, model: str, answers: list[An
             for a in answers
         ],
         usage=DecideUsage(prompt_tokens=sum(a.prompt_tokens for a in answers),
+                          completion_tokens=sum(a.completion_tokens for a in answers),
                           cached_tokens=sum(a.cached_tokens for a in answers), questions=len(answers)),
     )
