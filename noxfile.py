@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 ROOT = Path(__file__).parent
 nox.options.sessions = ["tests", "lint"]
@@ -37,21 +38,36 @@ def _install(session: nox.Session, *extras: str) -> dict[str, str]:
     return env
 
 
-def _run_reproducers(session: nox.Session, env: dict[str, str]) -> None:
+def _failed(session: nox.Session, *args: str, env: dict[str, str]) -> bool:
+    """Run a command; whether it failed (nox logs how), so that what comes after still runs."""
+    try:
+        session.run(*args, env=env)
+    except CommandFailed:
+        return True
+    return False
+
+
+def _failed_reproducers(session: nox.Session, env: dict[str, str]) -> list[str]:
+    """Every reproducer, each run whatever the others did: the names of those that did not exit 0."""
     scripts = sorted(p for p in (ROOT / "reproducers").glob("*.py") if not p.name.startswith("_"))
-    for script in scripts:
-        session.run(sys.executable if session.venv_backend == "none" else "python", str(script), env=env)
-    session.log(f"{len(scripts)} reproducers exited 0")
+    python = sys.executable if session.venv_backend == "none" else "python"
+    failed = [script.name for script in scripts if _failed(session, python, str(script), env=env)]
+    session.log(f"{len(scripts) - len(failed)} of {len(scripts)} reproducers exited 0")
+    return failed
 
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """CPU: unit/integration/parity tests, property-based specs, then every reproducer."""
+    """CPU: unit/integration/parity tests, property-based specs, then every reproducer (run even when a test failed:
+    one failing reproducer once went unseen for a session behind a failed test)."""
     env = _install(session, "test")
     env["TRITON_INTERPRET"] = "1"
     env.setdefault("HYPOTHESIS_PROFILE", os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-    session.run("pytest", "-m", "not gpu", *session.posargs, env=env)
-    _run_reproducers(session, env)
+    tests_failed = _failed(session, "pytest", "-m", "not gpu", *session.posargs, env=env)
+    reproducers_failed = _failed_reproducers(session, env)
+    if tests_failed or reproducers_failed:
+        session.error(f"pytest {'failed' if tests_failed else 'passed'}; reproducers that failed: "
+                      f"{reproducers_failed or 'none'}")
 
 
 @nox.session(python=False)
