@@ -1,15 +1,24 @@
-"""Spec of decoding a client's image bytes (`media.image.decode_image`): which bytes become pixels, and which pixels.
+"""Spec of decoding a client's image bytes (`media.image.decode_image`): which bytes become pixels, and which pixels,
+and how many pixels a request's images may decode to (`media.pixel_budget`).
 
 - Decoding never starts a process. Pillow's EPS decoder runs Ghostscript on the bytes; here Pillow is told that
   Ghostscript is installed and `subprocess.Popen` records (and refuses) whatever would start.
 - Bytes in a format outside `ACCEPTED_FORMATS` are refused as `MediaDecodeError`, whatever Pillow could open.
 - Bytes in an accepted format decode to the pixels HF's `load_image` makes of them (EXIF orientation, then RGB), and
   the formats clients send most (PNG, JPEG, WebP, GIF, BMP, TIFF) always decode.
+- A request's images are accepted exactly when the pixels their headers announce sum to at most `max_image_pixels`
+  (an image named by its uuid alone counts none), by the server's media resolver and by the engine's input
+  processor alike; a refused one is a 413 (`MediaTooLarge`) / `ImagePixelBudgetError` naming the limit and its total,
+  and leaves nothing behind: no image decoded, nothing in the decoded-URL or preprocessing cache, no uuid bound. (The
+  media hunt of session 30: only video frames had a budget; a request's images, each up to ~89 M pixels, had none.)
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 import io
+import itertools
 import subprocess
 import warnings
 from unittest import mock
@@ -20,8 +29,14 @@ from hypothesis import strategies as st
 from PIL import EpsImagePlugin, Image
 from transformers.image_utils import load_image
 
-from prism.media.errors import MediaDecodeError
+from prism.engine.inputs import InputProcessor
+from prism.media import image as media_image
+from prism.media.errors import ImagePixelBudgetError, MediaDecodeError
 from prism.media.image import ACCEPTED_FORMATS, decode_image
+from prism.serving.media_urls import MediaResolver, MediaTooLarge
+from prism.serving.protocol import parse_chat_request
+from prism.serving.settings import ServerSettings
+from prism.testing.checkpoints import ensure_tiny_checkpoint
 
 Image.init()
 # Every format this Pillow writes: the accepted ones and the ones a client could send all the same.
@@ -87,3 +102,83 @@ def spec_decoding_runs_no_program_and_decodes_as_hf(h, w, seed, mode, fmt) -> No
     if decoded is not None:
         expected = np.asarray(load_image(Image.open(io.BytesIO(data))))
         assert np.array_equal(np.asarray(decoded), expected), f"{fmt} bytes decode to other pixels than HF's"
+
+
+BUDGET = 48 * 48  # max_image_pixels here: a handful of small images cross it, or not
+KNOWN = "known-48x48"  # a uuid naming a 48 x 48 image: counted, it alone would fill the budget
+_requests = itertools.count()
+
+
+def _png(width: int, height: int, colour: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (colour, 255 - colour, colour // 2)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_inputs() -> InputProcessor:
+    """The engine's input processor under the budget, with a preprocessing cache, KNOWN sent once."""
+    proc = InputProcessor(ensure_tiny_checkpoint(), model_id="spec-pixel-budget", cache_bytes=2**26,
+                          max_image_pixels=BUDGET)
+    proc.prepare_chat([{"role": "user", "content": [{"type": "image", "image": _png(48, 48, 7), "uuid": KNOWN}]}])
+    return proc
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 48), st.integers(1, 48), st.integers(0, 255)), min_size=1, max_size=5),
+       named=st.integers(0, 5))
+@example(sizes=[(48, 48, 1)], named=0)  # exactly the budget
+@example(sizes=[(48, 48, 1), (1, 1, 2)], named=0)  # one pixel past it
+@example(sizes=[(24, 48, 3), (24, 48, 4)], named=1)  # the budget, and a uuid naming as many pixels again
+def spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget(sizes, named) -> None:
+    pngs = [_png(w, h, colour) for w, h, colour in sizes]
+    total = sum(w * h for w, h, _ in sizes)
+    fits = total <= BUDGET
+    request = next(_requests)
+    parts = [{"type": "image", "image": data, "uuid": f"r{request}-{i}"} for i, data in enumerate(pngs)]
+    parts.insert(min(named, len(parts)), {"type": "image", "image": None, "uuid": KNOWN})  # where the uuid goes
+    chat = [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+    decoded: list[bytes] = []
+    decode = media_image.decode_image
+
+    def recorded(data, limits=media_image.DEFAULT_LIMITS):
+        decoded.append(data)
+        return decode(data, limits)
+
+    # The server: its media resolver, on the same pictures as data URLs.
+    resolver = MediaResolver(ServerSettings(max_image_pixels=BUDGET))
+    http_parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+                  for data in pngs]
+    http_parts.insert(min(named, len(http_parts)), {"type": "image_url", "image_url": None, "uuid": KNOWN})
+    messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": http_parts}]}).messages
+    try:
+        resolver.resolve_messages(messages)
+        refused = None
+    except MediaTooLarge as error:
+        refused = error
+    assert (refused is None) == fits, f"the server {'refused' if refused else 'accepted'} images of {total} pixels " \
+                                      f"in all, max_image_pixels={BUDGET}: {refused}"
+    if refused is not None:
+        assert refused.status == 413 and f"{total} pixels in all" in refused.message, refused.message
+        assert f"max_image_pixels={BUDGET}" in refused.message, refused.message
+        assert resolver._decoded.nbytes == 0, "a refused request's data URLs were cached"
+
+    # The engine: its input processor.
+    proc = _engine_inputs()
+    cached = len(proc.cache), proc.cache.stats().bytes
+    with mock.patch.object(media_image, "decode_image", recorded):
+        try:
+            prompt = proc.prepare_chat(chat)
+            refused = None
+        except ImagePixelBudgetError as error:
+            refused = error
+    assert (refused is None) == fits, f"the engine {'refused' if refused else 'accepted'} images of {total} pixels " \
+                                      f"in all, max_image_pixels={BUDGET}: {refused}"
+    if refused is None:
+        assert len(prompt.media) == len(pngs) + 1
+        return
+    assert (refused.total, refused.limit) == (total, BUDGET), (refused.total, refused.limit)
+    assert not decoded, f"{len(decoded)} image(s) of a refused request were decoded"
+    assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused request left images in the cache"
+    bound = [i for i in range(len(pngs)) if proc.image_names.resolve(f"r{request}-{i}") is not None]
+    assert not bound, f"a refused request bound the uuids of its images {bound}"

@@ -1,5 +1,5 @@
-"""Proof that the images' specs bite: each historical bug of pixel keys, image uuids (names) and the images' step
-token budget, planted.
+"""Proof that the images' specs bite: each historical bug of pixel keys, image uuids (names), the images' step
+token budget, image decoding (formats, the request's pixel budget) and video sampling, planted.
 
 Each test monkeypatches one buggy variant into the real component and requires the spec that owns the invariant to
 fail (see `specs/planted.py`).
@@ -139,3 +139,54 @@ def test_timestamps_past_the_floats_are_caught(monkeypatch: pytest.MonkeyPatch) 
                         Qwen3VLProcessor._calculate_timestamps(None, [int(i) for i in indices], video_fps,
                                                                             temporal_patch_size))
     _spec_fails(spec_video_sampling.spec_any_frame_rate_is_a_video_or_a_video_error, "HF does not make")
+
+
+def test_images_without_a_pixel_budget_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the media hunt (session 30): video frames had a per-request pixel budget, images none, so a request
+    of many images each under the per-image limit (~89 M pixels) decoded them all. Planted: no budget, in the
+    server's resolver and in the engine."""
+    from prism.engine import media_preparation
+    from prism.serving import media_urls
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(media_preparation, "check_image_pixels", lambda sizes, limit: None)
+    monkeypatch.setattr(media_urls, "check_image_pixels", lambda sizes, limit: None)
+    _spec_fails(spec_image_decoding.spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget,
+                "accepted images of")
+
+
+def test_a_pixel_budget_checked_after_decoding_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plausible: the engine's budget judged once the images are prepared (their sizes known for free): a refused
+    request has decoded them, and left them in the preprocessing cache. Planted: the check after the preparation."""
+    from prism.engine.media_preparation import MediaPreparer
+    from specs import spec_image_decoding
+
+    check, prepare = MediaPreparer._check_pixel_budget, MediaPreparer.images
+
+    def decoded_first(self, images, memo, on_image=None):
+        prepared = prepare(self, images, memo, on_image)
+        check(self, images, memo)
+        return prepared
+
+    monkeypatch.setattr(MediaPreparer, "_check_pixel_budget", lambda self, images, memo: None)
+    monkeypatch.setattr(MediaPreparer, "images", decoded_first)
+    _spec_fails(spec_image_decoding.spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget,
+                "were decoded")
+
+
+def test_data_urls_of_a_refused_request_cached_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plausible: the resolver caching each data URL as it decodes it (as it did before the budget): a request
+    refused for its pixels leaves its payloads in the decoded-URL cache. Planted: the cache filled at once."""
+    from prism.serving.media_urls import MediaResolver
+    from specs import spec_image_decoding
+
+    data_url = MediaResolver._data_url
+
+    def cached_at_once(self, url, param, budget):
+        data = data_url(self, url, param, budget)
+        self._decoded.put(url, data)
+        return data
+
+    monkeypatch.setattr(MediaResolver, "_data_url", cached_at_once)
+    _spec_fails(spec_image_decoding.spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget,
+                "data URLs were cached")

@@ -733,3 +733,73 @@ def test_a_text_past_the_limit_is_refused_after_tokenizing_its_head_only():
     dense = "a" * 30_000  # long, but its head (one word, no whitespace to cut at) proves nothing: tokenized whole
     inputs.prepare_prompt(dense)
     assert encoded[-1] == len(dense)
+
+
+# ------------------------------------------------------------------------------------------ the images' pixel budget
+def _budget_chat(*images, text="What is it?"):
+    parts = [im if isinstance(im, dict) else {"type": "image", "image": im} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def test_images_past_max_image_pixels_are_refused_from_their_headers_before_any_is_decoded(ckpt, monkeypatch):
+    """Three 40x40 PNGs against a budget of two: an ImagePixelBudgetError (an ImageTooLargeError: a 413 over HTTP)
+    naming the limit, the total and the image that crosses it; nothing was decoded, nothing cached, no uuid bound.
+    Two fit exactly."""
+    from prism.media import image as media_image
+    from prism.media.errors import ImagePixelBudgetError
+
+    proc = InputProcessor(ckpt, model_id="tiny-budget", cache_bytes=2**26, max_image_pixels=2 * 40 * 40)
+    assert proc.max_image_pixels == 3200
+    pngs = [_png(im) for im in random_images([(40, 40)] * 3, seed=41)]
+    decoded = []
+    decode = media_image.decode_image
+    monkeypatch.setattr(media_image, "decode_image", lambda data, limits: decoded.append(data) or decode(data, limits))
+    sent = [{"type": "image", "image": p, "uuid": f"budget-{i}"} for i, p in enumerate(pngs)]
+    with pytest.raises(ImagePixelBudgetError, match=r"4800 pixels in all; the limit is max_image_pixels=3200, crossed at "
+                                                    r"image 2 \(40x40\)") as refused:
+        proc.prepare_chat(_budget_chat(*sent))
+    assert isinstance(refused.value, ImageTooLargeError)
+    assert (refused.value.total, refused.value.limit, refused.value.index) == (4800, 3200, 2)
+    assert not decoded and len(proc.cache) == 0
+    assert all(proc.image_names.resolve(f"budget-{i}") is None for i in range(3))
+    prompt = proc.prepare_chat(_budget_chat(*sent[:2]))
+    assert len(prompt.media) == 2 and len(decoded) == 2 and proc.image_names.resolve("budget-0") is not None
+
+
+def test_an_image_named_by_its_uuid_alone_counts_no_pixels(ckpt):
+    """It carries none and costs no decoding (the image it names counted when it was sent); the same image sent with
+    its pixels again counts, cached or not: the verdict depends on the request alone."""
+    from prism.media.errors import ImagePixelBudgetError
+
+    proc = InputProcessor(ckpt, model_id="tiny-budget-uuid", cache_bytes=2**26, max_image_pixels=40 * 40)
+    a, b = (_png(im) for im in random_images([(40, 40)] * 2, seed=42))
+    proc.prepare_chat(_budget_chat({"type": "image", "image": a, "uuid": "a"}))
+    named = proc.prepare_chat(_budget_chat({"type": "image", "image": None, "uuid": "a"}, b))
+    assert len(named.media) == 2
+    with pytest.raises(ImagePixelBudgetError, match="3200 pixels in all"):
+        proc.prepare_chat(_budget_chat(a, b))  # a is in the cache: it counts all the same
+
+
+def test_pictures_and_arrays_count_their_size_and_a_memo_reads_no_header_again(ckpt, monkeypatch):
+    """A PIL image and a uint8 array count width x height; PNG bytes their header's. A decide's questions share a
+    memo: the images it prepared count the size they were decoded at, their headers not read again."""
+    from prism.engine import media_preparation
+    from prism.media.errors import ImagePixelBudgetError
+
+    proc = InputProcessor(ckpt, model_id="tiny-budget-forms", max_image_pixels=32 * 24 + 20 * 10 + 16 * 16)
+    picture, png = random_images([(32, 24), (16, 16)], seed=43)
+    array = np.zeros((10, 20, 3), np.uint8)
+    assert picture.size == (24, 32)  # random_images takes (height, width)
+    reads = []
+    header_size = media_preparation.header_size
+    monkeypatch.setattr(media_preparation, "header_size", lambda data, limits: reads.append(data) or header_size(
+        data, limits))
+    material = _budget_chat(picture, array, _png(png))
+    memo: dict = {}
+    for question in ("One?", "Two?"):
+        proc.prepare_chat([*material, {"role": "user", "content": question}], media_memo=memo)
+    assert len(reads) == 1, "a memo's image had its header read again"
+    with pytest.raises(ImagePixelBudgetError, match=r"crossed at image 3 \(1x1\)"):
+        proc.prepare_chat(_budget_chat(picture, array, _png(png), np.zeros((1, 1, 3), np.uint8)), media_memo=memo)
+    with pytest.raises(InputError, match="max_image_pixels must be a positive int"):
+        InputProcessor(ckpt, max_image_pixels=0)

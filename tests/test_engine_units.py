@@ -51,6 +51,8 @@ def test_shipped_configs_load(path):
         ({"encode_ahead_decode_pause_ms": -1}, "encode_ahead_decode_pause_ms must be a number of ms in \\[0, 1000\\]"),
         ({"encode_ahead_decode_pause_ms": "5"}, "encode_ahead_decode_pause_ms must be a number of ms"),
         ({"encode_ahead_decode_pause_ms": float("nan")}, "encode_ahead_decode_pause_ms must be a number of ms"),
+        ({"max_image_pixels": 0}, "max_image_pixels must be a positive integer"),
+        ({"max_image_pixels": 2.0**28}, "max_image_pixels must be a positive integer"),
         ([1, 2], "must be a JSON object"),
     ],
 )

@@ -35,6 +35,26 @@ def test_a_refused_prompt_refuses_the_call_and_leaves_nothing_running(llm):
     settled(llm)
 
 
+def test_images_past_the_engines_pixel_budget_refuse_the_call(llm):
+    """`max_image_pixels` is an engine config key (2**28 by default): the offline API refuses a prompt whose images
+    announce more, before any is decoded, and leaves nothing running."""
+    import numpy as np
+
+    from prism.media.errors import ImagePixelBudgetError
+
+    assert llm.engine.inputs.max_image_pixels == llm.engine.config.max_image_pixels == 2**28
+    small = LLM(ensure_tiny_checkpoint(), dtype="float32", num_gpu_pages=64, max_image_pixels=32 * 32)
+    picture = np.zeros((32, 32, 3), np.uint8)
+    chat = [{"role": "user", "content": [{"type": "image", "image": picture}, {"type": "image", "image": picture},
+                                         {"type": "text", "text": "Two?"}]}]
+    with pytest.raises(ImagePixelBudgetError, match="2048 pixels in all; the limit is max_image_pixels=1024"):
+        small.generate([chat], GREEDY)
+    settled(small)
+    assert len(small.engine.inputs.cache) == 0
+    (answer,) = small.generate([[{"role": "user", "content": chat[0]["content"][1:]}]], GREEDY)
+    assert len(answer.token_ids) == GREEDY.max_tokens
+
+
 def test_n_above_one_is_refused(llm):
     with pytest.raises(RequestError, match="n=3"):
         llm.generate(["Hi"], SamplingParams(max_tokens=4, n=3))

@@ -204,6 +204,40 @@ def test_decompression_bomb_refused_from_header():
     assert issubclass(DecompressionBombError, ImageTooLargeError)
 
 
+def test_a_header_size_is_what_decoding_would_give_and_refuses_what_it_would_refuse():
+    """`header_size` reads the header under decode_image's checks (the same errors), decoding nothing: a header
+    claiming 3000 x 2000 over 10 x 10 pixels of data reads as 3000 x 2000 (decoding it fails as truncated)."""
+    from prism.media.image import header_size
+
+    assert header_size(_png_bytes(40, 30)) == decode_image(_png_bytes(40, 30)).size == (30, 40)
+    assert header_size(_png_with_header_size(3_000, 2_000)) == (3_000, 2_000)
+    with pytest.raises(MediaDecodeError, match="truncated"):
+        decode_image(_png_with_header_size(3_000, 2_000))
+    with pytest.raises(DecompressionBombError):
+        header_size(_png_with_header_size(2_000, 2_000), DecodeLimits(max_pixels=1_000_000))
+    with pytest.raises(ImageTooLargeError):
+        header_size(_png_bytes(), DecodeLimits(max_bytes=10))
+    with pytest.raises(MediaDecodeError, match="accepted"):
+        header_size(b"definitely not an image")
+
+
+def test_the_pixel_budget_refuses_a_total_past_it_naming_the_image_that_crosses_it():
+    from prism.media.errors import ImagePixelBudgetError
+    from prism.media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS, check_image_pixels
+
+    assert DEFAULT_MAX_IMAGE_PIXELS == 16 * 4096 * 4096
+    check_image_pixels([(4096, 4096)] * 16, DEFAULT_MAX_IMAGE_PIXELS)  # Qwen3-VL's largest image, 16 times
+    check_image_pixels([(10, 10), None, (10, 10)], 200)  # None: named by uuid alone, no pixels
+    check_image_pixels([], 1)
+    with pytest.raises(ImagePixelBudgetError, match=r"the images of this request announce 300 pixels in all; "
+                                                    r"the limit is max_image_pixels=200, crossed at image 3 \(10x10\)"):
+        check_image_pixels([(10, 10), None, (10, 10), (10, 10)], 200)
+    with pytest.raises(ImagePixelBudgetError) as refused:
+        check_image_pixels([(4096, 4096)] * 16 + [(1, 1)], DEFAULT_MAX_IMAGE_PIXELS)
+    assert (refused.value.total, refused.value.index) == (DEFAULT_MAX_IMAGE_PIXELS + 1, 16)
+    assert issubclass(ImagePixelBudgetError, ImageTooLargeError)  # a 413 over HTTP, as the per-image limit
+
+
 def test_bad_bytes_raise_typed_errors():
     with pytest.raises(MediaDecodeError):
         decode_image(b"definitely not an image")

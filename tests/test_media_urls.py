@@ -8,8 +8,10 @@ from __future__ import annotations
 import base64
 import io
 import os
+import struct
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -42,6 +44,22 @@ def png(w: int = 8, h: int = 6, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+def png_of(size: int) -> bytes:
+    """A PNG padded to `size` bytes (whatever follows its end is not read): the resolver reads each image's header."""
+    data = png()
+    return data + b"\0" * (size - len(data))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG claiming width x height whose pixel data is a few bytes: only its header can be read, decoding fails."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
@@ -65,6 +83,7 @@ def test_settings_defaults_from_empty_env():
     assert not s.allow_remote_media and s.remote_media_timeout_s == 10.0
     assert (s.max_media_bytes, s.max_media_per_request, s.max_request_bytes) == (20 * MIB, 16, 64 * MIB)
     assert (s.max_waiting_requests, s.preprocess_workers) == (256, 4)
+    assert (s.max_video_pixels, s.max_image_pixels) == (2**27, 2**28)  # 16 images of 4096 x 4096
 
 
 def test_settings_from_env(tmp_path):
@@ -86,12 +105,13 @@ def test_settings_from_env(tmp_path):
             "PRISM_MAX_WAITING": "3",
             "PRISM_REMOTE_MEDIA_TIMEOUT_S": "2.5",
             "PRISM_PREPROCESS_WORKERS": "2",
+            "PRISM_MAX_IMAGE_PIXELS": "1000000",
         }
     )
     assert s.model_dir == model and s.engine_config_path == config and s.served_model_name == "Qwen3-VL-2B"
     assert s.media_root == media.resolve()  # stored resolved: containment checks compare real paths
     assert s.allow_remote_media and s.max_media_bytes == 1024 and s.max_waiting_requests == 3
-    assert s.remote_media_timeout_s == 2.5 and s.preprocess_workers == 2
+    assert s.remote_media_timeout_s == 2.5 and s.preprocess_workers == 2 and s.max_image_pixels == 1_000_000
     named = ServerSettings.from_env({"PRISM_MODEL": str(model), "PRISM_SERVED_MODEL_NAME": "qwen"})
     assert named.served_model_name == "qwen"
 
@@ -108,6 +128,8 @@ def test_settings_from_env(tmp_path):
         ("PRISM_MAX_MEDIA_BYTES", "0"),
         ("PRISM_MAX_MEDIA_PER_REQUEST", "-1"),
         ("PRISM_MAX_REQUEST_BYTES", "1.5"),
+        ("PRISM_MAX_IMAGE_PIXELS", "0"),
+        ("PRISM_MAX_IMAGE_PIXELS", "2**28"),
         ("PRISM_MAX_WAITING", "lots"),
         ("PRISM_PREPROCESS_WORKERS", "0"),
         ("PRISM_REMOTE_MEDIA_TIMEOUT_S", "inf"),
@@ -194,7 +216,7 @@ def test_data_url_too_large_is_refused_before_decoding():
 
 def test_request_total_media_budget():
     s = ServerSettings(max_media_bytes=600, max_request_bytes=1000)
-    url = data_url(b"y" * 600)
+    url = data_url(png_of(600))
     MediaResolver(s).resolve_messages(user(image_part(url)))
     with pytest.raises(MediaTooLarge, match="max_request_bytes"):
         MediaResolver(s).resolve_messages(user(image_part(url), image_part(url)))
@@ -205,7 +227,7 @@ def test_repeated_data_url_skips_the_decode_but_not_the_budget():
     request's media budget still counts it."""
     s = ServerSettings(max_media_bytes=600, max_request_bytes=1000)
     resolver = MediaResolver(s)
-    url = data_url(b"y" * 600)
+    url = data_url(png_of(600))
     first = resolver.resolve_messages(user(image_part(url)))
     again = resolver.resolve_messages(user(image_part(url)))
     assert again == first and resolver._decoded.hits == 1
@@ -489,6 +511,40 @@ def test_video_frames_are_decoded_with_a_pixel_budget():
     with pytest.raises(InvalidMediaData, match="not a decodable image") as info:
         MediaResolver(ServerSettings()).resolve_messages(user(bad))
     assert info.value.param == "messages[0].content[0].video.frames[1]"
+
+
+def test_images_past_max_image_pixels_are_refused_from_their_headers_and_cache_nothing():
+    """A 413 naming the limit, the request's total and the image part that crosses it, read from the headers once
+    every source is read (nothing decoded: the header of a PNG whose pixel data is missing is enough); the data URLs
+    of a refused request stay out of the decoded-URL cache. An image named by its uuid alone counts nothing."""
+    budget = 16 * 12 * 2
+    urls = [data_url(png(16, 12, seed=i)) for i in range(3)]
+    resolver = MediaResolver(ServerSettings(max_image_pixels=budget))
+    with pytest.raises(MediaTooLarge, match=r"576 pixels in all; the limit is max_image_pixels=384, crossed at image 2 "
+                                            r"\(16x12\): refused before decoding any") as info:
+        resolver.resolve_messages(user(image_part(urls[0]), {"type": "text", "text": "and"},
+                                       image_part(urls[1]), image_part(urls[2])))
+    assert info.value.status == 413 and info.value.param == "messages[0].content[3].image_url.url"
+    assert resolver._decoded.nbytes == 0 and resolver._decoded.misses == 3
+    named = {"type": "image_url", "image_url": None, "uuid": "known"}
+    out = resolver.resolve_messages(user(image_part(urls[0]), named, image_part(urls[1])))
+    assert [p["image"] for p in out[0]["content"]][1] is None and resolver._decoded.nbytes > 0
+    header_only = png_header(4000, 3000)
+    with pytest.raises(MediaTooLarge, match="12000000 pixels in all"):
+        MediaResolver(ServerSettings(max_image_pixels=10**7)).resolve_messages(user(image_part(data_url(header_only))))
+    with pytest.raises(InvalidMediaData, match="not a decodable image") as info:
+        resolver.resolve_messages(user(image_part(urls[0]), image_part(data_url(b"not an image"))))
+    assert info.value.param == "messages[0].content[1].image_url.url"
+
+
+def test_the_resolver_refuses_at_the_engines_budget_where_it_is_lower():
+    """The server passes the lower of its and its engine's max_image_pixels, so that the engine never refuses a
+    request's pixels after the resolver cached its data URLs."""
+    urls = [data_url(png(16, 12, seed=i)) for i in range(2)]
+    assert MediaResolver(ServerSettings(), max_image_pixels=16 * 12).max_image_pixels == 192
+    with pytest.raises(MediaTooLarge, match="max_image_pixels=192"):
+        MediaResolver(ServerSettings(), max_image_pixels=16 * 12).resolve_messages(
+            user(image_part(urls[0]), image_part(urls[1])))
 
 
 def test_errors_are_value_errors_with_status():

@@ -152,6 +152,72 @@ def test_refusals_keep_their_messages(live, body, status, words):
     assert not REQUEST_ID.search(response.text)
 
 
+def _png_claiming(width: int, height: int, colour: int) -> bytes:
+    """A PNG whose header claims width x height over a few bytes of pixel data: decoding it would fail (truncated), so
+    a 413 for it came from its header alone."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(bytes([0, colour, colour, colour]) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def _image_parts(*pngs: bytes) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p).decode()}}
+            for p in pngs]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "decide"])
+def test_images_past_the_pixel_budget_are_a_413_naming_it_and_leave_nothing(live, endpoint):
+    """Four images of 9000 x 9000 (each under the per-image limit of ~89 M pixels) announce 324 M pixels, more than
+    the default max_image_pixels (2**28: 16 images of 4096 x 4096): a 413 naming the limit, the request's total and
+    the image that crosses it, before any is decoded; nothing cached (decoded data URLs, preprocessed images), no
+    engine request."""
+    state = live.app.state.prism
+    assert state.resolver.max_image_pixels == state.settings.max_image_pixels == 2**28
+    data_urls, preprocessed = state.resolver._decoded.nbytes, len(live.engine.inputs.cache)
+    content = [*_image_parts(*(_png_claiming(9000, 9000, colour) for colour in range(4))),
+               {"type": "text", "text": "What are they?"}]
+    if endpoint == "chat":
+        path, body = "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+        where = "messages[0].content[3].image_url.url"
+    else:
+        path, body = "/v1/decide", {"model": MODEL, "material": [{"role": "user", "content": content}],
+                                    "questions": [{"type": "yes_no", "text": "Are they flat?"}]}
+        where = "material[0].content[3].image_url.url"
+    response = httpx.post(live.url + path, json=body, timeout=60)
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["message"] == (
+        "the images of this request announce 324000000 pixels in all; the limit is max_image_pixels=268435456, "
+        "crossed at image 3 (9000x9000): refused before decoding any"), error
+    assert (error["param"], error["code"]) == (where, "request_too_large"), error
+    assert state.resolver._decoded.nbytes == data_urls and len(live.engine.inputs.cache) == preprocessed
+    assert not live.engine.requests
+
+
+def test_a_server_refuses_at_its_engines_pixel_budget_where_that_is_lower(tmp_path):
+    """PRISM_CONFIG's max_image_pixels below the server's: the resolver refuses at it (a 413 before the data URLs are
+    cached), not the engine after them."""
+    config = tmp_path / "engine.json"
+    config.write_text(json.dumps({"max_image_pixels": 1000}))
+    server = serve_in_thread(ServerSettings(engine_config_path=config))
+    try:
+        state = server.app.state.prism
+        assert (state.settings.max_image_pixels, state.resolver.max_image_pixels) == (2**28, 1000)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": _image_parts(_png(), _png())}],
+                "max_tokens": 2}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 413 and "max_image_pixels=1000" in response.json()["error"]["message"]
+        assert state.resolver._decoded.nbytes == 0 and len(server.engine.inputs.cache) == 0
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_choice_of_several_failing_while_its_events_are_read_ends_the_completion(live, caplog, stream):
     """n = 2, the metrics' observer of a choice raising at the completion's third event. Before: the choice's pump

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from ..kv.fp8 import KV_DTYPES, KVLayout, pages_in_budget
+from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,9 @@ class EngineConfig:
     device: str = "auto"
     encoder_cache_bytes: int = 256 * 2**20
     preprocess_cache_bytes: int = 256 * 2**20
+    # The pixels a prompt's images may announce in all (their headers, before any is decoded; `media.pixel_budget`):
+    # 16 images at 4096 x 4096, the most Qwen3-VL's processor keeps of one. More is an `ImagePixelBudgetError`.
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
     cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
@@ -174,7 +178,8 @@ class EngineConfig:
         return self.page_size // 8 if self.min_tail_copy_tokens is None else self.min_tail_copy_tokens
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes", "cuda_graph_max_batch"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes", "cuda_graph_max_batch",
+                     "max_image_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -7,7 +7,9 @@ Owns the media identity rules:
 - a video's pad runs (one per temporal patch) each get their own digest, the video digest framed with the
   temporal index (`video_span_digest`), so runs of one video never look alike to the prefix cache;
 - an image uuid names what it was first sent with (`engine/image_names.py`), and resolves only while its pixels are
-  in the preprocessing cache.
+  in the preprocessing cache;
+- a prompt's images announce at most `max_image_pixels` pixels in all (`media.pixel_budget`), judged before any of
+  them is decoded: a prompt over it leaves nothing in the cache and binds no name.
 
 Preprocessing goes through the shared `PreprocessCache` when one is given: file bytes are keyed by their
 raw digest (the same key the HTTP path uses, `media.prepare.prepare_image`), decoded pixels by a digest of
@@ -33,7 +35,8 @@ from PIL import Image
 from ..media.cache import CacheKey, PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
 from ..media.digest import hash_field, hash_rgb, image_digest, new_hash, pixels_digest, video_digest
-from ..media.image import DecodeLimits, checked_rgb_array, preprocess_image, to_rgb_image
+from ..media.image import DecodeLimits, checked_rgb_array, header_size, preprocess_image, to_rgb_image
+from ..media.pixel_budget import check_image_pixels
 from ..media.placeholders import ExpandedPrompt
 from ..media.prepare import PreparedImage, media_namespace, prepare_image
 from ..media.video import PreprocessedVideo, preprocess_video, sample_frame_indices
@@ -111,18 +114,23 @@ def place_media(expanded: ExpandedPrompt, prepared_images: list[PreparedImage], 
     return tuple(media)
 
 
+def _not_an_image(data: object) -> InputError:
+    return InputError(f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}")
+
+
 class MediaPreparer:
     """Prepares the images and videos of prompts for one model: `model_id` namespaces their digests and cache keys,
-    `cache` (optional) is the shared preprocessing cache, `limits` bound decoding. Holds the image uuids
-    (`image_names`) and the threads a prompt's images are prepared on."""
+    `cache` (optional) is the shared preprocessing cache, `limits` bound decoding, `max_image_pixels` the pixels of a
+    prompt's images in all. Holds the image uuids (`image_names`) and the threads a prompt's images are prepared on."""
 
     def __init__(self, model_id: str, image_config: ImageProcessorConfig, video_config: VideoProcessorConfig,
-                 cache: PreprocessCache[Any] | None, limits: DecodeLimits) -> None:
+                 cache: PreprocessCache[Any] | None, limits: DecodeLimits, max_image_pixels: int) -> None:
         self.model_id = model_id
         self.image_config = image_config
         self.video_config = video_config
         self._cache = cache
         self._limits = limits
+        self.max_image_pixels = max_image_pixels
         self.image_names = ImageNames()  # image uuids -> the cache keys of the images they name
         # Images of one request are prepared in parallel: hashing, PIL resizing and numpy release the GIL.
         self._media_threads = ThreadPoolExecutor(max_workers=_MEDIA_THREADS, thread_name_prefix="prism-media")
@@ -146,7 +154,9 @@ class MediaPreparer:
         cannot be reused while the entry lives), new ones on the media threads (`_MEDIA_TASKS` tasks of
         consecutive images), each handed to `on_image` in prompt order once its task is done; images named by uuid
         alone come from this prompt's own sends or the uuid registry. Returns the images and the names the prompt
-        binds when accepted (each checked against the registry now)."""
+        binds when accepted (each checked against the registry now). Images past `max_image_pixels` in all are an
+        `ImagePixelBudgetError` before any is decoded."""
+        self._check_pixel_budget(images, memo)
         datas = [im.data for im in images if im.data is not None]
         todo = list({id(d): d for d in datas if id(d) not in memo or memo[id(d)][0] is not d}.values())
         tasks = min(len(todo), _MEDIA_TASKS)
@@ -176,6 +186,29 @@ class MediaPreparer:
         out = [memo[id(im.data)][1] if im.data is not None
                else sent[im.uuid][2] if im.uuid in sent else self._image_by_uuid(im.uuid) for im in images]
         return out, tuple((uuid, key, digest) for uuid, (key, digest, _) in sent.items())
+
+    def _check_pixel_budget(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]]) -> None:
+        """Each image sent with pixels counts what it announces (`media.pixel_budget`; one this memo prepared, the
+        size it was decoded at: a decide's questions do not read their material's headers again); one named by its
+        uuid alone carries none."""
+        sizes: list[tuple[int, int] | None] = []
+        for im in images:
+            entry = memo.get(id(im.data)) if im.data is not None else None
+            if im.data is None:
+                sizes.append(None)
+            elif entry is not None and entry[0] is im.data:
+                height, width = entry[1].image_size
+                sizes.append((width, height))
+            elif isinstance(im.data, (bytes, bytearray, memoryview)):
+                sizes.append(header_size(im.data, self._limits))
+            elif isinstance(im.data, np.ndarray):
+                height, width = checked_rgb_array(im.data, self._limits).shape[:2]
+                sizes.append((width, height))
+            elif isinstance(im.data, Image.Image):
+                sizes.append(im.data.size)
+            else:
+                raise _not_an_image(im.data)
+        check_image_pixels(sizes, self.max_image_pixels)
 
     def _images_of(self, datas: list[Any]) -> list[PreparedImage]:
         return [self._image(d) for d in datas]
@@ -216,9 +249,7 @@ class MediaPreparer:
                 bytes(data), cfg, model_id=self.model_id, cache=self._cache, limits=self._limits
             )
         if not isinstance(data, (Image.Image, np.ndarray)):
-            raise InputError(
-                f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}"
-            )
+            raise _not_an_image(data)
         source = (checked_rgb_array(data, self._limits) if isinstance(data, np.ndarray)
                   else to_rgb_image(data, self._limits))
         key = CacheKey(pixels_digest(source), self._image_ns)
@@ -231,6 +262,7 @@ class MediaPreparer:
                 digest=image_digest(pre, model_id=self.model_id, config=cfg),
                 raw_digest=key.raw_digest,
                 resized_size=pre.resized_size,
+                image_size=pre.image_size,
             )
             return out, out.nbytes
 

@@ -27,6 +27,17 @@ class DecompressionBombError(ImageTooLargeError):
     """The encoded header announces more pixels than the decode limit: refused before decoding any pixel."""
 
 
+class ImagePixelBudgetError(ImageTooLargeError):
+    """The images of one request announce more pixels in all than its budget (`max_image_pixels`), read from their
+    headers: refused before any of them is decoded (`media.pixel_budget`)."""
+
+    def __init__(self, message: str, *, total: int, limit: int, index: int) -> None:
+        super().__init__(message)
+        self.total = total  # the request's images' pixels in all
+        self.limit = limit
+        self.index = index  # the image (the request's images in order) whose pixels take the total past it
+
+
 class ImageTooSmallError(MediaError):
     """The image (or a video frame) is empty, below the minimum side, or would resize to an empty grid."""
 

@@ -17,6 +17,8 @@ Owns: the pixel layout the vision encoder consumes. It reproduces HF transformer
 
 Decoding from bytes refuses oversized images from the header alone (before any pixel is decoded), maps every
 PIL failure to a typed error, applies the EXIF orientation and converts to RGB (what HF's `load_image` does).
+`header_size` makes the checks before decoding alone and returns the size the header announces (a request's pixel
+budget sums those, `media.pixel_budget`).
 Bytes are decoded only in the formats of `ACCEPTED_FORMATS`, by Pillow's own decoders: Pillow opens many more,
 and its EPS plugin decodes by running Ghostscript (`gs` from PATH) on the bytes, a program interpreting a
 client's PostScript on the server. Anything else is a `MediaDecodeError` naming the accepted formats.
@@ -173,8 +175,16 @@ def target_size(height: int, width: int, config: ImageProcessorConfig) -> tuple[
     return h, w
 
 
-def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> Image.Image:
-    """Decode encoded image bytes to an RGB PIL image, refusing decompression bombs from the header."""
+def header_size(data: bytes | bytearray | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> tuple[int, int]:
+    """(width, height) that encoded image bytes announce, read from their header under the checks `decode_image` makes
+    before it decodes (bytes, format, pixels; the same errors): no pixel is decoded. The EXIF orientation may swap
+    the sides, never their product."""
+    with _opened(data, limits) as img:
+        return img.size
+
+
+def _opened(data: bytes | bytearray | memoryview, limits: DecodeLimits) -> Image.Image:
+    """The image the bytes hold, opened (its header read, nothing decoded) and within `limits`."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MediaDecodeError(f"image data must be bytes, got {type(data).__name__}")
     if len(data) == 0:
@@ -195,10 +205,17 @@ def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DE
         raise MediaDecodeError(f"bytes are not a decodable image: {type(exc).__name__}: {exc}") from exc
     width, height = img.size  # read from the header; nothing decoded yet
     if width * height > limits.max_pixels:
+        img.close()
         raise DecompressionBombError(
             f"image header announces {width}x{height} = {width * height} pixels; the limit is "
             f"{limits.max_pixels} (refused before decoding)"
         )
+    return img
+
+
+def decode_image(data: bytes | bytearray | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Decode encoded image bytes to an RGB PIL image, refusing decompression bombs from the header."""
+    img = _opened(data, limits)
     try:
         img.load()
         img = ImageOps.exif_transpose(img)

@@ -26,6 +26,7 @@ class PreparedImage:
     digest: bytes  # content digest of the preprocessed pixels (media_digest)
     raw_digest: bytes  # digest of the encoded bytes
     resized_size: tuple[int, int]
+    image_size: tuple[int, int]  # (height, width) as decoded, before resize: what the pixel budget counted
 
     def num_tokens(self, merge_size: int) -> int:
         t, h, w = self.grid_thw
@@ -65,6 +66,7 @@ def prepare_image(
             digest=image_digest(pre, model_id=model_id, config=config),
             raw_digest=key.raw_digest,
             resized_size=pre.resized_size,
+            image_size=pre.image_size,
         )
         return prepared, prepared.nbytes
 

@@ -10,11 +10,18 @@ answers before memory or time is spent:
   bounded number of redirects. Any host is reachable, private addresses included: switch it on only where
   the server's network neighbours are trusted.
 - counts: at most `max_media_per_request` items (images + videos), `max_video_frames` frames per video, and
-  `max_request_bytes` of media bytes in all (whatever their source).
+  `max_request_bytes` of media bytes in all (whatever their source);
+- pixels: the images at most `max_image_pixels` in all (`media.pixel_budget`), read from their headers once every
+  source is read and before any image is decoded (an image named by its uuid alone carries none); the video frames
+  at most `max_video_pixels` (below).
+
+A refused request leaves nothing behind: the data URLs it decoded join the decoded-URL cache only once all of its
+media are resolved within these limits.
 
 Status codes (`MediaURLError.status`): 403 for a source this server refuses (local file outside or without
 `media_root`, remote media switched off, unreadable file), 413 for too many bytes or pixels, 400 for the rest
-(malformed URL or base64, missing file, remote error or timeout, too many items, undecodable frame).
+(malformed URL or base64, missing file, remote error or timeout, too many items, an undecodable image header or
+frame).
 
 `video_url` (an encoded video file) is refused with 400: no video decoder is installed; send decoded
 frames as `{"type": "video", "video": {"frames": [...], "fps": ...}}`. Those frames are decoded here
@@ -35,8 +42,9 @@ from urllib.parse import unquote, urlsplit
 import httpx
 from PIL import Image
 
-from ..media.errors import DecompressionBombError, MediaError
-from ..media.image import DEFAULT_LIMITS, DecodeLimits, decode_image
+from ..media.errors import DecompressionBombError, ImagePixelBudgetError, ImageTooLargeError, MediaError
+from ..media.image import DEFAULT_LIMITS, DecodeLimits, decode_image, header_size
+from ..media.pixel_budget import check_image_pixels
 from .data_url_cache import DecodedDataURLs
 from .protocol import (
     ChatMessage,
@@ -75,7 +83,8 @@ class ForbiddenMedia(MediaURLError):
 
 
 class MediaTooLarge(MediaURLError):
-    """An item exceeds max_media_bytes, the request's media exceed max_request_bytes, or frames the pixel budget."""
+    """An item exceeds max_media_bytes, the request's media exceed max_request_bytes, its images max_image_pixels or
+    its video frames max_video_pixels."""
 
     status = 413
 
@@ -97,7 +106,7 @@ class MediaFetchTimeout(MediaFetchError):
 
 
 class InvalidMediaData(MediaURLError):
-    """A video frame's bytes are not a decodable image."""
+    """An image's or a video frame's bytes are not a decodable image."""
 
 
 def _shown(url: str) -> str:
@@ -105,11 +114,14 @@ def _shown(url: str) -> str:
 
 
 class _Budget:
-    """Media bytes and decoded video pixels left to one request."""
+    """Media bytes and decoded video pixels left to one request; its images so far (bytes and field, None for one
+    named by its uuid alone) and the data URLs it decoded, kept for the decoded-URL cache until it is resolved."""
 
     def __init__(self, max_bytes: int, max_pixels: int) -> None:
         self.bytes_left = max_bytes
         self.pixels_left = max_pixels
+        self.images: list[tuple[bytes, str] | None] = []
+        self.decoded: dict[str, bytes] = {}
 
     def take_bytes(self, n: int, param: str | None) -> None:
         if n > self.bytes_left:
@@ -146,10 +158,14 @@ class MediaResolver:
     """Resolves the media URLs of validated chat messages under `settings`' limits.
 
     `transport` (an `httpx.BaseTransport`, e.g. `httpx.MockTransport`) replaces the network for remote URLs.
+    `max_image_pixels` (the engine's, where it is lower) replaces `settings.max_image_pixels`: the server then refuses
+    here whatever the engine would, before anything is cached.
     """
 
-    def __init__(self, settings: ServerSettings, *, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, settings: ServerSettings, *, transport: httpx.BaseTransport | None = None,
+                 max_image_pixels: int | None = None) -> None:
         self.settings = settings
+        self.max_image_pixels = settings.max_image_pixels if max_image_pixels is None else max_image_pixels
         self._transport = transport
         self._decoded = DecodedDataURLs(settings.data_url_cache_bytes)
 
@@ -175,18 +191,48 @@ class MediaResolver:
                         for j, part in enumerate(content)
                     ]
                 out.append({"role": role, "content": content})
-            return out
+            self._check_image_pixels(budget.images)
         finally:
             fetcher.close()
+        self._keep_decoded(budget)
+        return out
 
     def resolve_url(self, url: str, *, param: str | None = None) -> bytes:
         """The bytes behind one media URL (data:, file://, absolute path, http(s)://) under the limits."""
         s = self.settings
         fetcher = _Fetcher(s, self._transport)
+        budget = _Budget(s.max_request_bytes, s.max_video_pixels)
         try:
-            return self._fetch(url, param, _Budget(s.max_request_bytes, s.max_video_pixels), fetcher)
+            data = self._fetch(url, param, budget, fetcher)
         finally:
             fetcher.close()
+        self._keep_decoded(budget)
+        return data
+
+    def _check_image_pixels(self, images: list[tuple[bytes, str] | None]) -> None:
+        """The request's images within `max_image_pixels` in all, from their headers (`media.pixel_budget`)."""
+        limits = DecodeLimits(max_bytes=self.settings.max_media_bytes)
+        sizes = []
+        for image in images:
+            if image is None:
+                sizes.append(None)
+                continue
+            data, param = image
+            try:
+                sizes.append(header_size(data, limits))
+            except ImageTooLargeError as exc:
+                raise MediaTooLarge(str(exc), param=param) from exc
+            except MediaError as exc:
+                raise InvalidMediaData(str(exc), param=param) from exc
+        try:
+            check_image_pixels(sizes, self.max_image_pixels)
+        except ImagePixelBudgetError as exc:
+            crossing = images[exc.index]  # an image with pixels: theirs took the total past the limit
+            raise MediaTooLarge(str(exc), param=crossing[1] if crossing else None) from exc
+
+    def _keep_decoded(self, budget: _Budget) -> None:
+        for url, data in budget.decoded.items():
+            self._decoded.put(url, data)
 
     def _check_counts(self, messages: Sequence[ChatMessage], field: str = "messages") -> None:
         items = 0
@@ -219,9 +265,11 @@ class MediaResolver:
             return {"type": "text", "text": part.text}
         if isinstance(part, ImageURLPart):
             if part.image_url is None:  # named by its uuid: the input processor finds it, or answers 400
+                budget.images.append(None)
                 return {"type": "image", "image": None, "uuid": part.uuid}
             param = f"{where}.image_url.url"
             image = self._fetch(part.image_url.url, param, budget, fetcher)
+            budget.images.append((image, param))
             return {"type": "image", "image": image} | ({"uuid": part.uuid} if part.uuid is not None else {})
         if isinstance(part, VideoPart):
             frames = []
@@ -263,7 +311,9 @@ class MediaResolver:
         )
 
     def _data_url(self, url: str, param: str | None, budget: _Budget) -> bytes:
-        cached = self._decoded.get(url)  # the same URL passed every check below before
+        cached = budget.decoded.get(url)  # the same URL passed every check below before
+        if cached is None:
+            cached = self._decoded.get(url)
         if cached is not None:
             budget.take_bytes(len(cached), param)
             return cached
@@ -288,7 +338,7 @@ class MediaResolver:
             data = binascii.a2b_base64(payload.encode("ascii"), strict_mode=True)
         except (binascii.Error, UnicodeEncodeError) as exc:
             raise InvalidMediaURL(f"data URL payload is not valid base64: {exc}", param=param) from None
-        self._decoded.put(url, data)
+        budget.decoded[url] = data
         return data
 
     def _local(self, url: str, param: str | None, budget: _Budget) -> bytes:

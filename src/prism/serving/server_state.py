@@ -28,7 +28,9 @@ class ServerState:
             engine, max_in_flight=settings.max_waiting_requests, preprocess_workers=settings.preprocess_workers
         )
         self.metrics = ServingMetrics(engine)
-        self.resolver = MediaResolver(settings)
+        # The lower of the server's and the engine's image pixel budgets, so that the resolver refuses first.
+        self.resolver = MediaResolver(
+            settings, max_image_pixels=min(settings.max_image_pixels, engine.inputs.max_image_pixels))
         self.token_bytes = byte_level_vocab(engine.inputs.tokenizer)
         self.created = int(time.time())
 

@@ -1,8 +1,8 @@
 """The HTTP server's settings: one frozen dataclass read from PRISM_* environment variables.
 
-Owns the server-side limits that turn hostile input into a 4xx instead of memory or time spent: media size and
-count, request body size and the time its arrival may take, the admission queue bound, and which media sources exist
-at all (local files only under one root; remote URLs only when switched on). A bad value fails at start-up with a
+Owns the server-side limits that turn hostile input into a 4xx instead of memory or time spent: media size, count
+and pixels, request body size and the time its arrival may take, the admission queue bound, and which media sources
+exist at all (local files only under one root; remote URLs only when switched on). A bad value fails at start-up with a
 `ValueError` that names the environment variable, never later inside a request.
 
 | field                      | variable                         | default                                |
@@ -18,6 +18,7 @@ at all (local files only under one root; remote URLs only when switched on). A b
 | max_media_per_request      | PRISM_MAX_MEDIA_PER_REQUEST      | 16 (images + videos)                   |
 | max_video_frames           | PRISM_MAX_VIDEO_FRAMES           | 256 frames per video                   |
 | max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 decoded frame pixels per request |
+| max_image_pixels           | PRISM_MAX_IMAGE_PIXELS           | 2**28 image pixels per request         |
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
 | body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (+1 s per 128 KiB of body read)   |
 | header_read_timeout_s      | PRISM_HEADER_READ_TIMEOUT_S      | 10.0 (needs header_deadline's protocol) |
@@ -33,6 +34,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS
 
 EMBEDDED_MODEL_NAME = "prism-tiny"
 MIB = 1024 * 1024
@@ -60,6 +63,9 @@ class ServerSettings:
     max_media_per_request: int = 16
     max_video_frames: int = 256
     max_video_pixels: int = 2**27
+    # The pixels a request's images may announce in all (their headers, before any is decoded; media.pixel_budget):
+    # 16 images at 4096 x 4096. The engine's own max_image_pixels applies too.
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_request_bytes: int = 64 * MIB
     body_read_timeout_s: float = 30.0  # the body in that time (+1 s per 128 KiB read), or a 408 (body_deadline.py)
     # A request head (line and headers) whole in that time, or the connection closed (header_deadline.py): set on
@@ -107,6 +113,7 @@ class ServerSettings:
             "max_media_per_request",
             "max_video_frames",
             "max_video_pixels",
+            "max_image_pixels",
             "max_request_bytes",
             "max_waiting_requests",
             "preprocess_workers",
@@ -154,6 +161,7 @@ class ServerSettings:
             ("PRISM_MAX_MEDIA_PER_REQUEST", "max_media_per_request", 1),
             ("PRISM_MAX_VIDEO_FRAMES", "max_video_frames", 1),
             ("PRISM_MAX_VIDEO_PIXELS", "max_video_pixels", 1),
+            ("PRISM_MAX_IMAGE_PIXELS", "max_image_pixels", 1),
             ("PRISM_MAX_REQUEST_BYTES", "max_request_bytes", 1),
             ("PRISM_MAX_WAITING", "max_waiting_requests", 1),
             ("PRISM_PREPROCESS_WORKERS", "preprocess_workers", 1),

@@ -1,0 +1,42 @@
+"""Owns the per-request budget of image pixels: the images of one request decode to at most `max_image_pixels`
+pixels in all, judged from what each announces (an encoded image's header, a decoded one's size) before any of them
+is decoded, so that a few hundred KB of flat-colour PNG cannot cost GBs of memory and seconds of CPU per image (each
+image alone is bounded by `DecodeLimits.max_pixels`, ~89 M pixels, but a request may carry many).
+
+Every image a request carries pixels for counts, whether or not a cache already holds its preprocessing: the verdict
+depends on the request alone, never on what other requests sent before. An image named by its uuid alone carries no
+pixels and costs no decoding (the one it names was counted when it was sent): it does not count.
+
+The default, 2**28 = 268,435,456 pixels, is 16 images (the server's `max_media_per_request`) at 4096 x 4096, the most
+Qwen3-VL's processor keeps of an image (its `longest_edge`, 16,777,216 pixels; larger images are downscaled): no
+request that Qwen3-VL would compute at full resolution is refused. The server and the engine each check it (the
+server's `ServerSettings.max_image_pixels` in its media resolver, the engine's `EngineConfig.max_image_pixels` when a
+prompt is prepared); the refusal is an `ImagePixelBudgetError`, an `ImageTooLargeError`: a 413 over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import ImagePixelBudgetError
+
+DEFAULT_MAX_IMAGE_PIXELS = 2**28
+
+
+def check_image_pixels(sizes: Sequence[tuple[int, int] | None], limit: int) -> None:
+    """`ImagePixelBudgetError` naming the limit, the total and the image that crosses it when the (width, height)
+    sizes of a request's images, in order, sum to more than `limit` pixels (None: an image that carries no pixels)."""
+    running, crossing = 0, None
+    for index, size in enumerate(sizes):
+        if size is not None:
+            running += size[0] * size[1]
+            if running > limit and crossing is None:
+                crossing = index, size
+    if crossing is None:
+        return
+    index, (w, h) = crossing
+    raise ImagePixelBudgetError(
+        f"the images of this request announce {running} pixels in all; the limit is max_image_pixels={limit}, "
+        f"crossed at image {index} ({w}x{h}): refused before decoding any",
+        total=running, limit=limit, index=index,
+    )
