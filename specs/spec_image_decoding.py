@@ -6,6 +6,8 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
 - Bytes in a format outside `ACCEPTED_FORMATS` are refused as `MediaDecodeError`, whatever Pillow could open.
 - Bytes in an accepted format decode to the pixels HF's `load_image` makes of them (EXIF orientation, then RGB), and
   the formats clients send most (PNG, JPEG, WebP, GIF, BMP, TIFF) always decode.
+- Every accepted format is opened from its header alone: no pixel is decoded until the size limits have judged the
+  image (`Image.open` of Pillow's ICO decodes the whole picture, so ICO is not accepted; the review of session 33).
 - A request's images are accepted exactly when the pixels their headers announce sum to at most `max_image_pixels`
   (an image named by its uuid alone counts none), by the server's media resolver and by the engine's input
   processor alike; a refused one is a 413 (`MediaTooLarge`) / `ImagePixelBudgetError` naming the limit and its total,
@@ -107,6 +109,19 @@ def spec_decoding_runs_no_program_and_decodes_as_hf(h, w, seed, mode, fmt) -> No
 BUDGET = 48 * 48  # max_image_pixels here: a handful of small images cross it, or not
 KNOWN = "known-48x48"  # a uuid naming a 48 x 48 image: counted, it alone would fill the budget
 _requests = itertools.count()
+
+
+@settings(max_examples=40, deadline=None)
+@given(h=st.integers(1, 40), w=st.integers(1, 40), seed=st.integers(0, 2**16), data=st.data())
+def spec_every_accepted_format_opens_from_its_header(h, w, seed, data) -> None:
+    fmt = data.draw(st.sampled_from(media_image.decoded_formats()), label="format")  # (looked up at each example)
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    encoded = _encoded(arr, "RGB", fmt)
+    if encoded is None:  # this Pillow cannot write it
+        return
+    with media_image._opened(encoded, media_image.DEFAULT_LIMITS) as opened:  # what the size limits judge
+        assert opened.size == (w, h), f"{fmt}: opened as {opened.size}, written {(w, h)}"
+        assert opened._im is None, f"{fmt}: opening it decoded its pixels (before any size limit saw them)"
 
 
 def _png(width: int, height: int, colour: int) -> bytes:

@@ -114,6 +114,17 @@ def test_decoding_every_format_pillow_opens_is_caught(monkeypatch: pytest.Monkey
     _spec_fails(spec_image_decoding.spec_decoding_runs_no_program_and_decodes_as_hf, "started")
 
 
+def test_a_format_decoded_as_it_opens_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of session 33: ICO was accepted, and Pillow decodes an icon's whole picture as it opens
+    it, before the size limits (per image, per request) could judge it. Planted: ICO accepted again."""
+    from prism.media import image
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(image, "ACCEPTED_FORMATS", (*image.ACCEPTED_FORMATS, "ICO"))
+    monkeypatch.setattr(image, "decoded_formats", lambda: image.ACCEPTED_FORMATS)
+    _spec_fails(spec_image_decoding.spec_every_accepted_format_opens_from_its_header, "decoded its pixels")
+
+
 def test_a_frame_count_past_the_floats_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by the media bug hunt: a video at a tiny (subnormal) fps made `int(total / fps * 2)` an
     OverflowError, a 500. Planted: the frame count at the sampling fps unguarded again."""

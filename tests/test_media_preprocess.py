@@ -274,7 +274,7 @@ def test_an_eps_is_refused_without_running_ghostscript(monkeypatch):
     assert started == []
 
 
-@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "ICO", "PPM", "TGA"])
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA"])
 def test_the_common_formats_decode(fmt):
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (12, 16, 3), dtype=np.uint8))
     buf = io.BytesIO()

@@ -50,8 +50,10 @@ from .pixels import PatchPixels
 MAX_ASPECT_RATIO = 200  # Qwen's smart_resize limit on long side / short side
 
 # The picture formats clients send (MPO, a phone's JPEG with a second picture, opens as JPEG), all decoded inside
-# Pillow. Not every format Pillow opens: EPS runs Ghostscript, and its rarer decoders are parsers no client needs.
-ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "JPEG2000", "ICO", "PPM", "TGA", "QOI")
+# Pillow, each opened from its header alone (the size limits judge an image before its pixels are decoded). Not every
+# format Pillow opens: EPS runs Ghostscript, ICO decodes its whole picture as it opens (a 258 KB icon wrapping a flat
+# 9000x9000 PNG cost 1 s and 534 MB before any limit saw its size), and its rarer decoders are parsers no client needs.
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF", "JPEG2000", "PPM", "TGA", "QOI")
 
 
 @functools.cache
