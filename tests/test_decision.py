@@ -444,3 +444,18 @@ def test_a_grouped_choice_whose_final_round_cannot_fit_is_refused_before_anythin
     (answer,) = llm.decide(TEXT_MATERIAL, [Question("choice", question.text, question.options[1:13] * 3)])
     assert abs(sum(answer.probabilities.values()) - 1) < 1e-5  # a grouped choice whose finals all fit is answered
 
+
+
+def test_a_materials_own_error_is_refused_as_such_beside_a_grouped_choice():
+    """Review (session 33): the grouped choice's up-front final-round check built its prompt before round 1's, so a
+    material that cannot be prepared (here an image named by an unknown uuid) was refused as the grouped question's
+    final round ("questions[i]: ... final round ..."), naming a question that has nothing wrong."""
+    from prism.engine.chat import InputError
+
+    material = [{"role": "user", "content": [{"type": "image", "image": None, "uuid": "never-sent"},
+                                             {"type": "text", "text": "Look."}]}]
+    llm = new_llm()
+    with pytest.raises(InputError, match="names no image") as refusal:
+        llm.decide(material, [QUESTIONS[1], _long_winners_question()])
+    assert "final round" not in str(refusal.value) and not isinstance(refusal.value, QuestionError)
+    assert llm.engine.runner.stats.tokens_computed == 0 and not llm.engine.requests

@@ -154,16 +154,6 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
         if len(subs) > MAX_OPTIONS:
             raise located(QuestionError(f"{len(q.options)} options are more than {MAX_OPTIONS} groups of "
                                         f"{MAX_OPTIONS}"), i)
-        if len(subs) > 1:  # its final round is built after the groups ran: the longest it can reach must fit now
-            try:
-                longest = final_branch(i, longest_final(q, inputs.encode)).prompt
-            except InputError as error:
-                raise located(QuestionError(f"its final round among the group winners cannot be asked: {error}"),
-                              i) from error
-            if max_prompt_tokens is not None and len(longest.token_ids) > max_prompt_tokens:
-                raise located(QuestionError(
-                    f"its final round among the group winners can be {len(longest.token_ids)} tokens long (its groups' "
-                    f"longest options winning), past the limit of {max_prompt_tokens}: shorten its longest options"), i)
         asked += [(f"{decision_id}/q{i}" + (f"g{g}" if len(subs) > 1 else ""), i, sub) for g, sub in enumerate(subs)]
     round1 = []
     for request_id, i, sub in asked:
@@ -171,6 +161,18 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
             round1.append(branch(request_id, sub))
         except QuestionError as error:  # e.g. an answer of several tokens: say which question
             raise located(error, i) from error
+    # A grouped question's final round is built after its groups ran: the longest it can reach must fit now. (After
+    # round 1's branches, so that the material's own errors are refused as such, not as a final round's.)
+    for i in sorted({i for _, i, sub in asked if sub is not questions[i]}):  # the grouped ones
+        try:
+            longest = final_branch(i, longest_final(questions[i], inputs.encode)).prompt
+        except InputError as error:
+            raise located(QuestionError(f"its final round among the group winners cannot be asked: {error}"),
+                          i) from error
+        if max_prompt_tokens is not None and len(longest.token_ids) > max_prompt_tokens:
+            raise located(QuestionError(
+                f"its final round among the group winners can be {len(longest.token_ids)} tokens long (its groups' "
+                f"longest options winning), past the limit of {max_prompt_tokens}: shorten its longest options"), i)
     by_question = {i: b for (_, i, _), b in zip(asked, round1, strict=True)}  # ungrouped questions' branches
     outcomes = yield Readouts(decision_id, round1)
     answers: dict[int, Answer] = {}
