@@ -358,3 +358,28 @@ def test_a_detokenizer_decoding_its_pending_run_again_at_each_token_is_caught(mo
     monkeypatch.setattr(IncrementalDetokenizer, "add", windowed_add)
     monkeypatch.setattr(IncrementalDetokenizer, "flush", windowed_flush)
     _spec_fails(spec_detokenizer_work.spec_the_detokenizers_work_is_linear_in_the_tokens, "units of work")
+
+
+def test_a_decoder_holding_a_surrogates_start_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of session 33: Python's incremental UTF-8 decoder, used as is, holds ED A0..BF as an
+    incomplete character, which Unicode's rule (and `tokenizers`) calls invalid. Planted: that decoder again."""
+    import codecs
+
+    from prism.engine import detokenize
+    from specs import spec_lossy_utf8
+
+    class PythonsOwn:
+        def __init__(self, held: bytes = b"") -> None:
+            self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+            self._decoder.setstate((held, 0))
+
+        def decode(self, data: bytes, final: bool = False) -> str:
+            return self._decoder.decode(data, final)
+
+        @property
+        def held(self) -> bytes:
+            return self._decoder.getstate()[0]
+
+    monkeypatch.setattr(detokenize, "Utf8Decoder", PythonsOwn)
+    _spec_fails(spec_lossy_utf8.spec_pieces_decode_as_the_whole_and_hold_only_completable_starts, "no bytes complete")
+    _spec_fails(spec_lossy_utf8.spec_every_two_byte_start_is_held_only_if_completable, "no bytes complete")

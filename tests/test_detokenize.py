@@ -458,3 +458,31 @@ def test_a_stream_ends_at_its_first_stop_and_its_text_is_the_decode_cut_there(na
     assert out == stream.text == (text[: min(found)] if found else text)
     stopped = bool(found) or by_token <= budget
     assert stream.finished and stream.finish_reason == ("stop" if stopped else None)
+
+
+def test_a_prompt_ending_in_a_surrogates_start_has_no_incomplete_character():
+    """Review (session 33): ED A0..BF is invalid at once (two U+FFFD in `Tokenizer.decode`); Python's decoder held it
+    as an incomplete character, which the text then started with: two U+FFFD the decode of prompt + output lacks."""
+    tok = _generated()
+    vocab = byte_level_vocab(tok)
+    byte_ids = {vocab(i): i for i in range(tok.get_vocab_size()) if len(vocab(i)) == 1}
+    prompt, output = [byte_ids[b"\xed"], byte_ids[b"\xa0"]], tok.encode("A").ids
+    assert incomplete_tail(vocab, prompt) == b""
+    stream = IncrementalDetokenizer(tok, prompt)
+    text = "".join(stream.add(t) for t in output) + stream.flush()
+    assert text == tok.decode(output) == "A"
+    assert tok.decode(prompt) + text == tok.decode(prompt + output)
+
+
+def test_a_vocabulary_does_not_keep_its_tokenizer_alive():
+    """Review (session 33): the cache of vocabularies is keyed weakly by tokenizer, but each vocabulary held its
+    tokenizer strongly, so no entry ever went (30-70 MB per Qwen tokenizer loaded and dropped)."""
+    import gc
+    import weakref
+
+    tok = build_bpe_tokenizer(300)
+    byte_level_vocab(tok)
+    gone = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert gone() is None, "the tokenizer outlived every reference but its vocabulary's"

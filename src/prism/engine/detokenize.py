@@ -75,14 +75,17 @@ class ByteLevelVocab:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         _check_byte_level(tokenizer)
-        self._tokenizer = tokenizer
+        self._tokenizer = weakref.ref(tokenizer)  # (held strongly, `_VOCABS`'s entry would keep its key alive)
         self.special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._bytes: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:
         if (hit := self._bytes.get(token_id)) is not None:
             return hit
-        piece = self._tokenizer.id_to_token(token_id)
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            raise DetokenizeError("the tokenizer of this vocabulary was dropped")
+        piece = tokenizer.id_to_token(token_id)
         if piece is None:
             out = b""
         elif all(c in _UNICODE_TO_BYTE for c in piece):
@@ -114,9 +117,34 @@ def byte_level_vocab(tokenizer: Tokenizer) -> ByteLevelVocab:
     return vocab
 
 
-def utf8_decoder() -> codecs.IncrementalDecoder:
-    """The lossy UTF-8 decoder of `Tokenizer.decode`, fed bytes in pieces."""
-    return codecs.getincrementaldecoder("utf-8")("replace")
+class Utf8Decoder:
+    """The lossy UTF-8 decoder of `Tokenizer.decode`, fed bytes in pieces: Python's incremental one (errors="replace",
+    which replaces each maximal invalid run as Rust's `from_utf8_lossy` does), but for one case. Python holds ED A0..BF
+    (the start of an encoded surrogate) as if a character might still complete; Unicode's rule, and `tokenizers`, call
+    it invalid at once, two U+FFFD. Held, it would be taken for a prompt's incomplete last character (`incomplete_tail`)
+    and for a character a token's first byte may cut (`text_offset`)."""
+
+    def __init__(self, held: bytes = b"") -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decoder.setstate((held, 0))
+
+    def decode(self, data: bytes, final: bool = False) -> str:
+        text = self._decoder.decode(data, final)
+        held = self._decoder.getstate()[0]
+        if len(held) >= 2 and held[0] == 0xED and held[1] >= 0xA0:
+            text += self._decoder.decode(b"", final=True)
+            self._decoder.reset()
+        return text
+
+    @property
+    def held(self) -> bytes:
+        """The bytes of the incomplete character it holds (b"" on a character boundary)."""
+        return self._decoder.getstate()[0]
+
+
+def utf8_decoder(held: bytes = b"") -> Utf8Decoder:
+    """A lossy UTF-8 decoder as `Tokenizer.decode` decodes, holding `held` (an incomplete character's first bytes)."""
+    return Utf8Decoder(held)
 
 
 def incomplete_tail(vocab: ByteLevelVocab, token_ids: Sequence[int]) -> bytes:
@@ -129,7 +157,7 @@ def incomplete_tail(vocab: ByteLevelVocab, token_ids: Sequence[int]) -> bytes:
             break
     decoder = utf8_decoder()
     decoder.decode(end[-MAX_INCOMPLETE_BYTES:])
-    return decoder.getstate()[0]
+    return decoder.held
 
 
 class IncrementalDetokenizer:
@@ -148,8 +176,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._vocab = byte_level_vocab(tokenizer)
         self._skipped = self._vocab.special if skip_special_tokens else frozenset()
-        self._utf8 = utf8_decoder()
-        self._utf8.setstate((incomplete_tail(self._vocab, prompt_token_ids), 0))
+        self._utf8 = utf8_decoder(incomplete_tail(self._vocab, prompt_token_ids))
         self._num_generated = 0
         self._finished = False
         self.text = ""  # everything emitted so far

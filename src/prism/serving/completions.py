@@ -177,8 +177,7 @@ class LegacyLogprobs:
         self.token_bytes = token_bytes
         self.offset = offset
         self.skipped = skipped
-        self._utf8 = utf8_decoder()
-        self._utf8.setstate((tail, 0))
+        self._utf8 = utf8_decoder(tail)
 
     def _text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", "replace")
@@ -195,7 +194,7 @@ class LegacyLogprobs:
     def _cut_before(self, raw: bytes) -> int:
         """1 when the decoder holds an incomplete character that the first byte of `raw` cannot continue: that byte
         ends it as a U+FFFD before `raw`'s own text (the decoder releases it only with `raw`)."""
-        held = self._utf8.getstate()[0]
+        held = self._utf8.held
         if not held or not raw:
             return 0
         try:
