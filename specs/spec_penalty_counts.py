@@ -102,12 +102,20 @@ class PenaltyCountsMachine(RuleBasedStateMachine):
     def sample(self, data, seed, with_unslotted) -> None:
         running = self._running()
         rows = data.draw(st.permutations(running))[: data.draw(st.integers(0, len(running)))]
+        unslotted = None
+        if with_unslotted and len(running) < SLOTS:  # a history without a slot (the sampler's direct callers)
+            unslotted = TokenHistory(data.draw(tokens), data.draw(tokens))
+        self.sample_rows(rows, seed, unslotted)
+
+    def sample_rows(self, rows: list[str], seed: int, unslotted: TokenHistory | None = None) -> None:
+        """One sampling step over these running requests (and a row for `unslotted`, a history without a slot):
+        each row adjusted as its whole history says."""
         requests = [self.live[r] for r in rows]
         params = [r.params for r in requests]
         histories = [r.token_history() if r.params.has_penalties else None for r in requests]
-        if with_unslotted and len(running) < SLOTS:  # a history without a slot (the sampler's direct callers): a
-            params.append(SamplingParams(presence_penalty=1.0, repetition_penalty=1.3))  # row for this step only
-            histories.append(TokenHistory(data.draw(tokens), data.draw(tokens)))
+        if unslotted is not None:  # a row for this step only
+            params.append(SamplingParams(presence_penalty=1.0, repetition_penalty=1.3))
+            histories.append(unslotted)
         if not params:
             return
         logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
@@ -174,7 +182,38 @@ class PenaltyCountsMachine(RuleBasedStateMachine):
 STEPS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
+def tour() -> None:
+    """The machine's rules in one fixed order that every slot's life takes: taken at a first sample, given back when
+    preempted (to waiting and to swapped), taken again refilled from the whole history on resuming, a freed row given
+    to another request, ended; the invariant checked after each. The planted checks run it before the machine: which
+    of the machine's derandomized examples reach a preemption after a sample changed between CI's runs."""
+    m = PenaltyCountsMachine()
+    penalized = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+
+    def then(action, *args) -> None:
+        action(*args)
+        m.slots_are_their_running_requests_histories_and_none_leaks()
+
+    then(m.arrive, [1, 2], [3], penalized)
+    then(m.arrive, [4], [5, 5], {"repetition_penalty": 1.3})
+    then(m.sample_rows, ["r0", "r1"], 1)
+    then(m.live["r0"].transition, RequestState.WAITING)
+    then(m.live["r1"].transition, RequestState.SWAPPED)
+    then(m.arrive, [6], [7], penalized)  # takes a row r0 or r1 gave back
+    then(m.sample_rows, ["r2"], 2)
+    then(m.live["r0"].transition, RequestState.RUNNING)
+    then(m.live["r1"].transition, RequestState.RUNNING)
+    then(m.live["r0"].output_token_ids.extend, [8, 3])
+    then(m.live["r2"].output_token_ids.extend, [9])
+    then(m.sample_rows, ["r0", "r1", "r2"], 3)
+    for rid in ("r0", "r1", "r2"):
+        request = m.live.pop(rid)
+        then(request.finish, FinishReason.STOP, None)
+        m.ended.append(request)
+
+
 def spec_a_slot_counts_its_history_once_and_none_leaks() -> None:
+    tour()
     run_state_machine_as_test(PenaltyCountsMachine, settings=STEPS)
 
 
