@@ -36,7 +36,6 @@ from tokenizers import Tokenizer
 
 from .sampling import SamplingParams
 
-REPLACEMENT_CHAR = "\ufffd"
 # The longest incomplete UTF-8 character: the first three bytes of a four-byte one.
 MAX_INCOMPLETE_BYTES = 3
 
