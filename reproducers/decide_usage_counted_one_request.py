@@ -1,4 +1,4 @@
-"""Found by review (session 35): a decide's usage counted one engine request per question: a grouped choice (30
+"""Found by review (session 33): a decide's usage counted one engine request per question: a grouped choice (30
 options: two groups, then a final round) only its final round's prompt; a thinking question only its first readout's,
 not its reasoning's prompt and generated tokens nor its re-read. Fixed: each answer's usage sums every engine request
 made for its question, and a decide's (`usage` over HTTP, with `completion_tokens`) is the sum of its answers'. The

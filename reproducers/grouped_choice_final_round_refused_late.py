@@ -1,4 +1,4 @@
-"""Found by review (session 35): a choice of more than 26 options whose final round (the group winners) is past the
+"""Found by review (session 33): a choice of more than 26 options whose final round (the group winners) is past the
 engine's prompt limit was refused only when that round was built, after its groups had run, with an engine error
 naming a request id (`.../q0final`), and only when its long options won their groups. Here each group of 27 options
 (13 + 14) fits max_model_len, and the final round of its two long options does not. Fixed: `plan_decision` checks the

@@ -1,4 +1,4 @@
-"""Found by review (session 35): the offline API refused a score question whose levels came from numpy
+"""Found by review (session 33): the offline API refused a score question whose levels came from numpy
 (`levels=list(np.arange(1, 6))`: np.int64) with "score levels must be integers". Fixed: any integral number but a
 bool is a level, kept as a Python int (and any finite real number a temperature, as a float); non-integers are still
 refused."""

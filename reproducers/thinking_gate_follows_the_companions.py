@@ -1,4 +1,4 @@
-"""Found by review (session 35): `decision/thinking.py` said a thinking question's reasoning could not be changed by
+"""Found by review (session 33): `decision/thinking.py` said a thinking question's reasoning could not be changed by
 its siblings or batch companions, in any mode. Its seed is its own, but the logits it samples from, and the first
 readout its gate reads, round differently with the batch outside deterministic mode: here, with the gate at the
 question's own confidence, the same question thinks when asked alone and not beside two others (the strict `<` of

@@ -14,7 +14,7 @@ A grouped choice (more than 26 options) asks its final round among the group win
 what that round will be is known only then: it is refused before anything runs when some winners would make its
 final round past the engine's prompt limit (and then such winners exist), and when it is not refused, whichever
 options win their groups, its final round is a prompt the engine takes. Its final round used to be refused only when
-built, after the groups had run, naming an engine request (found by review, session 35).
+built, after the groups had run, naming an engine request (found by review, session 33).
 
 And a decide whose engine work fails anywhere (the material, a question's readout, a group's or the final round's,
 a reasoning generation, a re-read) is never answered: it fails (`DecisionFailed`) naming a question whose work

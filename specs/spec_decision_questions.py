@@ -6,7 +6,13 @@ a readout temperature is any finite positive real number, kept as a float. A boo
 however integral, a string or None is refused with a `QuestionError` saying what is wanted, never an error of
 another type later.
 
-Historical (session 35's review): numpy's integers (`levels=list(np.arange(1, 6))`) were refused as not integers.
+Options and levels come in any ordered container a user holds them in: a list, a tuple, a range, a one-dimensional
+numpy or torch array, with the same question as from the list of their items; a string, bytes, a set, a dict, a
+scalar or an array of another rank is refused with a `QuestionError` (a set has no order to label options A, B, C
+by, a string is one value).
+
+Historical (session 33's review): numpy's integers (`levels=list(np.arange(1, 6))`) were refused as not integers.
+Session 34 (review of that fix): `levels=np.arange(1, 6)` and `levels=range(1, 6)` themselves were refused as not lists.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,3 +61,27 @@ def spec_a_temperature_is_any_positive_real(kind, value, bad) -> None:
     assert type(question.temperature) is float and question.temperature == float(temperature)
     with pytest.raises(QuestionError, match="temperature must be a positive number"):
         Question("yes_no", "Is the lamp on?", temperature=bad)
+
+
+
+# every container is tried in every example: the spec does not depend on which ones Hypothesis draws
+CONTAINERS = {"list": list, "tuple": tuple, "numpy": np.array, "torch": torch.tensor}
+NOT_ORDERED = {"set": set, "frozenset": frozenset, "dict": dict.fromkeys, "2-D array": lambda v: np.array([v, v]),
+               "string": lambda v: "".join(map(str, v)), "bytes": lambda v: bytes(len(v)), "scalar": lambda v: v[0]}
+
+
+@given(st.lists(st.integers(-50, 50), min_size=2, max_size=6, unique=True), st.integers(-50, 50))
+def spec_options_and_levels_come_in_any_ordered_container(values, first) -> None:
+    as_list = Question("score", "How bright is it?", levels=values)
+    for container in CONTAINERS.values():
+        held = Question("score", "How bright is it?", levels=container(values))
+        assert held == as_list and all(type(v) is int for v in held.levels)
+    run = range(first, first + len(values))
+    assert Question("score", "How bright?", levels=run) == Question("score", "How bright?", levels=list(run))
+    options = [f"option {v}" for v in values]
+    for container in (tuple, np.array):
+        assert (Question("choice", "Which one?", options=container(options))
+                == Question("choice", "Which one?", options=options))
+    for refused in NOT_ORDERED.values():
+        with pytest.raises(QuestionError, match="levels must be a list"):
+            Question("score", "How bright is it?", levels=refused(values))

@@ -9,7 +9,7 @@ samples from and the first readout the gate reads are bitwise independent of the
 
 Outside deterministic mode this is not promised (`decision/thinking.py`): the logits round differently with the
 batch companions and the cache hits, so a confidence at the gate thinks or not with its companions
-(`reproducers/thinking_gate_follows_the_companions.py`). Until session 35's review the thinking module claimed the
+(`reproducers/thinking_gate_follows_the_companions.py`). Until session 33's review the thinking module claimed the
 independence in every mode.
 """
 

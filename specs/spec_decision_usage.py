@@ -8,7 +8,7 @@ for its question: each readout, group and final round, a reasoning generation (i
 re-read. A decision's material is no question's request: its tokens are in each question's prompt. The server's
 `usage` is the sum of its answers' (`serving/decide_protocol.py`).
 
-Historical (session 35's review): a grouped choice counted only its final round's prompt, a thinking question only its
+Historical (session 33's review): a grouped choice counted only its final round's prompt, a thinking question only its
 first readout's.
 """
 

@@ -138,7 +138,7 @@ def test_a_readout_without_its_temperature_is_caught(monkeypatch: pytest.MonkeyP
 
 
 def test_a_grouped_choice_checked_for_other_winners_than_its_longest_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found by review (session 35): a grouped choice's final round was built, and refused, only after its groups ran.
+    """Found by review (session 33): a grouped choice's final round was built, and refused, only after its groups ran.
     Planted: the up-front check made on one final round that is not the longest (each group's first option), so that
     a longer one is still refused late."""
     from prism.decision import plan
@@ -152,7 +152,7 @@ def test_a_grouped_choice_checked_for_other_winners_than_its_longest_is_caught(m
 
 
 def test_usage_of_one_request_per_question_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found by review (session 35): a question's usage was one engine request's (a grouped choice's final round, a
+    """Found by review (session 33): a question's usage was one engine request's (a grouped choice's final round, a
     thinking question's first readout). Planted: only a question's last request counted."""
     from prism.decision import plan
     from specs import spec_decision_usage
@@ -180,10 +180,26 @@ def test_a_reasoning_seed_of_the_engines_history_is_caught(monkeypatch: pytest.M
 
 
 def test_numpy_integer_levels_refused_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found by review (session 35): score levels of numpy's integer types were refused. Planted: Python's int only."""
+    """Found by review (session 33): score levels of numpy's integer types were refused. Planted: Python's int only."""
     from prism.decision import questions
     from specs import spec_decision_questions
 
     monkeypatch.setattr(questions, "integral", lambda x: isinstance(x, int) and not isinstance(x, bool))
     _spec_fails(spec_decision_questions.spec_score_levels_are_any_integers, "score levels must be integers",
+                questions.QuestionError)
+
+
+def test_levels_in_an_array_refused_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 34): `levels=np.arange(1, 6)` or `range(1, 6)` was refused as not a list. Planted: lists
+    and tuples only."""
+    from prism.decision import questions
+    from specs import spec_decision_questions
+
+    def lists_only(name, value):
+        if not isinstance(value, (list, tuple)):
+            raise questions.QuestionError(f"{name} must be a list, got {type(value).__name__}")
+        return tuple(value)
+
+    monkeypatch.setattr(questions, "listed_values", lists_only)
+    _spec_fails(spec_decision_questions.spec_options_and_levels_come_in_any_ordered_container, "must be a list",
                 questions.QuestionError)

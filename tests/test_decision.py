@@ -390,7 +390,7 @@ def test_questions_and_thinking_of_the_wrong_type_are_refused_with_what_is_accep
 
 
 def test_numpy_integer_levels_are_integers():
-    """Review (session 35): a score's levels taken from numpy (`list(np.arange(1, 6))`, np.int64) were refused as
+    """Review (session 33): a score's levels taken from numpy (`list(np.arange(1, 6))`, np.int64) were refused as
     "not integers"; any integral number is a level, kept as a Python int. Bools and non-integers stay refused."""
     import numpy as np
 
@@ -414,7 +414,7 @@ def _long_winners_question() -> Question:
 
 
 def test_a_grouped_choice_whose_final_round_cannot_fit_is_refused_before_anything_runs():
-    """Review (session 35): a grouped choice's final round (the group winners) was only built, and so only refused,
+    """Review (session 33): a grouped choice's final round (the group winners) was only built, and so only refused,
     after its group rounds had run. When the longest final round it can reach is past the engine's prompt limit, the
     decide is refused up front, naming the question, with nothing run."""
     from prism.decision.plan import Outcome, advance, grouped, plan_decision

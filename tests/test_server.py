@@ -414,7 +414,7 @@ def test_a_decide_error_names_where_it_is(live, questions, material_url, param, 
 
 
 def test_a_grouped_choice_whose_final_round_cannot_fit_is_a_400_before_it_runs(live):
-    """Review (session 35): a grouped choice whose final round (the group winners) is too long was refused only once
+    """Review (session 33): a grouped choice whose final round (the group winners) is too long was refused only once
     its groups had run, naming an engine request. Each group here fits; the final round of the two long options
     would not: a 400 naming the question, and no engine work."""
     limit = live.engine.max_prompt_tokens

@@ -30,6 +30,17 @@ def integral(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def listed_values(name: str, value) -> tuple:
+    """A question's options or levels as a tuple: given as a list, a tuple, a range or a one-dimensional array
+    (numpy's, torch's: their items as Python values). A string is one value, not a sequence of one-character options;
+    a set or a dict has no order to label its options A, B, C by."""
+    if isinstance(value, (list, tuple, range)):
+        return tuple(value)
+    if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+        return tuple(value.tolist())
+    raise QuestionError(f"{name} must be a list (or a one-dimensional array), got {type(value).__name__} {value!r}")
+
+
 def finite_real(x) -> bool:
     """A finite number to a user: Python's or numpy's (any `numbers.Real`), but not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
@@ -44,12 +55,8 @@ class Question:
     temperature: float = 1.0  # readout temperature (softmax over candidate logits / temperature)
 
     def __post_init__(self) -> None:
-        # A string is one value, not a sequence of one-character options (or levels).
         for name in ("options", "levels"):
-            value = getattr(self, name)
-            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-                raise QuestionError(f"{name} must be a list, got {type(value).__name__} {value!r}")
-            object.__setattr__(self, name, tuple(value))
+            object.__setattr__(self, name, listed_values(name, getattr(self, name)))
         if self.kind not in ("choice", "yes_no", "score"):
             raise QuestionError(f"question kind must be choice, yes_no or score, got {self.kind!r}")
         if not isinstance(self.text, str) or not self.text.strip():
