@@ -13,6 +13,13 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
   processor alike; a refused one is a 413 (`MediaTooLarge`) / `ImagePixelBudgetError` naming the limit and its total,
   and leaves nothing behind: no image decoded, nothing in the decoded-URL or preprocessing cache, no uuid bound. (The
   media hunt of session 30: only video frames had a budget; a request's images, each up to ~89 M pixels, had none.)
+- A prompt's videos are accepted by the engine exactly when the frames they sample (as HF's `sample_frames` samples
+  them; a frame sampled twice counts twice), width x height each, sum to at most `max_video_pixels`, whatever form
+  the frames come in (encoded bytes, arrays, PIL images); a refused one is a `VideoPixelBudgetError` (an
+  `ImagePixelBudgetError`: a 413) naming the limit and its total, with no frame decoded and nothing cached. An
+  accepted one decodes each sampled frame given as bytes once, and no other. (The review of session 35: offline,
+  video frames had no budget at all, and every sampled frame was decoded twice, for the cache key and again for the
+  pixels.)
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import functools
 import io
 import itertools
 import subprocess
+import types
 import warnings
 from unittest import mock
 
@@ -30,10 +38,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from PIL import EpsImagePlugin, Image
 from transformers.image_utils import load_image
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
 
 from prism.engine.inputs import InputProcessor
 from prism.media import image as media_image
-from prism.media.errors import ImagePixelBudgetError, MediaDecodeError
+from prism.media.errors import ImagePixelBudgetError, MediaDecodeError, VideoPixelBudgetError
 from prism.media.image import ACCEPTED_FORMATS, decode_image
 from prism.serving.media_urls import MediaResolver, MediaTooLarge
 from prism.serving.protocol import parse_chat_request
@@ -139,6 +149,24 @@ def _engine_inputs() -> InputProcessor:
     return proc
 
 
+def _prepared_recording_decodes(proc: InputProcessor, chat: list[dict]):
+    """`proc.prepare_chat(chat)` recording what it decodes: (its prompt or None, its `ImagePixelBudgetError` or None,
+    the encoded images it decoded, its preprocessing cache's (entries, bytes) before)."""
+    decoded: list[bytes] = []
+    decode = media_image.decode_image
+
+    def recorded(data, limits=media_image.DEFAULT_LIMITS):
+        decoded.append(data)
+        return decode(data, limits)
+
+    cached = len(proc.cache), proc.cache.stats().bytes
+    with mock.patch.object(media_image, "decode_image", recorded):
+        try:
+            return proc.prepare_chat(chat), None, decoded, cached
+        except ImagePixelBudgetError as error:
+            return None, error, decoded, cached
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 48), st.integers(1, 48), st.integers(0, 255)), min_size=1, max_size=5),
        named=st.integers(0, 5))
@@ -153,12 +181,6 @@ def spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget(sizes, n
     parts = [{"type": "image", "image": data, "uuid": f"r{request}-{i}"} for i, data in enumerate(pngs)]
     parts.insert(min(named, len(parts)), {"type": "image", "image": None, "uuid": KNOWN})  # where the uuid goes
     chat = [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
-    decoded: list[bytes] = []
-    decode = media_image.decode_image
-
-    def recorded(data, limits=media_image.DEFAULT_LIMITS):
-        decoded.append(data)
-        return decode(data, limits)
 
     # The server: its media resolver, on the same pictures as data URLs.
     resolver = MediaResolver(ServerSettings(max_image_pixels=BUDGET))
@@ -180,13 +202,7 @@ def spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget(sizes, n
 
     # The engine: its input processor.
     proc = _engine_inputs()
-    cached = len(proc.cache), proc.cache.stats().bytes
-    with mock.patch.object(media_image, "decode_image", recorded):
-        try:
-            prompt = proc.prepare_chat(chat)
-            refused = None
-        except ImagePixelBudgetError as error:
-            refused = error
+    prompt, refused, decoded, cached = _prepared_recording_decodes(proc, chat)
     assert (refused is None) == fits, f"the engine {'refused' if refused else 'accepted'} images of {total} pixels " \
                                       f"in all, max_image_pixels={BUDGET}: {refused}"
     if refused is None:
@@ -197,3 +213,70 @@ def spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget(sizes, n
     assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused request left images in the cache"
     bound = [i for i in range(len(pngs)) if proc.image_names.resolve(f"r{request}-{i}") is not None]
     assert not bound, f"a refused request bound the uuids of its images {bound}"
+
+
+VIDEO_BUDGET = 6 * 32 * 32  # max_video_pixels here: a video or two of a few small frames cross it, or not
+
+
+@functools.lru_cache(maxsize=1)
+def _video_inputs() -> InputProcessor:
+    return InputProcessor(ensure_tiny_checkpoint(), model_id="spec-video-budget", cache_bytes=2**26,
+                          max_video_pixels=VIDEO_BUDGET)
+
+
+def _hf_sampled(total: int, fps: float, num_frames: int | None) -> list[int]:
+    cfg = _video_inputs().video_config
+    stub = types.SimpleNamespace(fps=cfg.fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames)
+    meta = VideoMetadata(total_num_frames=total, fps=fps)
+    return np.asarray(Qwen3VLVideoProcessor.sample_frames(stub, meta, num_frames=num_frames)).tolist()
+
+
+_video = st.tuples(
+    st.integers(2, 8),  # frames given
+    st.integers(8, 40), st.integers(8, 40),  # their width and height
+    st.sampled_from(["png", "array", "pil"]),
+    st.sampled_from([0.5, 2.0, 30.0]),  # their frame rate
+    st.one_of(st.none(), st.integers(2, 12)),  # num_frames (past the frames given: some sampled twice)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(videos=st.lists(_video, min_size=1, max_size=2), seed=st.integers(0, 2**16))
+@example(videos=[(6, 32, 32, "png", 2.0, 6)], seed=0)  # exactly the budget
+@example(videos=[(6, 32, 32, "png", 2.0, 6), (2, 8, 8, "array", 2.0, None)], seed=0)  # past it by a second video
+@example(videos=[(2, 32, 32, "png", 2.0, 5)], seed=0)  # 2 frames sampled 5 times: 5 frames' pixels, 2 decodes
+def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget(videos, seed) -> None:
+    rng = np.random.default_rng(seed)
+    parts, given, total = [], [], 0
+    for count, w, h, form, fps, num_frames in videos:
+        arrays = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(count)]
+        frames = ([_png_of(a) for a in arrays] if form == "png" else
+                  [Image.fromarray(a) for a in arrays] if form == "pil" else arrays)
+        sampled = _hf_sampled(count, fps, num_frames)
+        total += len(sampled) * w * h
+        given.append((frames, sampled))
+        parts.append({"type": "video", "video": frames, "fps": fps}
+                     | ({"num_frames": num_frames} if num_frames is not None else {}))
+    chat = [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]
+    proc = _video_inputs()
+    prompt, refused, decoded, cached = _prepared_recording_decodes(proc, chat)
+    fits = total <= VIDEO_BUDGET
+    assert (refused is None) == fits, f"the engine {'refused' if refused else 'accepted'} video frames of {total} " \
+                                      f"pixels in all, max_video_pixels={VIDEO_BUDGET}: {refused}"
+    if refused is not None:
+        assert isinstance(refused, VideoPixelBudgetError), type(refused)
+        assert (refused.total, refused.limit) == (total, VIDEO_BUDGET), (refused.total, refused.limit)
+        assert f"max_video_pixels={VIDEO_BUDGET}" in str(refused), str(refused)
+        assert not decoded, f"{len(decoded)} frame(s) of a refused prompt were decoded"
+        assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused prompt left videos in the cache"
+        return
+    assert [m.kind for m in prompt.media] == ["video"] * len(videos)
+    want = sorted(id(frames[i]) for frames, sampled in given for i in set(sampled) if isinstance(frames[i], bytes))
+    assert sorted(map(id, decoded)) == want, \
+        f"decoded {len(decoded)} frames for {len(want)} sampled ones given as bytes (each is decoded once)"
+
+
+def _png_of(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()

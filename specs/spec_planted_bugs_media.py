@@ -1,5 +1,6 @@
 """Proof that the images' specs bite: each historical bug of pixel keys, image uuids (names), the images' step
-token budget, image decoding (formats, the request's pixel budget) and video sampling, planted.
+token budget, image decoding (formats, the request's pixel budgets, video frames decoded once) and video sampling
+(timestamps, frame counts), planted.
 
 Each test monkeypatches one buggy variant into the real component and requires the spec that owns the invariant to
 fail (see `specs/planted.py`).
@@ -201,3 +202,81 @@ def test_data_urls_of_a_refused_request_cached_are_caught(monkeypatch: pytest.Mo
     monkeypatch.setattr(MediaResolver, "_data_url", cached_at_once)
     _spec_fails(spec_image_decoding.spec_a_requests_images_are_accepted_iff_their_pixels_fit_the_budget,
                 "data URLs were cached")
+
+
+def test_video_frames_without_a_pixel_budget_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the review of session 35: offline, the frames of a prompt's videos had no pixel budget (the server's
+    max_video_pixels bounds only what it decodes itself). Planted: no budget in the engine again."""
+    from prism.engine import media_preparation
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(media_preparation, "check_video_pixels", lambda videos, limit: None)
+    _spec_fails(spec_image_decoding.spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget,
+                "accepted video frames of")
+
+
+def test_video_frames_decoded_twice_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same review: each sampled frame given as bytes was decoded for the video's cache key, then again by
+    `preprocess_video` for its pixels. Planted: that preparation again."""
+    import struct
+
+    import numpy as np
+
+    from prism.engine import media_preparation
+    from prism.engine.media_preparation import MediaPreparer, PreparedVideo
+    from prism.media.cache import CacheKey
+    from prism.media.digest import hash_field, hash_rgb, new_hash, video_digest
+    from prism.media.image import to_rgb_image
+    from prism.media.video import preprocess_video
+    from specs import spec_image_decoding
+
+    def decoded_twice(self, frame_list, sampling, num_frames):
+        h = new_hash()
+        hash_field(h, b"scheme", media_preparation._FRAMES_SCHEME)
+        hash_field(h, b"fps", struct.pack("<d", sampling.video_fps))
+        hash_field(h, b"num_frames", media_preparation._U64.pack(num_frames or 0))
+        hash_field(h, b"total", media_preparation._U64.pack(len(frame_list)))
+        hash_field(h, b"indices", np.asarray(sampling.indices, dtype="<i8").tobytes())
+        for i in sampling.indices.tolist():
+            hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
+
+        def compute():
+            pre = preprocess_video(frame_list, sampling.video_fps, self.video_config, num_frames=num_frames,
+                                   limits=self._limits)
+            out = PreparedVideo(pre, video_digest(pre, model_id=self.model_id, config=self.video_config))
+            return out, out.nbytes
+
+        return self._cached(CacheKey(h.digest(), self._video_ns), compute)
+
+    monkeypatch.setattr(MediaPreparer, "_video", decoded_twice)
+    _spec_fails(spec_image_decoding.spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget,
+                "each is decoded once")
+
+
+def test_timestamps_past_a_tenth_of_a_second_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same review: a video_fps of 1e-300 gave 300-digit timestamps (HF's too), digits of a float that no longer
+    tells tenths of a second apart. Planted: timestamps only required to be finite again."""
+    from prism.media import video
+    from specs import spec_video_sampling
+
+    monkeypatch.setattr(video, "MAX_TIMESTAMP_SECONDS", float("inf"))
+    _spec_fails(spec_video_sampling.spec_any_frame_rate_is_a_video_or_a_video_error, "made a video HF does not make")
+
+
+def test_a_frame_count_past_max_frames_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same review: the offline `num_frames` was unbounded (10**12 asked for a 7 TiB array of indices). Planted:
+    HF's rule, any count sampled as is."""
+    import numpy as np
+
+    from prism.media import video
+    from specs import spec_video_sampling
+
+    sample = video.sample_frame_indices
+
+    def any_count(total_frames, video_fps, config, *, fps=None, num_frames=None):
+        if num_frames is None:
+            return sample(total_frames, video_fps, config, fps=fps)
+        return np.linspace(0, total_frames - 1, num_frames).round().astype(np.int64)
+
+    monkeypatch.setattr(video, "sample_frame_indices", any_count)
+    _spec_fails(spec_video_sampling.spec_a_frame_count_is_sampled_as_hf_up_to_max_frames, "num_frames=")

@@ -1,11 +1,17 @@
-"""Spec of a video's frame sampling and timestamps (`media.video.preprocess_video`) over every frame rate a request
-may give: any positive finite float (the server's `VideoFrames.fps`), subnormal ones and ones near the largest
-included.
+"""Spec of a video's frame sampling and timestamps (`media.video.preprocess_video`, `media.video.sample_video`) over
+every frame rate a request may give: any positive finite float (the server's `VideoFrames.fps`), subnormal ones and
+ones near the largest included; and over every frame count (`num_frames`) the offline API may give.
 
 Either the video is made, sampled as HF's `Qwen3VLVideoProcessor.sample_frames` samples it, its timestamps
-HF's `Qwen3VLProcessor._calculate_timestamps` and all finite; or it is a `VideoError` (a 400 over HTTP), and then
-HF does not make it either (its sampling overflows, a timestamp is not finite, or fewer frames than a temporal
-patch are sampled). Never another exception: that would be a 500.
+HF's `Qwen3VLProcessor._calculate_timestamps` and their text HF's `<{t:.1f} seconds>`; or it is a `VideoError` (a 400
+over HTTP), and then HF does not make it either (its sampling overflows, a timestamp is not finite, or fewer frames
+than a temporal patch are sampled), or HF's text would be the digits of a float that no longer tells tenths of a
+second apart (a timestamp whose float neighbours are more than 0.1 s away: a video_fps of 1e-300 gave HF, and Prism
+before the review of session 35, 300-digit timestamps). Never another exception: that would be a 500.
+
+A frame count is sampled as HF samples it up to the processor's `max_frames`, the most frames it samples a video to
+at any fps; a larger one is a `VideoError` naming that limit, refused before anything is sampled (HF samples any
+count: 10**12 asked it for a 7 TiB array of indices, the review of session 35).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from transformers.video_utils import VideoMetadata
 
 from prism.media.config import VideoProcessorConfig
 from prism.media.errors import VideoError
-from prism.media.video import preprocess_video
+from prism.media.video import preprocess_video, sample_video
 
 CFG = VideoProcessorConfig(min_pixels=2 * 32 * 32, max_pixels=16 * 32 * 32)
 
@@ -42,6 +48,8 @@ def _hf(total: int, video_fps: float, sample: bool) -> tuple[list[int], list[flo
         return None
     if len(indices) < CFG.temporal_patch_size or not all(map(math.isfinite, stamps)):
         return None
+    if any(np.spacing(t) > 0.1 for t in stamps):  # HF makes it, but its text shows digits the float does not hold
+        return None
     return indices, stamps
 
 
@@ -54,6 +62,9 @@ def _hf(total: int, video_fps: float, sample: bool) -> tuple[list[int], list[flo
 @example(total=4, video_fps=5e-324, sample=True)
 @example(total=4, video_fps=4e-308, sample=True)
 @example(total=4, video_fps=1e-310, sample=False)
+@example(total=4, video_fps=1e-300, sample=False)
+@example(total=2, video_fps=float(np.nextafter(2.0**-50, 1)), sample=False)  # 2**49 - 1/8 s: the last one kept
+@example(total=2, video_fps=2.0**-50, sample=False)  # (0 + 2**50) / 2 = 2**49 s: the first one refused
 def spec_any_frame_rate_is_a_video_or_a_video_error(total, video_fps, sample) -> None:
     frames = [np.full((8, 8, 3), i, dtype=np.uint8) for i in range(total)]
     expected = _hf(total, video_fps, sample)
@@ -66,4 +77,31 @@ def spec_any_frame_rate_is_a_video_or_a_video_error(total, video_fps, sample) ->
     indices, stamps = expected
     assert list(video.frame_indices) == indices, f"sampled {video.frame_indices}, HF {indices}"
     assert list(video.timestamps) == stamps, f"timestamps {video.timestamps}, HF {stamps}"
+    assert video.timestamp_texts() == [f"<{t:.1f} seconds>" for t in stamps], video.timestamp_texts()
     assert len(video.timestamps) == video.grid_thw[0]
+
+
+FEW = VideoProcessorConfig(min_pixels=2 * 32 * 32, max_pixels=16 * 32 * 32, min_frames=2, max_frames=12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(total=st.integers(1, 24), num_frames=st.integers(1, 48), video_fps=st.floats(0.5, 60.0))
+@example(total=4, num_frames=13, video_fps=2.0)  # one past max_frames
+@example(total=4, num_frames=12, video_fps=2.0)  # max_frames, three times over the frames given
+@example(total=4, num_frames=10**12, video_fps=2.0)  # HF: "Unable to allocate 7.28 TiB"
+def spec_a_frame_count_is_sampled_as_hf_up_to_max_frames(total, num_frames, video_fps) -> None:
+    stub = types.SimpleNamespace(fps=FEW.fps, min_frames=FEW.min_frames, max_frames=FEW.max_frames)
+    try:
+        sampling = sample_video(total, video_fps, FEW, num_frames=num_frames)
+    except VideoError as error:
+        assert num_frames > FEW.max_frames, f"num_frames={num_frames} of {total} frames refused: {error}"
+        assert f"max_frames={FEW.max_frames}" in str(error), str(error)
+        return
+    except Exception as error:  # what an unbounded count raised (a MemoryError): a 500, not a clear refusal
+        raise AssertionError(f"num_frames={num_frames} raised {type(error).__name__}: {error}") from error
+    assert num_frames <= FEW.max_frames, f"num_frames={num_frames} sampled, past max_frames={FEW.max_frames}"
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+    indices = np.asarray(Qwen3VLVideoProcessor.sample_frames(stub, meta, num_frames=num_frames)).tolist()
+    assert sampling.indices.tolist() == indices, f"sampled {sampling.indices.tolist()}, HF {indices}"
+    stamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), video_fps, FEW.temporal_patch_size)
+    assert list(sampling.timestamps) == stamps, f"timestamps {sampling.timestamps}, HF {stamps}"

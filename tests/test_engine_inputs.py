@@ -803,3 +803,5 @@ def test_pictures_and_arrays_count_their_size_and_a_memo_reads_no_header_again(c
         proc.prepare_chat(_budget_chat(picture, array, _png(png), np.zeros((1, 1, 3), np.uint8)), media_memo=memo)
     with pytest.raises(InputError, match="max_image_pixels must be a positive int"):
         InputProcessor(ckpt, max_image_pixels=0)
+    with pytest.raises(InputError, match="max_video_pixels must be a positive int"):
+        InputProcessor(ckpt, max_video_pixels=2.0**27)

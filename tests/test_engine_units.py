@@ -53,6 +53,8 @@ def test_shipped_configs_load(path):
         ({"encode_ahead_decode_pause_ms": float("nan")}, "encode_ahead_decode_pause_ms must be a number of ms"),
         ({"max_image_pixels": 0}, "max_image_pixels must be a positive integer"),
         ({"max_image_pixels": 2.0**28}, "max_image_pixels must be a positive integer"),
+        ({"max_video_pixels": 0}, "max_video_pixels must be a positive integer"),
+        ({"max_video_pixels": True}, "max_video_pixels must be a positive integer"),
         ([1, 2], "must be a JSON object"),
     ],
 )

@@ -10,7 +10,6 @@ so the video path is compared piecewise with HF's own pure functions: the Qwen3-
 from __future__ import annotations
 
 import io
-import math
 import struct
 import types
 import zlib
@@ -430,6 +429,10 @@ def test_sampling_and_timestamps_match_hf(total, video_fps, target, num_frames, 
         with pytest.raises(VideoError):
             sample_frame_indices(total, video_fps, cfg, fps=target, num_frames=num_frames)
         return
+    if num_frames is not None and num_frames > max_frames:  # HF samples any count; ours stops at the processor's most
+        with pytest.raises(VideoError, match=f"num_frames={num_frames} .* max_frames={max_frames}"):
+            sample_frame_indices(total, video_fps, cfg, num_frames=num_frames)
+        return
     meta = VideoMetadata(total_num_frames=total, fps=video_fps)
     expected = Qwen3VLVideoProcessor.sample_frames(
         _hf_video_stub(cfg), meta, num_frames=num_frames, fps=target
@@ -514,18 +517,27 @@ def test_video_errors():
         preprocess_video([np.zeros((2, 600, 3), np.uint8)] * 4, 10.0, cfg, sample=False)
 
 
-@pytest.mark.parametrize("fps", [5e-324, 1e-310, 4e-308])
-def test_a_video_fps_too_small_for_its_duration_is_a_video_error(fps):
+@pytest.mark.parametrize("fps", [5e-324, 1e-310, 4e-308, 1e-300, 1e-15])
+@pytest.mark.parametrize("sample", [True, False])
+def test_a_video_fps_too_small_for_its_duration_is_a_video_error(fps, sample):
     """Before: `int(total / fps * target)` overflowed to an OverflowError (a 500 over HTTP) once the frame count
-    over the frame rate left the floats."""
+    over the frame rate left the floats; and short of that, a frame time past 2**49 s (where a float no longer tells
+    tenths of a second apart) was rendered as a timestamp of up to 309 digits."""
     frame = np.zeros((40, 40, 3), np.uint8)
     with pytest.raises(VideoError, match="fps"):
-        preprocess_video([frame] * 4, fps, VideoProcessorConfig())
-    if 3 / fps == float("inf"):  # the last frame's time is not a float either
-        with pytest.raises(VideoError, match="fps"):
-            preprocess_video([frame] * 4, fps, VideoProcessorConfig(), sample=False)
-    else:
-        assert all(map(math.isfinite, preprocess_video([frame] * 4, fps, VideoProcessorConfig(), sample=False).timestamps))
+        preprocess_video([frame] * 4, fps, VideoProcessorConfig(), sample=sample)
+
+
+def test_timestamps_up_to_a_tenth_of_a_second_apart_are_kept():
+    """The last timestamp below 2**49 s is HF's and its text is HF's; from 2**49 s on, the video is refused."""
+    frame = np.zeros((40, 40, 3), np.uint8)
+    fps = float(np.nextafter(2.0**-50, 1))  # frames at 0 and 2**50 - 1/4 s: one timestamp, 2**49 - 1/8 s
+    video = preprocess_video([frame] * 2, fps, VideoProcessorConfig(), sample=False)
+    (stamp,) = video.timestamps
+    assert stamp == Qwen3VLProcessor._calculate_timestamps(None, [0, 1], fps, 2)[0] == 2.0**49 - 0.125
+    assert video.timestamp_texts() == [f"<{stamp:.1f} seconds>"]
+    with pytest.raises(VideoError, match=r"2\*\*49 seconds"):
+        preprocess_video([frame] * 2, 1 / 2.0**50, VideoProcessorConfig(), sample=False)  # stamp (0 + 2**50) / 2
 
 
 def test_patch_pixels_are_checked():

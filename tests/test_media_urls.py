@@ -507,6 +507,10 @@ def test_video_frames_are_decoded_with_a_pixel_budget():
     with pytest.raises(MediaTooLarge, match="max_video_pixels") as info:
         MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 3)).resolve_messages(user(part))
     assert info.value.param == "messages[0].content[0].video.frames[3]"
+    # The engine's lower budget (the server state passes the lower of the two) is the one refused at, and named.
+    with pytest.raises(MediaTooLarge, match=f"max_video_pixels={16 * 12 * 3} ") as info:
+        MediaResolver(ServerSettings(), max_video_pixels=16 * 12 * 3).resolve_messages(user(part))
+    assert info.value.param == "messages[0].content[0].video.frames[3]"
     bad = {"type": "video", "video": {"frames": [frames[0], data_url(b"not an image")], "fps": 1.0}}
     with pytest.raises(InvalidMediaData, match="not a decodable image") as info:
         MediaResolver(ServerSettings()).resolve_messages(user(bad))

@@ -201,18 +201,25 @@ def test_images_past_the_pixel_budget_are_a_413_naming_it_and_leave_nothing(live
 
 
 def test_a_server_refuses_at_its_engines_pixel_budget_where_that_is_lower(tmp_path):
-    """PRISM_CONFIG's max_image_pixels below the server's: the resolver refuses at it (a 413 before the data URLs are
-    cached), not the engine after them."""
+    """PRISM_CONFIG's max_image_pixels (and max_video_pixels) below the server's: the resolver refuses at it (a 413
+    before the data URLs are cached), not the engine after them."""
     config = tmp_path / "engine.json"
-    config.write_text(json.dumps({"max_image_pixels": 1000}))
+    config.write_text(json.dumps({"max_image_pixels": 1000, "max_video_pixels": 40 * 30 * 3}))
     server = serve_in_thread(ServerSettings(engine_config_path=config))
     try:
         state = server.app.state.prism
         assert (state.settings.max_image_pixels, state.resolver.max_image_pixels) == (2**28, 1000)
+        assert (state.settings.max_video_pixels, state.resolver.max_video_pixels) == (2**27, 40 * 30 * 3)
         body = {"model": MODEL, "messages": [{"role": "user", "content": _image_parts(_png(), _png())}],
                 "max_tokens": 2}
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 413 and "max_image_pixels=1000" in response.json()["error"]["message"]
+        assert state.resolver._decoded.nbytes == 0 and len(server.engine.inputs.cache) == 0
+        frames = [part["image_url"]["url"] for part in _image_parts(*[_png()] * 4)]
+        video = {"type": "video", "video": {"frames": frames, "fps": 2.0}}
+        body = {**body, "messages": [{"role": "user", "content": [video]}]}
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 413 and "max_video_pixels=3600" in response.json()["error"]["message"]
         assert state.resolver._decoded.nbytes == 0 and len(server.engine.inputs.cache) == 0
     finally:
         server.stop()

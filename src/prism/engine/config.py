@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from ..kv.fp8 import KV_DTYPES, KVLayout, pages_in_budget
-from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS
+from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_PIXELS
 
 
 class ConfigError(ValueError):
@@ -77,6 +77,9 @@ class EngineConfig:
     # The pixels a prompt's images may announce in all (their headers, before any is decoded; `media.pixel_budget`):
     # 16 images at 4096 x 4096, the most Qwen3-VL's processor keeps of one. More is an `ImagePixelBudgetError`.
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # ... and the frames a prompt's videos sample (width x height each, summed; `media.pixel_budget`): 64 frames of
+    # 1920 x 1080. More is a `VideoPixelBudgetError`, before any frame is decoded.
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
     model_id: str | None = None  # namespace of media digests and prefix keys; default: the model dir
     cuda_graphs: bool = True  # decodes and short prefills replay captured CUDA graphs (CUDA only)
     cuda_graph_max_batch: int = 64  # rows (one token each) of the largest captured step; larger steps run eagerly
@@ -179,7 +182,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_memory_bytes", "cuda_graph_max_batch",
-                     "max_image_pixels"):
+                     "max_image_pixels", "max_video_pixels"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -99,6 +99,7 @@ class Engine:
         self.inputs = InputProcessor(self.model_dir, model_id=model_id, cache_bytes=self.config.preprocess_cache_bytes,
                                      max_image_tokens=self.config.max_num_batched_tokens,
                                      max_image_pixels=self.config.max_image_pixels,
+                                     max_video_pixels=self.config.max_video_pixels,
                                      max_text_tokens=self.max_prompt_tokens,
                                      prompt_limit_reason=self._prompt_limit_reason())
         namespace = f"{model_id}|weights={model.dtype}|kv={layout.kv_dtype}"

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from ..media.cache import PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
 from ..media.image import DEFAULT_LIMITS, DecodeLimits
-from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS
+from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_PIXELS
 from ..media.placeholders import SpecialTokens, VideoPlaceholder, expand_placeholders
 from ..media.prepare import PreparedImage
 from ..model.config import Qwen3VLConfig
@@ -78,7 +78,8 @@ class InputProcessor:
     model_id namespaces media digests and cache keys (default: the resolved checkpoint path). `cache` is a
     shared `PreprocessCache` (offline, in-process and HTTP paths may share one); `cache_bytes` instead
     makes a private one of that size (0 or None: no cache). `limits` bounds decoding, `max_image_pixels` the pixels of
-    a prompt's images in all (`media.pixel_budget`: judged from their headers before any is decoded).
+    a prompt's images in all and `max_video_pixels` those of the frames its videos sample (`media.pixel_budget`:
+    judged from their headers before any is decoded).
     `max_prompt_tokens` (optional) refuses longer expanded prompts with `PromptTooLongError` (`prompt_limit_reason`:
     what the limit comes from, for its message). `max_text_tokens` (default: `max_prompt_tokens`) refuses, before
     tokenizing, texts too long to tokenize within that many tokens (`max_prompt_chars`); the engine passes its
@@ -95,6 +96,7 @@ class InputProcessor:
         cache_bytes: int | None = None,
         limits: DecodeLimits = DEFAULT_LIMITS,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS,
         max_prompt_tokens: int | None = None,
         absorb_video_vision_tokens: bool = False,
         max_image_tokens: int | None = None,
@@ -110,8 +112,9 @@ class InputProcessor:
             or max_prompt_tokens <= 0
         ):
             raise InputError(f"max_prompt_tokens must be a positive int or None, got {max_prompt_tokens!r}")
-        if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or max_image_pixels <= 0:
-            raise InputError(f"max_image_pixels must be a positive int, got {max_image_pixels!r}")
+        for name, pixels in (("max_image_pixels", max_image_pixels), ("max_video_pixels", max_video_pixels)):
+            if isinstance(pixels, bool) or not isinstance(pixels, int) or pixels <= 0:
+                raise InputError(f"{name} must be a positive int, got {pixels!r}")
         self.model_dir = root
         self.model_id = model_id if model_id is not None else str(root.resolve())
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -175,7 +178,7 @@ class InputProcessor:
         if cache is None and cache_bytes:
             cache = PreprocessCache(cache_bytes)
         self.media = MediaPreparer(self.model_id, self.image_config, self.video_config, cache, limits,
-                                   max_image_pixels)
+                                   max_image_pixels, max_video_pixels)
         self._limits = limits
         self._max_prompt_tokens = max_prompt_tokens
         self._max_text_tokens = max_text_tokens if max_text_tokens is not None else max_prompt_tokens
@@ -201,6 +204,11 @@ class InputProcessor:
     def max_image_pixels(self) -> int:
         """The pixels a prompt's images may announce in all (`media.pixel_budget`)."""
         return self.media.max_image_pixels
+
+    @property
+    def max_video_pixels(self) -> int:
+        """The pixels the frames a prompt's videos sample may announce in all (`media.pixel_budget`)."""
+        return self.media.max_video_pixels
 
     @property
     def image_names(self) -> ImageNames:
@@ -379,7 +387,7 @@ class InputProcessor:
                 )
 
         prepared_images, names = self.media.images(images, {} if media_memo is None else media_memo, on_image)
-        prepared_videos = [self.media.video(v) for v in videos]
+        prepared_videos = self.media.videos(videos)
         expanded = expand_placeholders(
             ids,
             special=self.special,

@@ -9,7 +9,9 @@ Owns the media identity rules:
 - an image uuid names what it was first sent with (`engine/image_names.py`), and resolves only while its pixels are
   in the preprocessing cache;
 - a prompt's images announce at most `max_image_pixels` pixels in all (`media.pixel_budget`), judged before any of
-  them is decoded: a prompt over it leaves nothing in the cache and binds no name.
+  them is decoded: a prompt over it leaves nothing in the cache and binds no name. The frames its videos sample
+  announce at most `max_video_pixels` in all, judged once every video's sampling is settled and before any frame
+  is decoded; each sampled frame is decoded once (for the cache key and the pixels alike).
 
 Preprocessing goes through the shared `PreprocessCache` when one is given: file bytes are keyed by their
 raw digest (the same key the HTTP path uses, `media.prepare.prepare_image`), decoded pixels by a digest of
@@ -36,10 +38,16 @@ from ..media.cache import CacheKey, PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
 from ..media.digest import hash_field, hash_rgb, image_digest, new_hash, pixels_digest, video_digest
 from ..media.image import DecodeLimits, checked_rgb_array, header_size, preprocess_image, to_rgb_image
-from ..media.pixel_budget import check_image_pixels
+from ..media.pixel_budget import DEFAULT_MAX_VIDEO_PIXELS, check_image_pixels, check_video_pixels
 from ..media.placeholders import ExpandedPrompt
 from ..media.prepare import PreparedImage, media_namespace, prepare_image
-from ..media.video import PreprocessedVideo, preprocess_video, sample_frame_indices
+from ..media.video import (
+    PreprocessedVideo,
+    VideoSampling,
+    decode_sampled_frames,
+    preprocess_sampled_frames,
+    sample_video,
+)
 from .chat import ImageInput, InputError, VideoInput
 from .image_names import ImageNameConflict, ImageNames
 from .prompt import PreparedMedia
@@ -121,16 +129,19 @@ def _not_an_image(data: object) -> InputError:
 class MediaPreparer:
     """Prepares the images and videos of prompts for one model: `model_id` namespaces their digests and cache keys,
     `cache` (optional) is the shared preprocessing cache, `limits` bound decoding, `max_image_pixels` the pixels of a
-    prompt's images in all. Holds the image uuids (`image_names`) and the threads a prompt's images are prepared on."""
+    prompt's images in all, `max_video_pixels` those of the frames its videos sample. Holds the image uuids
+    (`image_names`) and the threads a prompt's images are prepared on."""
 
     def __init__(self, model_id: str, image_config: ImageProcessorConfig, video_config: VideoProcessorConfig,
-                 cache: PreprocessCache[Any] | None, limits: DecodeLimits, max_image_pixels: int) -> None:
+                 cache: PreprocessCache[Any] | None, limits: DecodeLimits, max_image_pixels: int,
+                 max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS) -> None:
         self.model_id = model_id
         self.image_config = image_config
         self.video_config = video_config
         self._cache = cache
         self._limits = limits
         self.max_image_pixels = max_image_pixels
+        self.max_video_pixels = max_video_pixels
         self.image_names = ImageNames()  # image uuids -> the cache keys of the images they name
         # Images of one request are prepared in parallel: hashing, PIL resizing and numpy release the GIL.
         self._media_threads = ThreadPoolExecutor(max_workers=_MEDIA_THREADS, thread_name_prefix="prism-media")
@@ -199,16 +210,22 @@ class MediaPreparer:
             elif entry is not None and entry[0] is im.data:
                 height, width = entry[1].image_size
                 sizes.append((width, height))
-            elif isinstance(im.data, (bytes, bytearray, memoryview)):
-                sizes.append(header_size(im.data, self._limits))
-            elif isinstance(im.data, np.ndarray):
-                height, width = checked_rgb_array(im.data, self._limits).shape[:2]
-                sizes.append((width, height))
-            elif isinstance(im.data, Image.Image):
-                sizes.append(im.data.size)
             else:
-                raise _not_an_image(im.data)
+                sizes.append(self._announced_size(im.data, "image"))
         check_image_pixels(sizes, self.max_image_pixels)
+
+    def _announced_size(self, data: Any, what: str) -> tuple[int, int]:
+        """(width, height) an image or a video frame announces (encoded bytes: their header), nothing decoded."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return header_size(data, self._limits)
+        if isinstance(data, np.ndarray):
+            height, width = checked_rgb_array(data, self._limits, what).shape[:2]
+            return width, height
+        if isinstance(data, Image.Image):
+            return data.size
+        if what == "image":
+            raise _not_an_image(data)
+        raise InputError(f"{what} must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}")
 
     def _images_of(self, datas: list[Any]) -> list[PreparedImage]:
         return [self._image(d) for d in datas]
@@ -268,7 +285,20 @@ class MediaPreparer:
 
         return self._cached(key, compute)
 
-    def video(self, video: VideoInput) -> PreparedVideo:
+    def videos(self, videos: Sequence[VideoInput]) -> list[PreparedVideo]:
+        """Each video's sampling and timestamps settled and the frames it samples checked against
+        `max_video_pixels` in all (`media.pixel_budget`, from what each frame announces), before any frame is decoded;
+        then each video prepared, its sampled frames decoded once."""
+        plans = [self._video_plan(v) for v in videos]
+        check_video_pixels(
+            [[(i, *self._announced_size(frames[i], f"video frame {i}")) for i in sampling.indices.tolist()]
+             for frames, sampling, _ in plans],
+            self.max_video_pixels,
+        )
+        return [self._video(*plan) for plan in plans]
+
+    def _video_plan(self, video: VideoInput) -> tuple[list[Any], VideoSampling, int | None]:
+        """A video's frames as a list, its sampling (the config's fps or the video's `num_frames`) and `num_frames`."""
         cfg = self.video_config
         frames = video.frames
         if isinstance(frames, np.ndarray):
@@ -293,23 +323,24 @@ class MediaPreparer:
             raise InputError(
                 "video num_frames needs frame sampling, which this checkpoint's processor disables"
             )
-        if cfg.do_sample_frames:
-            indices = sample_frame_indices(len(frame_list), float(fps), cfg, num_frames=num_frames)
-        else:
-            indices = np.arange(len(frame_list), dtype=np.int64)
+        return frame_list, sample_video(len(frame_list), float(fps), cfg, num_frames=num_frames), num_frames
+
+    def _video(self, frame_list: list[Any], sampling: VideoSampling, num_frames: int | None) -> PreparedVideo:
+        cfg = self.video_config
+        rgb = decode_sampled_frames(frame_list, sampling.indices, self._limits)
         # The result depends only on the sampled frames, their indices and the frame rate: key on those.
         h = new_hash()
         hash_field(h, b"scheme", _FRAMES_SCHEME)
-        hash_field(h, b"fps", struct.pack("<d", float(fps)))
+        hash_field(h, b"fps", struct.pack("<d", sampling.video_fps))
         hash_field(h, b"num_frames", _U64.pack(num_frames or 0))
         hash_field(h, b"total", _U64.pack(len(frame_list)))
-        hash_field(h, b"indices", np.asarray(indices, dtype="<i8").tobytes())
-        for i in indices.tolist():
-            hash_rgb(h, np.asarray(to_rgb_image(frame_list[i], self._limits, what=f"video frame {i}")))
+        hash_field(h, b"indices", np.asarray(sampling.indices, dtype="<i8").tobytes())
+        for frame in rgb:
+            hash_rgb(h, np.asarray(frame))
         key = CacheKey(h.digest(), self._video_ns)
 
         def compute() -> tuple[PreparedVideo, int]:
-            pre = preprocess_video(frame_list, float(fps), cfg, num_frames=num_frames, limits=self._limits)
+            pre = preprocess_sampled_frames(rgb, sampling, cfg)
             out = PreparedVideo(pre, video_digest(pre, model_id=self.model_id, config=cfg))
             return out, out.nbytes
 

@@ -38,6 +38,16 @@ class ImagePixelBudgetError(ImageTooLargeError):
         self.index = index  # the image (the request's images in order) whose pixels take the total past it
 
 
+class VideoPixelBudgetError(ImagePixelBudgetError):
+    """The frames a request's videos sample announce more pixels in all than its video budget (`max_video_pixels`):
+    refused before any of them is decoded (`media.pixel_budget`). `index` is the video, `frame` its frame (an index
+    into the frames it was given) whose pixels take the total past the limit."""
+
+    def __init__(self, message: str, *, total: int, limit: int, index: int, frame: int) -> None:
+        super().__init__(message, total=total, limit=limit, index=index)
+        self.frame = frame
+
+
 class ImageTooSmallError(MediaError):
     """The image (or a video frame) is empty, below the minimum side, or would resize to an empty grid."""
 

@@ -4,14 +4,21 @@ the per-temporal-patch timestamps that Qwen3-VL renders as text.
 Owns: the video pixel layout and the timestamps, following HF transformers 5.17
 (`Qwen3VLVideoProcessor`, `Qwen3VLProcessor._calculate_timestamps`):
 - sampling: n = int(total / video_fps * fps) clamped to [min_frames, max_frames] and to total; with an
-  explicit frame count, n is used as is; indices = round(linspace(0, total - 1, n)). A video_fps so small that
-  total / video_fps * fps, or a timestamp, leaves the floats is a `VideoError` (HF's int() of it fails).
+  explicit frame count, n is used as is (HF's rule) up to the processor's own `max_frames` (the most frames it samples
+  a video to at any fps; more is a `VideoError`, where HF would sample any count, a huge one filling the memory);
+  indices = round(linspace(0, total - 1, n)). A video_fps so small that total / video_fps * fps leaves the floats
+  is a `VideoError` (HF's int() of it fails).
 - smart resize of the Qwen3-VL video variant: min/max pixels bound the TOTAL over the sampled frames
   (t_bar * h * w), frames smaller than factor are first scaled up; fewer sampled frames than the temporal
   patch is an error. Optional per-frame cap (`cap_pixels_per_frame`, qwen-vl-utils behaviour).
 - an odd frame count is padded by repeating the last frame (HF's patchify), and so are the indices the
   timestamps are computed from; each timestamp is the mean of the first and last frame time of its group
-  and is rendered as `<{t:.1f} seconds>`.
+  and is rendered as `<{t:.1f} seconds>`, as HF renders it. A timestamp of `MAX_TIMESTAMP_SECONDS` (2**49 s, 17.8
+  million years) or more is a `VideoError`: from there a float64 no longer tells tenths of a second apart, so the
+  text's digits are the float's artefacts (a video_fps of 1e-300 made 300-digit timestamps, HF's too); below it
+  the timestamps are HF's, so no frame rate a real video has (or a time-lapse's, at a frame a year) is refused.
+- the sampling and the timestamps are settled (`sample_video`) before any frame is decoded; the frames sampled are
+  then decoded once each (`preprocess_sampled_frames` takes them decoded).
 - pixel rows in the same order as images (see image.patchify); grid_thw = (frames / T, gh, gw).
 
 Two known differences: HF resizes video frames with torchvision (bicubic, antialias, on tensors); torchvision
@@ -45,6 +52,9 @@ from .image import (
 )
 
 Frame = Image.Image | np.ndarray
+# The first time whose float64 neighbours are more than a tenth of a second apart (spacing 2**(49 - 52)): the
+# `<t seconds>` text of a time from there on shows digits the float does not hold.
+MAX_TIMESTAMP_SECONDS = 2.0**49
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,7 @@ def sample_frame_indices(
     num_frames: int | None = None,
 ) -> np.ndarray:
     """Uniform frame indices (int64). `fps` / `num_frames` override the config (passing both is an error);
-    a frame count wins over the config's fps, as in HF."""
+    a frame count wins over the config's fps, as in HF; a `num_frames` past the config's `max_frames` is refused."""
     if total_frames <= 0:
         raise VideoError("video has no frames")
     if fps is not None and num_frames is not None:
@@ -155,6 +165,9 @@ def sample_frame_indices(
     else:
         if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0:
             raise VideoError(f"num_frames must be a positive int, got {num_frames!r}")
+        if num_frames > config.max_frames:
+            raise VideoError(f"num_frames={num_frames} is more frames than this model's video processor samples a "
+                             f"video to (its max_frames={config.max_frames})")
         n = num_frames
     return np.linspace(0, total_frames - 1, n).round().astype(np.int64)
 
@@ -176,6 +189,12 @@ def frame_group_timestamps(
     if not np.isfinite(stamps).all():
         raise VideoError(f"video_fps={video_fps!r} is too small: frame {int(idx.max())} at that rate lies later than a "
                          "float holds")
+    if (latest := float(stamps.max())) >= MAX_TIMESTAMP_SECONDS:
+        raise VideoError(
+            f"video fps={video_fps!r} is too small: its last timestamp would be {latest:.3g} seconds, and the "
+            "'<t seconds>' timestamps the model reads must stay below 2**49 seconds (17.8 million years), where a "
+            "float still tells tenths of a second apart (give the rate the frames were taken at)"
+        )
     return stamps.tolist()
 
 
@@ -187,6 +206,40 @@ def _frame_list(frames: Sequence[Frame] | np.ndarray) -> list[Frame]:
     if not isinstance(frames, Sequence) or isinstance(frames, (str, bytes)):
         raise VideoError(f"video must be a sequence of frames, got {type(frames).__name__}")
     return list(frames)
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """Which of a video's frames are encoded, and the timestamps the prompt gives them: settled from the frame count
+    and the rates alone, before any frame is decoded."""
+
+    indices: np.ndarray  # int64, source frame indices (before temporal padding)
+    timestamps: tuple[float, ...]  # seconds, one per temporal patch
+    video_fps: float
+
+
+def sample_video(
+    total_frames: int,
+    video_fps: float,
+    config: VideoProcessorConfig,
+    *,
+    fps: float | None = None,
+    num_frames: int | None = None,
+    sample: bool | None = None,
+) -> VideoSampling:
+    """The frames of a `total_frames`-frame video at `video_fps` that are encoded (`sample_frame_indices`; every
+    frame with `sample=False`, or when the config does not sample) and their timestamps; a `VideoError` for rates or
+    counts it refuses."""
+    video_fps = _check_fps(video_fps, "video_fps")
+    do_sample = config.do_sample_frames if sample is None else sample
+    if do_sample:
+        indices = sample_frame_indices(total_frames, video_fps, config, fps=fps, num_frames=num_frames)
+    elif total_frames <= 0:
+        raise VideoError("video has no frames")
+    else:
+        indices = np.arange(total_frames, dtype=np.int64)
+    stamps = frame_group_timestamps(indices, video_fps, config.temporal_patch_size)
+    return VideoSampling(indices=indices, timestamps=tuple(stamps), video_fps=video_fps)
 
 
 def preprocess_video(
@@ -205,13 +258,27 @@ def preprocess_video(
     frame_list = _frame_list(frames)
     if not frame_list:
         raise VideoError("video has no frames")
-    video_fps = _check_fps(video_fps, "video_fps")
-    do_sample = config.do_sample_frames if sample is None else sample
-    if do_sample:
-        indices = sample_frame_indices(len(frame_list), video_fps, config, fps=fps, num_frames=num_frames)
-    else:
-        indices = np.arange(len(frame_list), dtype=np.int64)
-    rgb = [to_rgb_image(frame_list[i], limits, what=f"video frame {i}") for i in indices.tolist()]
+    sampling = sample_video(len(frame_list), video_fps, config, fps=fps, num_frames=num_frames, sample=sample)
+    return preprocess_sampled_frames(decode_sampled_frames(frame_list, sampling.indices, limits), sampling, config)
+
+
+def decode_sampled_frames(frames: Sequence[Frame | bytes], indices: np.ndarray,
+                          limits: DecodeLimits = DEFAULT_LIMITS) -> list[Image.Image]:
+    """The RGB images of `frames[i]` for each sampled index i, each frame decoded (or converted) once however often
+    it is sampled."""
+    rgb: dict[int, Image.Image] = {}
+    for i in indices.tolist():
+        if i not in rgb:
+            rgb[i] = to_rgb_image(frames[i], limits, what=f"video frame {i}")  # type: ignore[arg-type]
+    return [rgb[i] for i in indices.tolist()]
+
+
+def preprocess_sampled_frames(
+    rgb: Sequence[Image.Image], sampling: VideoSampling, config: VideoProcessorConfig
+) -> PreprocessedVideo:
+    """The sampled frames, decoded (one RGB image per index of `sampling`) -> the video for the encoder."""
+    if len(rgb) != len(sampling.indices):
+        raise VideoError(f"{len(rgb)} frames for {len(sampling.indices)} sampled indices")
     sizes = {im.size for im in rgb}
     if len(sizes) != 1:
         raise VideoError(f"all video frames must have one size, got {sorted(sizes)}")
@@ -236,12 +303,11 @@ def preprocess_video(
         merge_size=config.merge_size,
         temporal_patch_size=config.temporal_patch_size,
     )
-    timestamps = frame_group_timestamps(indices, video_fps, config.temporal_patch_size)
     return PreprocessedVideo(
         pixel_values_videos=torch.from_numpy(flat),
         grid_thw=grid,
-        frame_indices=tuple(indices.tolist()),
-        timestamps=tuple(timestamps),
-        video_fps=video_fps,
+        frame_indices=tuple(sampling.indices.tolist()),
+        timestamps=sampling.timestamps,
+        video_fps=sampling.video_fps,
         resized_size=(new_h, new_w),
     )

@@ -158,14 +158,16 @@ class MediaResolver:
     """Resolves the media URLs of validated chat messages under `settings`' limits.
 
     `transport` (an `httpx.BaseTransport`, e.g. `httpx.MockTransport`) replaces the network for remote URLs.
-    `max_image_pixels` (the engine's, where it is lower) replaces `settings.max_image_pixels`: the server then refuses
-    here whatever the engine would, before anything is cached.
+    `max_image_pixels` and `max_video_pixels` (the engine's, where they are lower) replace the settings' own: the
+    server then refuses here whatever the engine would, before anything is cached (it counts every frame sent, the
+    engine the frames each video samples, never more).
     """
 
     def __init__(self, settings: ServerSettings, *, transport: httpx.BaseTransport | None = None,
-                 max_image_pixels: int | None = None) -> None:
+                 max_image_pixels: int | None = None, max_video_pixels: int | None = None) -> None:
         self.settings = settings
         self.max_image_pixels = settings.max_image_pixels if max_image_pixels is None else max_image_pixels
+        self.max_video_pixels = settings.max_video_pixels if max_video_pixels is None else max_video_pixels
         self._transport = transport
         self._decoded = DecodedDataURLs(settings.data_url_cache_bytes)
 
@@ -178,7 +180,7 @@ class MediaResolver:
         request's name for these messages in error locations (a decide's are its "material")."""
         self._check_counts(messages, field)
         s = self.settings
-        budget = _Budget(s.max_request_bytes, s.max_video_pixels)
+        budget = _Budget(s.max_request_bytes, self.max_video_pixels)
         fetcher = _Fetcher(s, self._transport)
         try:
             out = []
@@ -201,7 +203,7 @@ class MediaResolver:
         """The bytes behind one media URL (data:, file://, absolute path, http(s)://) under the limits."""
         s = self.settings
         fetcher = _Fetcher(s, self._transport)
-        budget = _Budget(s.max_request_bytes, s.max_video_pixels)
+        budget = _Budget(s.max_request_bytes, self.max_video_pixels)
         try:
             data = self._fetch(url, param, budget, fetcher)
         finally:
@@ -287,7 +289,7 @@ class MediaResolver:
             )
         except DecompressionBombError as exc:
             raise MediaTooLarge(
-                f"the decoded video frames of this request exceed max_video_pixels={self.settings.max_video_pixels} "
+                f"the decoded video frames of this request exceed max_video_pixels={self.max_video_pixels} "
                 f"({exc})",
                 param=param,
             ) from exc

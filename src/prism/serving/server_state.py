@@ -28,9 +28,10 @@ class ServerState:
             engine, max_in_flight=settings.max_waiting_requests, preprocess_workers=settings.preprocess_workers
         )
         self.metrics = ServingMetrics(engine)
-        # The lower of the server's and the engine's image pixel budgets, so that the resolver refuses first.
+        # The lower of the server's and the engine's pixel budgets, so that the resolver refuses first.
         self.resolver = MediaResolver(
-            settings, max_image_pixels=min(settings.max_image_pixels, engine.inputs.max_image_pixels))
+            settings, max_image_pixels=min(settings.max_image_pixels, engine.inputs.max_image_pixels),
+            max_video_pixels=min(settings.max_video_pixels, engine.inputs.max_video_pixels))
         self.token_bytes = byte_level_vocab(engine.inputs.tokenizer)
         self.created = int(time.time())
 

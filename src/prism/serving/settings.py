@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS
+from ..media.pixel_budget import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_VIDEO_PIXELS
 
 EMBEDDED_MODEL_NAME = "prism-tiny"
 MIB = 1024 * 1024
@@ -62,7 +62,9 @@ class ServerSettings:
     max_media_bytes: int = 20 * MIB
     max_media_per_request: int = 16
     max_video_frames: int = 256
-    max_video_pixels: int = 2**27
+    # The decoded frames of a request's videos in all (media.pixel_budget); the engine's own max_video_pixels applies
+    # too.
+    max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
     # The pixels a request's images may announce in all (their headers, before any is decoded; media.pixel_budget):
     # 16 images at 4096 x 4096. The engine's own max_image_pixels applies too.
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
