@@ -3,7 +3,8 @@
 
 A stateful machine adds requests (greedy, seeded sampling that stops on a tenth of the vocabulary, logprobs; some
 sharing an image, so later ones hit earlier ones' pages), steps, and aborts, over a small pool (continuations
-that do not fit fall back to scheduled steps) and fewer graph rows than sequences. Checked after every rule:
+that do not fit fall back to scheduled steps) and fewer graph rows than sequences, after a fixed tour of its rules
+(`tour`: what the planted bugs need, reached whatever examples Hypothesis draws). Checked after every rule:
 - a live sequence's KV content is its prompt and the tokens the host has read: the pending token a launched step
   reserved (`kv.manager.PENDING_TOKEN`; publishing one raises) is filled before `step` returns;
 - the KV manager's accounting is exact (`check_invariants` on every step);
@@ -17,12 +18,20 @@ row's token, or a stopped request's logits row taken for another's, changes them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from prism.engine.llm import LLM
 from prism.engine.request import FinishReason
@@ -30,6 +39,7 @@ from prism.engine.sampling import SamplingParams
 from prism.kv.manager import PENDING_TOKEN
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
+from specs.tours import Chosen
 
 IMAGE = random_images([(64, 64)], seed=31)[0]
 _IDS = itertools.count()
@@ -162,10 +172,6 @@ class AsyncSchedulingMachine(RuleBasedStateMachine):
         assert held <= set(kv.entries.entry_refs), "pages held by nothing but a finished request"
 
 
-AsyncSchedulingMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
-test_async_scheduling_commits_what_the_host_read = AsyncSchedulingMachine.TestCase
-
-
 class AsyncChunksMachine(AsyncSchedulingMachine):
     """The same, where continuations also carry prefill chunks (`engine(..., chunks=True)`)."""
 
@@ -178,10 +184,52 @@ class AsyncAdmissionsMachine(AsyncSchedulingMachine):
     admissions = True
 
 
-AsyncChunksMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)
-test_async_chunks_commit_what_the_host_read = AsyncChunksMachine.TestCase
-AsyncAdmissionsMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
-test_async_admissions_commit_what_the_host_read = AsyncAdmissionsMachine.TestCase
+def tour(machine_class: type[AsyncSchedulingMachine] = AsyncSchedulingMachine) -> None:
+    """The machine's rules in one fixed order through the requests' lives: two decoding with their next steps launched
+    ahead (one with an image, one that stops with its next step in flight), three more added while they decode (one
+    hitting the image's pages), an abort of a decoding request, and the teardown's drain and end checks; the invariant
+    after each rule. Which of these the machine's derandomized examples reach changes with Hypothesis's version; the
+    tour reaches each on every run (the planted checks run it first)."""
+    m = machine_class()
+    m.setup()
+
+    def then(rule, *args) -> None:
+        rule(*args)
+        m.content_is_what_the_host_read()
+
+    try:
+        then(m.add, 0, False, 30, "greedy", 0)  # r0
+        then(m.add, 1, True, 20, "stops", 3)  # r1: stops after 5 tokens
+        then(m.step, 3)
+        then(m.add, 2, True, 12, "logprobs", 5)  # r2: r1's image
+        then(m.add, 3, False, 6, "greedy", 0)
+        then(m.add, 0, False, 6, "logprobs", 7)  # r4
+        then(m.step, 4)
+        then(m.abort, Chosen("r0"))
+        then(m.step, 4)
+    except BaseException:
+        with contextlib.suppress(Exception):  # drains the shared engine as far as it can; the failure is reported
+            m.teardown()
+        raise
+    m.teardown()
+
+
+def spec_async_scheduling_commits_what_the_host_read() -> None:
+    tour(AsyncSchedulingMachine)
+    run_state_machine_as_test(AsyncSchedulingMachine, settings=settings(max_examples=25, stateful_step_count=20,
+                                                                        deadline=None))
+
+
+def spec_async_chunks_commit_what_the_host_read() -> None:
+    tour(AsyncChunksMachine)
+    run_state_machine_as_test(AsyncChunksMachine, settings=settings(max_examples=15, stateful_step_count=20,
+                                                                    deadline=None))
+
+
+def spec_async_admissions_commit_what_the_host_read() -> None:
+    tour(AsyncAdmissionsMachine)
+    run_state_machine_as_test(AsyncAdmissionsMachine, settings=settings(max_examples=20, stateful_step_count=25,
+                                                                        deadline=None))
 
 
 @settings(max_examples=12, deadline=None)

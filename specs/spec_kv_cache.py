@@ -1,7 +1,9 @@
 """Stateful spec of the KV core (REFERENCE §2, invariants 1-3, 5-8): the real KVCacheManager over real
 scaled-FP8 pool tensors, driven through random interleavings of admit, chunk, step, decode, fork,
-cancel, finish, evict and swap. After every rule the manager's own accounting is checked; after every
-step, the KV bytes themselves (see prism.testing.kv_world: each slot's bytes fingerprint its content).
+cancel, finish, evict and swap, after a fixed tour of every rule (`tour`: the states the planted bugs of
+`spec_planted_bugs_kv.py` need, reached whatever examples Hypothesis draws). After every rule the manager's own
+accounting is checked; after every step, the KV bytes themselves (see prism.testing.kv_world: each slot's bytes
+fingerprint its content).
 
 Invariants checked, by name:
 - publish after compute: findable rows hold their content's KV (check_findable_kv)
@@ -20,18 +22,34 @@ from __future__ import annotations
 
 import copy
 
-from hypothesis import event, settings
+from hypothesis import currently_in_test_context, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from prism.kv.keys import page_key
 from prism.kv.pages import OutOfPages
 from prism.kv.transfers import PlanConflict
 from prism.testing.kv_world import KVWorld
-from specs.kv_strategies import build, contents
+from specs.kv_strategies import DIGESTS, IMAGE_PAD, build, contents
+from specs.tours import Chosen
+
+
+def _event(value: str) -> None:
+    """`hypothesis.event` in the machine's examples (the tour runs outside a test)."""
+    if currently_in_test_context():
+        event(value)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
+    page_aligned_hits = False  # deterministic mode's whole-page hits (`DeterministicKVCacheMachine`)
+
     def __init__(self) -> None:
         super().__init__()
         self.world: KVWorld | None = None
@@ -46,7 +64,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     )
     def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int, min_tail_tokens: int) -> None:
         self.world = KVWorld(num_gpu_pages=num_gpu_pages, page_size=page_size, num_cpu_pages=num_cpu_pages,
-                             min_tail_tokens=min_tail_tokens)
+                             min_tail_tokens=min_tail_tokens, page_aligned_hits=self.page_aligned_hits)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -123,11 +141,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     # -- rules -----------------------------------------------------------------------------------
     @rule(data=st.data(), chunk=st.integers(1, 12))
     def admit(self, data: st.DataObject, chunk: int) -> None:
-        parts = data.draw(contents(self.history))
+        self.admit_parts(data.draw(contents(self.history)), chunk)
+
+    def admit_parts(self, parts: list, chunk: int) -> None:
         hit = self._try_admit(build(parts), chunk)
         if hit is not None:
             self.history.append(parts)
-            event("admit: " + ("no hit" if hit == 0 else "hit ends mid-page" if hit % self.m.page_size else "page-aligned hit"))
+            _event("admit: " + ("no hit" if hit == 0 else "hit ends mid-page" if hit % self.m.page_size else "page-aligned hit"))
 
     @precondition(lambda self: self.world is not None and self.history)
     @rule(data=st.data(), chunk=st.integers(1, 12), question=st.lists(st.integers(1, 3), min_size=1, max_size=6))
@@ -137,7 +157,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         parts = list(base[: data.draw(st.integers(1, len(base)))]) + [(question, None)]
         hit = self._try_admit(build(parts), chunk)
         if hit is not None:
-            event("new question: " + ("no hit" if hit == 0 else "hit"))
+            _event("new question: " + ("no hit" if hit == 0 else "hit"))
 
     @precondition(lambda self: self._any(self._prefilling))
     @rule(data=st.data(), n=st.integers(1, 8))
@@ -161,9 +181,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         plan = self.world.step()
         for kind in ("swap_in", "swap_out", "copy_prefix", "copy_on_write"):
             if getattr(plan, kind):
-                event(f"plan has {kind}")
+                _event(f"plan has {kind}")
         if plan.swap_out and (plan.copy_prefix or plan.copy_on_write):
-            event("plan swaps out and copies")
+            _event("plan swaps out and copies")
         self.world.check_live_kv()
         self.world.check_findable_kv()
 
@@ -183,7 +203,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         wanted = min(n, self.m.num_allocatable() - before)
         self.m.evict(n)
         if self.m.gpu.num_free > before:
-            event("evicted pages")
+            _event("evicted pages")
         assert self.m.gpu.num_free >= before + wanted, "eviction freed less than can_allocate promised"
 
     @precondition(lambda self: self.world is not None)
@@ -259,26 +279,86 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.m.cpu.num_free == self.m.cpu.num_pages, "CPU pages leaked"
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
-test_kv_cache_machine = KVCacheMachine.TestCase
+
+
+# The tour's prompts (`kv_strategies.build` parts; pages of 4 tokens): text alone, text around an image whose 6 tokens
+# cross two page boundaries ([1 2 3 I] [I I I I] [I 2 2]), and one computed in chunks.
+TEXT = [([1, 1, 1, 1], None), ([2, 2, 2], None)]
+PICTURE = [([1, 2, 3], None), ([IMAGE_PAD] * 6, DIGESTS[0]), ([2, 2], None)]
+CHUNKED = [([3, 3, 3], None), ([IMAGE_PAD] * 4, DIGESTS[1])]
+
+
+def tour(machine_class: type[KVCacheMachine] = KVCacheMachine) -> None:
+    """Every rule, in one fixed order through the sequences' lives, on pages of 4 tokens and a tail-copy threshold of
+    2: two prompts admitted into one step (the second sharing the first's whole page), one computed in chunks, a hit
+    whose 1-row tail is dropped (its whole pages end outside images), one whose 1-row tail is kept (they end inside
+    the image), a 2-row tail copied, a fork decoding into a shared page (copy-on-write), swap out and in, cancel,
+    finish (entries sharing pages), evict, clear the cache and the teardown's leak check; the invariants after each
+    rule, the KV bytes after each step. Which of these the machine's derandomized examples reach changes with
+    Hypothesis's version; the tour reaches each on every run (the planted checks run it first)."""
+    m = machine_class()
+    m.world = KVWorld(num_gpu_pages=16, page_size=4, num_cpu_pages=4, min_tail_tokens=2,
+                      page_aligned_hits=m.page_aligned_hits)
+
+    def then(rule, *args, **kwargs) -> None:
+        rule(*args, **kwargs)
+        m.accounting_exact()
+        m.can_allocate_is_what_eviction_frees()
+        m.keys_only_on_full_pages_of_their_content()
+
+    then(m.admit_parts, TEXT, 12)  # sequence 0
+    then(m.admit_new_question, Chosen(TEXT, 1), 12, [3])  # 1: [1 1 1 1] [3], in 0's step
+    then(m.admit_parts, PICTURE, 12)  # 2
+    then(m.admit_parts, CHUNKED, 3)  # 3: its first 3 tokens
+    then(m.step)
+    then(m.schedule_chunk, Chosen(3), 8)
+    then(m.step)
+    then(m.admit_new_question, Chosen(TEXT, 1), 12, [2, 3])  # 4: TEXT's page, its 1-row tail dropped
+    then(m.admit_new_question, Chosen(PICTURE, 2), 12, [3])  # 5: 2 pages ending in the image, a 1-row tail kept
+    then(m.admit_new_question, Chosen(PICTURE, 2), 12, [2, 3])  # 6: 2 pages and a 2-row tail copied
+    then(m.step)
+    then(m.fork, Chosen(6))  # 7 shares 6's pages
+    then(m.decode, Chosen(7), 1)  # into the tail page 6 shares: copied on write
+    then(m.step)
+    then(m.swap_out, Chosen(0))
+    then(m.step)
+    then(m.swap_in, Chosen(0))
+    then(m.step)
+    then(m.cancel, Chosen(4), keep=False)
+    then(m.cancel, Chosen(0), keep=True)
+    for seq in (1, 2, 3, 5, 6, 7):  # 2, 5, 6 and 7 leave entries sharing PICTURE's whole pages
+        then(m.finish, Chosen(seq))
+    then(m.evict, 2)
+    then(m.clear_cache)
+    m.teardown()
+
+
+def spec_kv_cache_machine() -> None:
+    tour(KVCacheMachine)
+    run_state_machine_as_test(KVCacheMachine, settings=settings(max_examples=300, stateful_step_count=50,
+                                                                deadline=None))
 
 
 class LongKVCacheRuns(KVCacheMachine):
     """Fewer, longer interleavings: deep states (full pools, chains of hits, swap after CoW)."""
 
 
-LongKVCacheRuns.TestCase.settings = settings(max_examples=25, stateful_step_count=400, deadline=None)
-test_long_kv_cache_runs = LongKVCacheRuns.TestCase
+def spec_long_kv_cache_runs() -> None:
+    run_state_machine_as_test(LongKVCacheRuns, settings=settings(max_examples=25, stateful_step_count=400,
+                                                                 deadline=None))
 
 
 class DeterministicKVCacheMachine(KVCacheMachine):
     """The same machine with deterministic mode's whole-page hits, which may end inside an image."""
 
+    page_aligned_hits = True
+
     @initialize(page_size=st.integers(1, 4), num_gpu_pages=st.integers(3, 12), num_cpu_pages=st.integers(0, 4))
     def setup(self, page_size: int, num_gpu_pages: int, num_cpu_pages: int) -> None:
-        self.world = KVWorld(num_gpu_pages=num_gpu_pages, page_size=page_size, num_cpu_pages=num_cpu_pages,
-                             page_aligned_hits=True)
+        super().setup(page_size, num_gpu_pages, num_cpu_pages, min_tail_tokens=0)
 
 
-DeterministicKVCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-test_deterministic_kv_cache_machine = DeterministicKVCacheMachine.TestCase
+def spec_deterministic_kv_cache_machine() -> None:
+    tour(DeterministicKVCacheMachine)
+    run_state_machine_as_test(DeterministicKVCacheMachine, settings=settings(max_examples=100, stateful_step_count=50,
+                                                                             deadline=None))
