@@ -16,10 +16,11 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
 - A prompt's videos are accepted by the engine exactly when the frames they sample (as HF's `sample_frames` samples
   them; a frame sampled twice counts twice), width x height each, sum to at most `max_video_pixels`, whatever form
   the frames come in (encoded bytes, arrays, PIL images); a refused one is a `VideoPixelBudgetError` (an
-  `ImagePixelBudgetError`: a 413) naming the limit and its total, with no frame decoded and nothing cached. An
-  accepted one decodes each sampled frame given as bytes once, and no other. (The review of session 35: offline,
-  video frames had no budget at all, and every sampled frame was decoded twice, for the cache key and again for the
-  pixels.)
+  `ImagePixelBudgetError`: a 413) naming the limit and its total, with nothing decoded (no frame, and no image the
+  prompt sends beside its videos) and nothing cached. An accepted one decodes each sampled frame given as bytes once,
+  and no other. (The review of session 35: offline, video frames had no budget at all, and every sampled frame was
+  decoded twice, for the cache key and again for the pixels. Session 34's review of that fix: the budget was judged
+  only after the prompt's images were decoded, cached and, in the engine, encoded on the device.)
 """
 
 from __future__ import annotations
@@ -240,14 +241,22 @@ _video = st.tuples(
 )
 
 
+_PICTURES = itertools.count()  # each example's image is new to the shared cache: preparing it decodes it
+
+
 @settings(max_examples=40, deadline=None)
-@given(videos=st.lists(_video, min_size=1, max_size=2), seed=st.integers(0, 2**16))
-@example(videos=[(6, 32, 32, "png", 2.0, 6)], seed=0)  # exactly the budget
-@example(videos=[(6, 32, 32, "png", 2.0, 6), (2, 8, 8, "array", 2.0, None)], seed=0)  # past it by a second video
-@example(videos=[(2, 32, 32, "png", 2.0, 5)], seed=0)  # 2 frames sampled 5 times: 5 frames' pixels, 2 decodes
-def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget(videos, seed) -> None:
+@given(videos=st.lists(_video, min_size=1, max_size=2), seed=st.integers(0, 2**16), with_image=st.booleans())
+@example(videos=[(6, 32, 32, "png", 2.0, 6)], seed=0, with_image=False)  # exactly the budget
+@example(videos=[(6, 32, 32, "png", 2.0, 6), (2, 8, 8, "array", 2.0, None)], seed=0,
+         with_image=False)  # past it by a second video
+@example(videos=[(2, 32, 32, "png", 2.0, 5)], seed=0, with_image=False)  # 2 frames sampled 5 times: 2 decodes
+@example(videos=[(8, 32, 32, "array", 30.0, 7)], seed=0, with_image=True)  # past it, an image before the video
+def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget(videos, seed, with_image) -> None:
     rng = np.random.default_rng(seed)
-    parts, given, total = [], [], 0
+    picture = _png_of(np.random.default_rng([1, next(_PICTURES)]).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                      ) if with_image else None
+    parts = [{"type": "image", "image": picture}] if with_image else []
+    given, total = [], 0
     for count, w, h, form, fps, num_frames in videos:
         arrays = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(count)]
         frames = ([_png_of(a) for a in arrays] if form == "png" else
@@ -267,11 +276,12 @@ def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_bu
         assert isinstance(refused, VideoPixelBudgetError), type(refused)
         assert (refused.total, refused.limit) == (total, VIDEO_BUDGET), (refused.total, refused.limit)
         assert f"max_video_pixels={VIDEO_BUDGET}" in str(refused), str(refused)
-        assert not decoded, f"{len(decoded)} frame(s) of a refused prompt were decoded"
-        assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused prompt left videos in the cache"
+        assert not decoded, f"a refused prompt decoded {len(decoded)} of its frames or images"
+        assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused prompt left media in the cache"
         return
-    assert [m.kind for m in prompt.media] == ["video"] * len(videos)
-    want = sorted(id(frames[i]) for frames, sampled in given for i in set(sampled) if isinstance(frames[i], bytes))
+    assert [m.kind for m in prompt.media] == ["image"] * with_image + ["video"] * len(videos)
+    want = sorted([id(frames[i]) for frames, sampled in given for i in set(sampled) if isinstance(frames[i], bytes)]
+                  + ([id(picture)] if with_image else []))
     assert sorted(map(id, decoded)) == want, \
         f"decoded {len(decoded)} frames for {len(want)} sampled ones given as bytes (each is decoded once)"
 

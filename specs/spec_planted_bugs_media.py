@@ -281,3 +281,17 @@ def test_a_frame_count_past_max_frames_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(video, "sample_frame_indices", any_count)
     _spec_fails(spec_video_sampling.spec_a_frame_count_is_sampled_as_hf_up_to_max_frames, "num_frames=")
+
+
+def test_video_budget_judged_after_the_images_are_decoded_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review of the video budget: a prompt's videos were sampled and checked against
+    `max_video_pixels` only after its images were decoded, cached and (in the engine) encoded, so a prompt refused
+    for its videos had done all of that for nothing. Planted: the videos planned when they are prepared again."""
+    from prism.engine.media_preparation import MediaPreparer
+    from specs import spec_image_decoding
+
+    plan, prepare = MediaPreparer.plan_videos, MediaPreparer.videos
+    monkeypatch.setattr(MediaPreparer, "plan_videos", lambda self, videos: videos)
+    monkeypatch.setattr(MediaPreparer, "videos", lambda self, videos: prepare(self, plan(self, videos)))
+    _spec_fails(spec_image_decoding.spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget,
+                "a refused prompt decoded")
