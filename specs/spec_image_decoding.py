@@ -21,6 +21,10 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
   and no other. (The review of session 35: offline, video frames had no budget at all, and every sampled frame was
   decoded twice, for the cache key and again for the pixels. Session 34's review of that fix: the budget was judged
   only after the prompt's images were decoded, cached and, in the engine, encoded on the device.)
+- The server refuses a video frame that announces more pixels than one frame may have (`DecodeLimits.max_pixels`,
+  89,478,485) or than the request's `max_video_pixels` has left, a 413 naming the limit it crossed: a frame alone past
+  its own limit is never blamed on `max_video_pixels`. (Session 34's review: a 90 M pixel frame of a request within
+  its 2**27 budget was refused as exceeding `max_video_pixels=134217728`.)
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import base64
 import functools
 import io
 import itertools
+import struct
 import subprocess
 import types
 import warnings
+import zlib
 from unittest import mock
 
 import numpy as np
@@ -46,7 +52,7 @@ from prism.engine.inputs import InputProcessor
 from prism.media import image as media_image
 from prism.media.errors import ImagePixelBudgetError, MediaDecodeError, VideoPixelBudgetError
 from prism.media.image import ACCEPTED_FORMATS, decode_image
-from prism.serving.media_urls import MediaResolver, MediaTooLarge
+from prism.serving.media_urls import MediaResolver, MediaTooLarge, MediaURLError
 from prism.serving.protocol import parse_chat_request
 from prism.serving.settings import ServerSettings
 from prism.testing.checkpoints import ensure_tiny_checkpoint
@@ -290,3 +296,54 @@ def _png_of(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
+
+
+FRAME_LIMIT = media_image.DEFAULT_LIMITS.max_pixels
+
+
+def _announcing_png(width: int, height: int) -> bytes:
+    """A greyscale PNG whose header announces width x height and whose pixels are cut short: judged by its header
+    alone (decoding it fails at once)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(bytes(16))) + chunk(b"IEND", b""))
+
+
+def _frame_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@settings(max_examples=30, deadline=None)
+@given(height=st.integers(9000, 9700), budget=st.integers(80_000_000, 200_000_000))
+@example(height=9419, budget=2**27)  # 9500 x 9419 = 89,480,500: past a frame's limit, within the default budget
+@example(height=9418, budget=2**27)  # 89,471,000: within both
+@example(height=9419, budget=89_480_000)  # past both
+@example(height=9418, budget=89_470_000)  # within a frame's limit, past the budget left
+def spec_a_video_frame_refused_names_the_limit_it_crossed(height, budget) -> None:
+    small = _png_of(np.zeros((4, 4, 3), np.uint8))  # 16 pixels of the budget taken first
+    announced, left = 9500 * height, budget - 16
+    part = {"type": "video", "video": {"frames": [_frame_url(small), _frame_url(_announcing_png(9500, height))],
+                                       "fps": 2.0}}
+    messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [part]}]}).messages
+    try:
+        with warnings.catch_warnings():  # Pillow's own notice of a header past its bomb limit
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            MediaResolver(ServerSettings(max_video_pixels=budget)).resolve_messages(messages)
+        raise AssertionError("a frame whose pixels are cut short was resolved")
+    except MediaTooLarge as error:
+        refused = error
+    except MediaURLError as error:  # within both limits: decoded, and found cut short
+        assert announced <= min(FRAME_LIMIT, left), f"a frame of {announced} pixels ({left} left) decoded: {error}"
+        return
+    assert announced > min(FRAME_LIMIT, left), f"a frame of {announced} pixels refused, {left} left: {refused}"
+    assert refused.status == 413 and refused.param.endswith("video.frames[1]"), (refused.status, refused.param)
+    names_budget, names_frame_limit = f"max_video_pixels={budget}" in refused.message, str(FRAME_LIMIT) in refused.message
+    if announced <= FRAME_LIMIT:
+        assert names_budget, f"a frame of {announced} pixels, past the {left} left, refused as: {refused.message}"
+    elif announced <= left:
+        assert names_frame_limit and "max_video_pixels" not in refused.message, \
+            f"a frame of {announced} pixels, within the {left} its request has left, refused as: {refused.message}"
+    else:  # past both: either is the truth
+        assert names_budget or names_frame_limit, refused.message

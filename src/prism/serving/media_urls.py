@@ -288,6 +288,8 @@ class MediaResolver:
                 data, DecodeLimits(max_pixels=limit, max_bytes=self.settings.max_media_bytes)
             )
         except DecompressionBombError as exc:
+            if limit < budget.pixels_left:  # the frame's own limit, not the request's budget, refused it
+                raise MediaTooLarge(f"a video frame may have at most {limit} pixels ({exc})", param=param) from exc
             raise MediaTooLarge(
                 f"the decoded video frames of this request exceed max_video_pixels={self.max_video_pixels} "
                 f"({exc})",
