@@ -25,6 +25,10 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
   89,478,485) or than the request's `max_video_pixels` has left, a 413 naming the limit it crossed: a frame alone past
   its own limit is never blamed on `max_video_pixels`. (Session 34's review: a 90 M pixel frame of a request within
   its 2**27 budget was refused as exceeding `max_video_pixels=134217728`.)
+- The server's resolver refuses at the lower of its own and the engine config's pixel limits; its 413 names the
+  limit it applied, and says so when that is the engine config's, below the server's `PRISM_MAX_*_PIXELS`. (Session
+  34's review: with the engine's new video budget, a server whose operator had raised `PRISM_MAX_VIDEO_PIXELS` refused
+  at the engine's default 2**27, its message naming neither where that came from nor the variable.)
 """
 
 from __future__ import annotations
@@ -347,3 +351,29 @@ def spec_a_video_frame_refused_names_the_limit_it_crossed(height, budget) -> Non
             f"a frame of {announced} pixels, within the {left} its request has left, refused as: {refused.message}"
     else:  # past both: either is the truth
         assert names_budget or names_frame_limit, refused.message
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["image", "video"]), own=st.integers(64, 256), engines=st.integers(64, 256))
+@example(kind="video", own=2**30, engines=128)  # the variable raised, the engine config's default left
+@example(kind="image", own=128, engines=2**30)
+def spec_a_servers_pixel_refusal_says_whose_limit_it_is(kind, own, engines) -> None:
+    name, pictures = f"max_{kind}_pixels", [_png(8, 8, 40 * i) for i in range(3)]  # 192 pixels in all
+    urls = ["data:image/png;base64," + base64.b64encode(p).decode() for p in pictures]
+    parts = ([{"type": "image_url", "image_url": {"url": u}} for u in urls] if kind == "image"
+             else [{"type": "video", "video": {"frames": urls, "fps": 2.0}}])
+    messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": parts}]}).messages
+    resolver = MediaResolver(ServerSettings(**{name: own}), **{name: min(own, engines)})  # as `ServerState` makes it
+    try:
+        resolver.resolve_messages(messages)
+        refused = None
+    except MediaTooLarge as error:
+        refused = error
+    limit = min(own, engines)
+    assert (refused is None) == (192 <= limit), f"192 {kind} pixels, {name}={own}, the engine's {engines}: {refused}"
+    if refused is None:
+        return
+    assert f"{name}={limit}" in refused.message, refused.message
+    says_engine = "engine config" in refused.message and f"PRISM_{name.upper()}={own}" in refused.message
+    assert says_engine == (engines < own), \
+        f"the server's {own}, the engine's {engines}: {refused.message}"

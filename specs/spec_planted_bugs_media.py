@@ -318,3 +318,14 @@ def test_a_frame_past_its_own_limit_blamed_on_the_budget_is_caught(monkeypatch: 
     monkeypatch.setattr(MediaResolver, "_decode_frame", blamed_on_the_budget)
     _spec_fails(spec_image_decoding.spec_a_video_frame_refused_names_the_limit_it_crossed,
                 "within the .* its request has left")
+
+
+def test_an_engines_pixel_limit_refused_as_the_servers_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review: the server refuses at the lower of its own and the engine config's pixel
+    limits, and a 413 at the engine's (2**27 for video frames, whatever `PRISM_MAX_VIDEO_PIXELS` said) did not say
+    where that limit came from. Planted: no word of it again."""
+    from prism.serving.media_urls import MediaResolver
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(MediaResolver, "_engines_limit", lambda self, name: "")
+    _spec_fails(spec_image_decoding.spec_a_servers_pixel_refusal_says_whose_limit_it_is, "the engine's")
