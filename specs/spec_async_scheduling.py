@@ -4,7 +4,8 @@
 A stateful machine adds requests (greedy, seeded sampling that stops on a tenth of the vocabulary, logprobs; some
 sharing an image, so later ones hit earlier ones' pages), steps, and aborts, over a small pool (continuations
 that do not fit fall back to scheduled steps) and fewer graph rows than sequences, after a fixed tour of its rules
-(`tour`: what the planted bugs need, reached whatever examples Hypothesis draws). Checked after every rule:
+(`tour`: what the planted bugs need, reached whatever examples Hypothesis draws; its requests' tokens come from the
+tiny checkpoint, so it checks once it ends that it reached them). Checked after every rule:
 - a live sequence's KV content is its prompt and the tokens the host has read: the pending token a launched step
   reserved (`kv.manager.PENDING_TOKEN`; publishing one raises) is filled before `step` returns;
 - the KV manager's accounting is exact (`check_invariants` on every step);
@@ -212,6 +213,29 @@ def tour(machine_class: type[AsyncSchedulingMachine] = AsyncSchedulingMachine) -
             m.teardown()
         raise
     m.teardown()
+    _reached_its_landmarks(m)
+
+
+def _reached_its_landmarks(m: AsyncSchedulingMachine) -> None:
+    """The states the tour is for, checked once it ends: its requests' tokens come from the tiny checkpoint's weights
+    and seeded sampling, so a change of either could take the tour past them (r1 never stopping, r0 ending before
+    its abort, every request ending at its first token so no launched-ahead step is ever filled); it then fails
+    here, saying which, instead of passing without them."""
+    def ended(rid: str):
+        return m.terminal[rid][0]
+
+    r1 = m.tokens["r1"]
+    landmarks = {
+        "r0 aborted while it decoded": ended("r0").finish_reason is FinishReason.ABORT and len(m.tokens["r0"]) >= 2,
+        "r1 stopped on a stop token with its next step in flight": (
+            ended("r1").finish_reason is FinishReason.STOP and len(r1) >= 2
+            and r1[-1] in m.params["r1"].stop_token_ids),
+        "r2 hit r1's pages": ended("r2").cached_tokens > 0,
+        "r2 decoded past its first token (launched-ahead steps filled)": len(m.tokens["r2"]) >= 2,
+    }
+    missed = [what for what, reached in landmarks.items() if not reached]
+    assert not missed, (f"the tour no longer reaches: {'; '.join(missed)} (tokens {m.tokens}): the tiny checkpoint's "
+                        "tokens changed; choose its requests' seeds and lengths anew")
 
 
 def spec_async_scheduling_commits_what_the_host_read() -> None:

@@ -6,17 +6,21 @@ a readout temperature is any finite positive real number, kept as a float. A boo
 however integral, a string or None is refused with a `QuestionError` saying what is wanted, never an error of
 another type later.
 
-Options and levels come in any ordered container a user holds them in: a list, a tuple, a range, a one-dimensional
-numpy or torch array, with the same question as from the list of their items; a string, bytes, a set, a dict, a
-scalar or an array of another rank is refused with a `QuestionError` (a set has no order to label options A, B, C
-by, a string is one value).
+Options and levels come in any ordered container a user holds them in: a list, a tuple, a range, any other sequence
+(a deque, an `array.array`), a one-dimensional numpy or torch array, with the same question as from the list of
+their items; a string, bytes (a memoryview of them too), a set, a dict, a scalar or an array of another rank is
+refused with a `QuestionError` (a set has no order to label options A, B, C by, a string is one value).
 
 Historical (session 33's review): numpy's integers (`levels=list(np.arange(1, 6))`) were refused as not integers.
-Session 34 (review of that fix): `levels=np.arange(1, 6)` and `levels=range(1, 6)` themselves were refused as not lists.
+Session 34 (review of that fix): `levels=np.arange(1, 6)` and `levels=range(1, 6)` themselves were refused as not lists;
+and after that fix (its review), a deque or an `array.array` still was, and a memoryview of bytes was taken for
+levels of byte values where the bytes themselves were refused.
 """
 
 from __future__ import annotations
 
+import array
+import collections
 from decimal import Decimal
 from fractions import Fraction
 
@@ -65,9 +69,12 @@ def spec_a_temperature_is_any_positive_real(kind, value, bad) -> None:
 
 
 # every container is tried in every example: the spec does not depend on which ones Hypothesis draws
-CONTAINERS = {"list": list, "tuple": tuple, "numpy": np.array, "torch": torch.tensor}
+CONTAINERS = {"list": list, "tuple": tuple, "deque": collections.deque, "array.array": lambda v: array.array("q", v),
+              "numpy": np.array, "torch": torch.tensor}
 NOT_ORDERED = {"set": set, "frozenset": frozenset, "dict": dict.fromkeys, "2-D array": lambda v: np.array([v, v]),
-               "string": lambda v: "".join(map(str, v)), "bytes": lambda v: bytes(len(v)), "scalar": lambda v: v[0]}
+               "string": lambda v: "".join(map(str, v)), "bytes": lambda v: bytes(len(v)),
+               "memoryview": lambda v: memoryview(bytes(range(len(v)))), "scalar": lambda v: v[0],
+               "0-d array": lambda v: np.array(v[0]), "generator": lambda v: iter(v)}
 
 
 @given(st.lists(st.integers(-50, 50), min_size=2, max_size=6, unique=True), st.integers(-50, 50))
@@ -79,7 +86,7 @@ def spec_options_and_levels_come_in_any_ordered_container(values, first) -> None
     run = range(first, first + len(values))
     assert Question("score", "How bright?", levels=run) == Question("score", "How bright?", levels=list(run))
     options = [f"option {v}" for v in values]
-    for container in (tuple, np.array):
+    for container in (tuple, collections.deque, np.array):
         assert (Question("choice", "Which one?", options=container(options))
                 == Question("choice", "Which one?", options=options))
     for refused in NOT_ORDERED.values():

@@ -16,10 +16,19 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
 - A prompt's videos are accepted by the engine exactly when the frames they sample (as HF's `sample_frames` samples
   them; a frame sampled twice counts twice), width x height each, sum to at most `max_video_pixels`, whatever form
   the frames come in (encoded bytes, arrays, PIL images); a refused one is a `VideoPixelBudgetError` (an
-  `ImagePixelBudgetError`: a 413) naming the limit and its total, with no frame decoded and nothing cached. An
-  accepted one decodes each sampled frame given as bytes once, and no other. (The review of session 35: offline,
-  video frames had no budget at all, and every sampled frame was decoded twice, for the cache key and again for the
-  pixels.)
+  `ImagePixelBudgetError`: a 413) naming the limit and its total, with nothing decoded (no frame, and no image the
+  prompt sends beside its videos) and nothing cached. An accepted one decodes each sampled frame given as bytes once,
+  and no other. (The review of session 35: offline, video frames had no budget at all, and every sampled frame was
+  decoded twice, for the cache key and again for the pixels. Session 34's review of that fix: the budget was judged
+  only after the prompt's images were decoded, cached and, in the engine, encoded on the device.)
+- The server refuses a video frame that announces more pixels than one frame may have (`DecodeLimits.max_pixels`,
+  89,478,485) or than the request's `max_video_pixels` has left, a 413 naming the limit it crossed: a frame alone past
+  its own limit is never blamed on `max_video_pixels`. (Session 34's review: a 90 M pixel frame of a request within
+  its 2**27 budget was refused as exceeding `max_video_pixels=134217728`.)
+- The server's resolver refuses at the lower of its own and the engine config's pixel limits; its 413 names the
+  limit it applied, and says so when that is the engine config's, below the server's `PRISM_MAX_*_PIXELS`. (Session
+  34's review: with the engine's new video budget, a server whose operator had raised `PRISM_MAX_VIDEO_PIXELS` refused
+  at the engine's default 2**27, its message naming neither where that came from nor the variable.)
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ import base64
 import functools
 import io
 import itertools
+import struct
 import subprocess
 import types
 import warnings
+import zlib
 from unittest import mock
 
 import numpy as np
@@ -45,7 +56,7 @@ from prism.engine.inputs import InputProcessor
 from prism.media import image as media_image
 from prism.media.errors import ImagePixelBudgetError, MediaDecodeError, VideoPixelBudgetError
 from prism.media.image import ACCEPTED_FORMATS, decode_image
-from prism.serving.media_urls import MediaResolver, MediaTooLarge
+from prism.serving.media_urls import MediaResolver, MediaTooLarge, MediaURLError
 from prism.serving.protocol import parse_chat_request
 from prism.serving.settings import ServerSettings
 from prism.testing.checkpoints import ensure_tiny_checkpoint
@@ -240,14 +251,22 @@ _video = st.tuples(
 )
 
 
+_PICTURES = itertools.count()  # each example's image is new to the shared cache: preparing it decodes it
+
+
 @settings(max_examples=40, deadline=None)
-@given(videos=st.lists(_video, min_size=1, max_size=2), seed=st.integers(0, 2**16))
-@example(videos=[(6, 32, 32, "png", 2.0, 6)], seed=0)  # exactly the budget
-@example(videos=[(6, 32, 32, "png", 2.0, 6), (2, 8, 8, "array", 2.0, None)], seed=0)  # past it by a second video
-@example(videos=[(2, 32, 32, "png", 2.0, 5)], seed=0)  # 2 frames sampled 5 times: 5 frames' pixels, 2 decodes
-def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget(videos, seed) -> None:
+@given(videos=st.lists(_video, min_size=1, max_size=2), seed=st.integers(0, 2**16), with_image=st.booleans())
+@example(videos=[(6, 32, 32, "png", 2.0, 6)], seed=0, with_image=False)  # exactly the budget
+@example(videos=[(6, 32, 32, "png", 2.0, 6), (2, 8, 8, "array", 2.0, None)], seed=0,
+         with_image=False)  # past it by a second video
+@example(videos=[(2, 32, 32, "png", 2.0, 5)], seed=0, with_image=False)  # 2 frames sampled 5 times: 2 decodes
+@example(videos=[(8, 32, 32, "array", 30.0, 7)], seed=0, with_image=True)  # past it, an image before the video
+def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget(videos, seed, with_image) -> None:
     rng = np.random.default_rng(seed)
-    parts, given, total = [], [], 0
+    picture = _png_of(np.random.default_rng([1, next(_PICTURES)]).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                      ) if with_image else None
+    parts = [{"type": "image", "image": picture}] if with_image else []
+    given, total = [], 0
     for count, w, h, form, fps, num_frames in videos:
         arrays = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(count)]
         frames = ([_png_of(a) for a in arrays] if form == "png" else
@@ -267,11 +286,12 @@ def spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_bu
         assert isinstance(refused, VideoPixelBudgetError), type(refused)
         assert (refused.total, refused.limit) == (total, VIDEO_BUDGET), (refused.total, refused.limit)
         assert f"max_video_pixels={VIDEO_BUDGET}" in str(refused), str(refused)
-        assert not decoded, f"{len(decoded)} frame(s) of a refused prompt were decoded"
-        assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused prompt left videos in the cache"
+        assert not decoded, f"a refused prompt decoded {len(decoded)} of its frames or images"
+        assert (len(proc.cache), proc.cache.stats().bytes) == cached, "a refused prompt left media in the cache"
         return
-    assert [m.kind for m in prompt.media] == ["video"] * len(videos)
-    want = sorted(id(frames[i]) for frames, sampled in given for i in set(sampled) if isinstance(frames[i], bytes))
+    assert [m.kind for m in prompt.media] == ["image"] * with_image + ["video"] * len(videos)
+    want = sorted([id(frames[i]) for frames, sampled in given for i in set(sampled) if isinstance(frames[i], bytes)]
+                  + ([id(picture)] if with_image else []))
     assert sorted(map(id, decoded)) == want, \
         f"decoded {len(decoded)} frames for {len(want)} sampled ones given as bytes (each is decoded once)"
 
@@ -280,3 +300,80 @@ def _png_of(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
+
+
+FRAME_LIMIT = media_image.DEFAULT_LIMITS.max_pixels
+
+
+def _announcing_png(width: int, height: int) -> bytes:
+    """A greyscale PNG whose header announces width x height and whose pixels are cut short: judged by its header
+    alone (decoding it fails at once)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(bytes(16))) + chunk(b"IEND", b""))
+
+
+def _frame_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@settings(max_examples=30, deadline=None)
+@given(height=st.integers(9000, 9700), budget=st.integers(80_000_000, 200_000_000))
+@example(height=9419, budget=2**27)  # 9500 x 9419 = 89,480,500: past a frame's limit, within the default budget
+@example(height=9418, budget=2**27)  # 89,471,000: within both
+@example(height=9419, budget=89_480_000)  # past both
+@example(height=9418, budget=89_470_000)  # within a frame's limit, past the budget left
+def spec_a_video_frame_refused_names_the_limit_it_crossed(height, budget) -> None:
+    small = _png_of(np.zeros((4, 4, 3), np.uint8))  # 16 pixels of the budget taken first
+    announced, left = 9500 * height, budget - 16
+    part = {"type": "video", "video": {"frames": [_frame_url(small), _frame_url(_announcing_png(9500, height))],
+                                       "fps": 2.0}}
+    messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [part]}]}).messages
+    try:
+        with warnings.catch_warnings():  # Pillow's own notice of a header past its bomb limit
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            MediaResolver(ServerSettings(max_video_pixels=budget)).resolve_messages(messages)
+        raise AssertionError("a frame whose pixels are cut short was resolved")
+    except MediaTooLarge as error:
+        refused = error
+    except MediaURLError as error:  # within both limits: decoded, and found cut short
+        assert announced <= min(FRAME_LIMIT, left), f"a frame of {announced} pixels ({left} left) decoded: {error}"
+        return
+    assert announced > min(FRAME_LIMIT, left), f"a frame of {announced} pixels refused, {left} left: {refused}"
+    assert refused.status == 413 and refused.param.endswith("video.frames[1]"), (refused.status, refused.param)
+    names_budget, names_frame_limit = f"max_video_pixels={budget}" in refused.message, str(FRAME_LIMIT) in refused.message
+    if announced <= FRAME_LIMIT:
+        assert names_budget, f"a frame of {announced} pixels, past the {left} left, refused as: {refused.message}"
+    elif announced <= left:
+        assert names_frame_limit and "max_video_pixels" not in refused.message, \
+            f"a frame of {announced} pixels, within the {left} its request has left, refused as: {refused.message}"
+    else:  # past both: either is the truth
+        assert names_budget or names_frame_limit, refused.message
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["image", "video"]), own=st.integers(64, 256), engines=st.integers(64, 256))
+@example(kind="video", own=2**30, engines=128)  # the variable raised, the engine config's default left
+@example(kind="image", own=128, engines=2**30)
+def spec_a_servers_pixel_refusal_says_whose_limit_it_is(kind, own, engines) -> None:
+    name, pictures = f"max_{kind}_pixels", [_png(8, 8, 40 * i) for i in range(3)]  # 192 pixels in all
+    urls = ["data:image/png;base64," + base64.b64encode(p).decode() for p in pictures]
+    parts = ([{"type": "image_url", "image_url": {"url": u}} for u in urls] if kind == "image"
+             else [{"type": "video", "video": {"frames": urls, "fps": 2.0}}])
+    messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": parts}]}).messages
+    resolver = MediaResolver(ServerSettings(**{name: own}), **{name: min(own, engines)})  # as `ServerState` makes it
+    try:
+        resolver.resolve_messages(messages)
+        refused = None
+    except MediaTooLarge as error:
+        refused = error
+    limit = min(own, engines)
+    assert (refused is None) == (192 <= limit), f"192 {kind} pixels, {name}={own}, the engine's {engines}: {refused}"
+    if refused is None:
+        return
+    assert f"{name}={limit}" in refused.message, refused.message
+    says_engine = "engine config" in refused.message and f"PRISM_{name.upper()}={own}" in refused.message
+    assert says_engine == (engines < own), \
+        f"the server's {own}, the engine's {engines}: {refused.message}"

@@ -203,3 +203,22 @@ def test_levels_in_an_array_refused_is_caught(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(questions, "listed_values", lists_only)
     _spec_fails(spec_decision_questions.spec_options_and_levels_come_in_any_ordered_container, "must be a list",
                 questions.QuestionError)
+
+
+def test_options_only_in_lists_ranges_and_arrays_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review of the fix above: options and levels were taken from a list, a tuple, a range or
+    anything with `ndim == 1` and `tolist`, so a deque or an `array.array` was refused and a memoryview of bytes was
+    taken for byte-valued levels (bytes themselves refused). Planted: that rule again."""
+    from prism.decision import questions
+    from specs import spec_decision_questions
+
+    def lists_ranges_and_arrays(name, value):
+        if isinstance(value, (list, tuple, range)):
+            return tuple(value)
+        if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+            return tuple(value.tolist())
+        raise questions.QuestionError(f"{name} must be a list (or a one-dimensional array), got {type(value).__name__}")
+
+    monkeypatch.setattr(questions, "listed_values", lists_ranges_and_arrays)
+    _spec_fails(spec_decision_questions.spec_options_and_levels_come_in_any_ordered_container,
+                "must be a list", questions.QuestionError)

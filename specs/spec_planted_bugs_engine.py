@@ -168,6 +168,24 @@ def _async_machine_fails(machine, match: str) -> None:
             derandomize=True))
 
 
+def test_an_async_tour_past_its_landmarks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review of the tours: the async tour's stop (and any request decoding past its first token,
+    which the planted checks above need) came from the tiny checkpoint's tokens, and nothing noticed if a change of
+    them took the tour past those states. Planted: "stops" requests that never stop, as other weights could make
+    them; the tour must say that it no longer reaches its stop."""
+    from specs import spec_async_scheduling
+
+    params_of = spec_async_scheduling.params_of
+
+    def never_stopping(kind, max_tokens, seed, vocab):
+        params = params_of(kind, max_tokens, seed, vocab)
+        return dataclasses.replace(params, stop_token_ids=()) if kind == "stops" else params
+
+    monkeypatch.setattr(spec_async_scheduling, "params_of", never_stopping)
+    with pytest.raises(AssertionError, match="the tour no longer reaches: r1 stopped on a stop token"):
+        spec_async_scheduling.tour(spec_async_scheduling.AsyncSchedulingMachine)
+
+
 def test_a_stopped_requests_logits_row_taken_for_another_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Async scheduling: when a request stops on the token the host just read, its row of the launched step is
     dropped and the others' logits rows are picked out. Found by review: no spec covered it. Planted: the first

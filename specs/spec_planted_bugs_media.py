@@ -281,3 +281,51 @@ def test_a_frame_count_past_max_frames_is_caught(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(video, "sample_frame_indices", any_count)
     _spec_fails(spec_video_sampling.spec_a_frame_count_is_sampled_as_hf_up_to_max_frames, "num_frames=")
+
+
+def test_video_budget_judged_after_the_images_are_decoded_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review of the video budget: a prompt's videos were sampled and checked against
+    `max_video_pixels` only after its images were decoded, cached and (in the engine) encoded, so a prompt refused
+    for its videos had done all of that for nothing. Planted: the videos planned when they are prepared again."""
+    from prism.engine.media_preparation import MediaPreparer
+    from specs import spec_image_decoding
+
+    plan, prepare = MediaPreparer.plan_videos, MediaPreparer.videos
+    monkeypatch.setattr(MediaPreparer, "plan_videos", lambda self, videos: videos)
+    monkeypatch.setattr(MediaPreparer, "videos", lambda self, videos: prepare(self, plan(self, videos)))
+    _spec_fails(spec_image_decoding.spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget,
+                "a refused prompt decoded")
+
+
+def test_a_frame_past_its_own_limit_blamed_on_the_budget_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review: the server refused a video frame past one frame's limit (89,478,485 pixels) as
+    exceeding `max_video_pixels`, even when the request had more than that left. Planted: that message again."""
+    from prism.media.errors import DecompressionBombError
+    from prism.media.image import DEFAULT_LIMITS, DecodeLimits, decode_image
+    from prism.serving.media_urls import MediaResolver, MediaTooLarge
+    from specs import spec_image_decoding
+
+    def blamed_on_the_budget(self, data, param, budget):
+        limit = min(budget.pixels_left, DEFAULT_LIMITS.max_pixels)
+        try:
+            frame = decode_image(data, DecodeLimits(max_pixels=limit, max_bytes=self.settings.max_media_bytes))
+        except DecompressionBombError as exc:
+            raise MediaTooLarge(f"the decoded video frames of this request exceed max_video_pixels="
+                                f"{self.max_video_pixels} ({exc})", param=param) from exc
+        budget.pixels_left -= frame.width * frame.height
+        return frame
+
+    monkeypatch.setattr(MediaResolver, "_decode_frame", blamed_on_the_budget)
+    _spec_fails(spec_image_decoding.spec_a_video_frame_refused_names_the_limit_it_crossed,
+                "within the .* its request has left")
+
+
+def test_an_engines_pixel_limit_refused_as_the_servers_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by session 34's review: the server refuses at the lower of its own and the engine config's pixel
+    limits, and a 413 at the engine's (2**27 for video frames, whatever `PRISM_MAX_VIDEO_PIXELS` said) did not say
+    where that limit came from. Planted: no word of it again."""
+    from prism.serving.media_urls import MediaResolver
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(MediaResolver, "_engines_limit", lambda self, name: "")
+    _spec_fails(spec_image_decoding.spec_a_servers_pixel_refusal_says_whose_limit_it_is, "the engine's")

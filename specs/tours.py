@@ -2,7 +2,8 @@
 `spec_image_uuids.py`): a fixed walk through a machine's rules, each followed by the machine's invariants, that a
 spec runs before the machine's random examples and each planted check runs before the machine. Which rules and
 states the derandomized examples reach changes with Hypothesis's version; a tour reaches the same ones on every run,
-so a planted bug that only one of them shows is always caught.
+so a planted bug that only one of them shows is always caught. A tour whose states depend on more than its rules
+(the async tour's requests decode the tiny checkpoint's tokens) checks once it ends that it reached them.
 """
 
 from __future__ import annotations

@@ -31,14 +31,17 @@ def integral(x) -> bool:
 
 
 def listed_values(name: str, value) -> tuple:
-    """A question's options or levels as a tuple: given as a list, a tuple, a range or a one-dimensional array
-    (numpy's, torch's: their items as Python values). A string is one value, not a sequence of one-character options;
-    a set or a dict has no order to label its options A, B, C by."""
-    if isinstance(value, (list, tuple, range)):
-        return tuple(value)
-    if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
-        return tuple(value.tolist())
-    raise QuestionError(f"{name} must be a list (or a one-dimensional array), got {type(value).__name__} {value!r}")
+    """A question's options or levels as a tuple: given as any ordered sequence (a list, a tuple, a range, a deque, an
+    `array.array`...) or a one-dimensional array (numpy's, torch's: their items as Python values). A string is one
+    value, not a sequence of one-character options, and so are bytes in any wrapper (a memoryview's items would be
+    byte values); a set or a dict has no order to label its options A, B, C by."""
+    if not isinstance(value, (str, bytes, bytearray, memoryview)):
+        if isinstance(value, Sequence):
+            return tuple(value)
+        if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+            return tuple(value.tolist())
+    raise QuestionError(f"{name} must be a list or another ordered sequence (or a one-dimensional array), got "
+                        f"{type(value).__name__} {value!r}")
 
 
 def finite_real(x) -> bool:

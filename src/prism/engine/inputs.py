@@ -386,8 +386,10 @@ class InputProcessor:
                     f"{where} has {found} {kind} placeholders but {given} {kind}s were given{hint}"
                 )
 
+        # The videos' sampling and pixel budget first: a prompt they refuse decodes (and encodes) no image either.
+        video_plans = self.media.plan_videos(videos)
         prepared_images, names = self.media.images(images, {} if media_memo is None else media_memo, on_image)
-        prepared_videos = self.media.videos(videos)
+        prepared_videos = self.media.videos(video_plans)
         expanded = expand_placeholders(
             ids,
             special=self.special,

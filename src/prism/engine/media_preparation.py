@@ -10,8 +10,9 @@ Owns the media identity rules:
   in the preprocessing cache;
 - a prompt's images announce at most `max_image_pixels` pixels in all (`media.pixel_budget`), judged before any of
   them is decoded: a prompt over it leaves nothing in the cache and binds no name. The frames its videos sample
-  announce at most `max_video_pixels` in all, judged once every video's sampling is settled and before any frame
-  is decoded; each sampled frame is decoded once (for the cache key and the pixels alike).
+  announce at most `max_video_pixels` in all, judged once every video's sampling is settled (`plan_videos`) and
+  before any of the prompt's images or frames is decoded: a prompt refused for its videos leaves no image decoded,
+  cached or encoded either. Each sampled frame is decoded once (for the cache key and the pixels alike).
 
 Preprocessing goes through the shared `PreprocessCache` when one is given: file bytes are keyed by their
 raw digest (the same key the HTTP path uses, `media.prepare.prepare_image`), decoded pixels by a digest of
@@ -120,6 +121,16 @@ def place_media(expanded: ExpandedPrompt, prepared_images: list[PreparedImage], 
             )
         )
     return tuple(media)
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """A prompt's video before any frame is decoded: its frames as given, the ones it samples and their timestamps,
+    and the `num_frames` it asked for (part of its cache key)."""
+
+    frames: list[Any]
+    sampling: VideoSampling
+    num_frames: int | None
 
 
 def _not_an_image(data: object) -> InputError:
@@ -285,19 +296,23 @@ class MediaPreparer:
 
         return self._cached(key, compute)
 
-    def videos(self, videos: Sequence[VideoInput]) -> list[PreparedVideo]:
-        """Each video's sampling and timestamps settled and the frames it samples checked against
-        `max_video_pixels` in all (`media.pixel_budget`, from what each frame announces), before any frame is decoded;
-        then each video prepared, its sampled frames decoded once."""
+    def plan_videos(self, videos: Sequence[VideoInput]) -> list[VideoPlan]:
+        """Each video's sampling and timestamps settled and the frames it samples checked against `max_video_pixels`
+        in all (`media.pixel_budget`, from what each frame announces), nothing decoded: the prompt calls it before
+        it prepares its images, so that a prompt refused for its videos decodes nothing (`videos` prepares them)."""
         plans = [self._video_plan(v) for v in videos]
         check_video_pixels(
-            [[(i, *self._announced_size(frames[i], f"video frame {i}")) for i in sampling.indices.tolist()]
-             for frames, sampling, _ in plans],
+            [[(i, *self._announced_size(plan.frames[i], f"video frame {i}")) for i in plan.sampling.indices.tolist()]
+             for plan in plans],
             self.max_video_pixels,
         )
-        return [self._video(*plan) for plan in plans]
+        return plans
 
-    def _video_plan(self, video: VideoInput) -> tuple[list[Any], VideoSampling, int | None]:
+    def videos(self, plans: Sequence[VideoPlan]) -> list[PreparedVideo]:
+        """The videos `plan_videos` settled, each prepared, its sampled frames decoded once."""
+        return [self._video(plan.frames, plan.sampling, plan.num_frames) for plan in plans]
+
+    def _video_plan(self, video: VideoInput) -> VideoPlan:
         """A video's frames as a list, its sampling (the config's fps or the video's `num_frames`) and `num_frames`."""
         cfg = self.video_config
         frames = video.frames
@@ -323,7 +338,7 @@ class MediaPreparer:
             raise InputError(
                 "video num_frames needs frame sampling, which this checkpoint's processor disables"
             )
-        return frame_list, sample_video(len(frame_list), float(fps), cfg, num_frames=num_frames), num_frames
+        return VideoPlan(frame_list, sample_video(len(frame_list), float(fps), cfg, num_frames=num_frames), num_frames)
 
     def _video(self, frame_list: list[Any], sampling: VideoSampling, num_frames: int | None) -> PreparedVideo:
         cfg = self.video_config

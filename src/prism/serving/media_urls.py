@@ -230,7 +230,14 @@ class MediaResolver:
             check_image_pixels(sizes, self.max_image_pixels)
         except ImagePixelBudgetError as exc:
             crossing = images[exc.index]  # an image with pixels: theirs took the total past the limit
-            raise MediaTooLarge(str(exc), param=crossing[1] if crossing else None) from exc
+            raise MediaTooLarge(f"{exc}{self._engines_limit('max_image_pixels')}",
+                                param=crossing[1] if crossing else None) from exc
+
+    def _engines_limit(self, name: str) -> str:
+        """For a 413 naming the pixel limit `name`: where it comes from when it is the engine config's, below the
+        server's own `PRISM_` variable (an operator who raised only the variable reads why the limit did not move)."""
+        limit, own = getattr(self, name), getattr(self.settings, name)
+        return f" ({name}={limit} is the engine config's, below PRISM_{name.upper()}={own})" if limit < own else ""
 
     def _keep_decoded(self, budget: _Budget) -> None:
         for url, data in budget.decoded.items():
@@ -288,9 +295,11 @@ class MediaResolver:
                 data, DecodeLimits(max_pixels=limit, max_bytes=self.settings.max_media_bytes)
             )
         except DecompressionBombError as exc:
+            if limit < budget.pixels_left:  # the frame's own limit, not the request's budget, refused it
+                raise MediaTooLarge(f"a video frame may have at most {limit} pixels ({exc})", param=param) from exc
             raise MediaTooLarge(
                 f"the decoded video frames of this request exceed max_video_pixels={self.max_video_pixels} "
-                f"({exc})",
+                f"({exc}){self._engines_limit('max_video_pixels')}",
                 param=param,
             ) from exc
         except MediaError as exc:
