@@ -29,6 +29,10 @@ and how many pixels a request's images may decode to (`media.pixel_budget`).
   limit it applied, and says so when that is the engine config's, below the server's `PRISM_MAX_*_PIXELS`. (Session
   34's review: with the engine's new video budget, a server whose operator had raised `PRISM_MAX_VIDEO_PIXELS` refused
   at the engine's default 2**27, its message naming neither where that came from nor the variable.)
+- The engine a server builds takes the server's pixel budgets (`PRISM_MAX_IMAGE_PIXELS`, `PRISM_MAX_VIDEO_PIXELS`)
+  wherever its `PRISM_CONFIG` file names none, so that raising a variable raises the limit; a budget the file names
+  stays the file's. (Session 34: the engine took the file's or its defaults only, so raising `PRISM_MAX_IMAGE_PIXELS`
+  past 2**28 for albums of large photos, as the README advised, changed nothing: the engine refused at 2**28.)
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from transformers.image_utils import load_image
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.video_utils import VideoMetadata
 
+from prism.engine.config import EngineConfig
 from prism.engine.inputs import InputProcessor
 from prism.media import image as media_image
 from prism.media.errors import ImagePixelBudgetError, MediaDecodeError, VideoPixelBudgetError
@@ -377,3 +382,28 @@ def spec_a_servers_pixel_refusal_says_whose_limit_it_is(kind, own, engines) -> N
     says_engine = "engine config" in refused.message and f"PRISM_{name.upper()}={own}" in refused.message
     assert says_engine == (engines < own), \
         f"the server's {own}, the engine's {engines}: {refused.message}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(own=st.fixed_dictionaries({"max_image_pixels": st.integers(1, 2**40), "max_video_pixels": st.integers(1, 2**40)}),
+       named=st.dictionaries(st.sampled_from(["max_image_pixels", "max_video_pixels"]), st.integers(1, 2**40)),
+       other=st.booleans())
+def spec_the_engine_a_server_builds_takes_the_servers_pixel_budgets(own, named, other) -> None:
+    import json
+    import tempfile
+
+    from prism.serving import server_state
+
+    in_file = {**named, **({"page_size": 8} if other else {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = None
+        if in_file:
+            path = f"{tmp}/engine.json"
+            with open(path, "w") as f:
+                json.dump(in_file, f)
+        config = server_state.engine_config_of(ServerSettings(engine_config_path=path, **own))
+    for name in ("max_image_pixels", "max_video_pixels"):
+        want = named.get(name, own[name])
+        assert getattr(config, name) == want, f"{name}: the server's {own[name]}, the file's {named.get(name)}: " \
+                                              f"the engine's {getattr(config, name)}"
+    assert config.page_size == (8 if other else EngineConfig().page_size)

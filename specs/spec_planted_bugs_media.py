@@ -329,3 +329,15 @@ def test_an_engines_pixel_limit_refused_as_the_servers_is_caught(monkeypatch: py
 
     monkeypatch.setattr(MediaResolver, "_engines_limit", lambda self, name: "")
     _spec_fails(spec_image_decoding.spec_a_servers_pixel_refusal_says_whose_limit_it_is, "the engine's")
+
+
+def test_the_servers_engine_ignoring_the_servers_pixel_budgets_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 34: the engine a server builds took its config file's pixel budgets or the defaults, never the
+    server's `PRISM_MAX_*_PIXELS`. Planted: the file or the defaults only."""
+    from prism.engine.config import EngineConfig
+    from prism.serving import server_state
+    from specs import spec_image_decoding
+
+    monkeypatch.setattr(server_state, "engine_config_of", lambda settings: (
+        EngineConfig.from_json(settings.engine_config_path) if settings.engine_config_path else EngineConfig()))
+    _spec_fails(spec_image_decoding.spec_the_engine_a_server_builds_takes_the_servers_pixel_budgets, "the engine's")

@@ -255,11 +255,18 @@ class EngineConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> EngineConfig:
+        return cls.from_dict(cls.read_json(path))
+
+    @staticmethod
+    def read_json(path: str | Path) -> dict[str, Any]:
+        """The fields a JSON config file names (checked as a config by `from_dict`)."""
         try:
             raw = json.loads(Path(path).read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path}: not valid JSON ({error})") from error
-        return cls.from_dict(raw)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: an engine config is a JSON object, got {type(raw).__name__}")
+        return raw
 
     def replace(self, **changes: Any) -> EngineConfig:
         return EngineConfig.from_dict({**self.to_dict(), **changes})

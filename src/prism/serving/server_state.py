@@ -36,8 +36,22 @@ class ServerState:
         self.created = int(time.time())
 
 
+# The engine config's fields that the server's own settings (its environment variables) set too.
+PIXEL_BUDGETS = ("max_image_pixels", "max_video_pixels")
+
+
+def engine_config_of(settings: ServerSettings) -> EngineConfig:
+    """The config of the engine a server builds: `PRISM_CONFIG`'s file (or the defaults), with the server's pixel
+    budgets (`PRISM_MAX_IMAGE_PIXELS`, `PRISM_MAX_VIDEO_PIXELS`) as the engine's too wherever the file names none, so
+    that raising a variable raises the limit; a budget the file names stays the file's (the server then refuses at the
+    lower of the two, `ServerState`)."""
+    named = EngineConfig.read_json(settings.engine_config_path) if settings.engine_config_path else {}
+    budgets = {name: getattr(settings, name) for name in PIXEL_BUDGETS if name not in named}
+    return EngineConfig.from_dict({**named, **budgets})
+
+
 def build_engine(settings: ServerSettings) -> Engine:
-    config = EngineConfig.from_json(settings.engine_config_path) if settings.engine_config_path else EngineConfig()
+    config = engine_config_of(settings)
     if settings.model_dir is None:
         from ..testing.checkpoints import ensure_tiny_checkpoint
 

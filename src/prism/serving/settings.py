@@ -62,11 +62,11 @@ class ServerSettings:
     max_media_bytes: int = 20 * MIB
     max_media_per_request: int = 16
     max_video_frames: int = 256
-    # The decoded frames of a request's videos in all (media.pixel_budget); the engine's own max_video_pixels applies
-    # too.
+    # The decoded frames of a request's videos in all (media.pixel_budget); also the budget of the engine the server
+    # builds, unless PRISM_CONFIG's file names its own (then the lower applies: server_state.engine_config_of).
     max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
     # The pixels a request's images may announce in all (their headers, before any is decoded; media.pixel_budget):
-    # 16 images at 4096 x 4096. The engine's own max_image_pixels applies too.
+    # 16 images at 4096 x 4096. Also the engine's budget, as max_video_pixels is.
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_request_bytes: int = 64 * MIB
     body_read_timeout_s: float = 30.0  # the body in that time (+1 s per 128 KiB read), or a 408 (body_deadline.py)
