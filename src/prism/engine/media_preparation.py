@@ -301,11 +301,13 @@ class MediaPreparer:
         in all (`media.pixel_budget`, from what each frame announces), nothing decoded: the prompt calls it before
         it prepares its images, so that a prompt refused for its videos decodes nothing (`videos` prepares them)."""
         plans = [self._video_plan(v) for v in videos]
-        check_video_pixels(
-            [[(i, *self._announced_size(plan.frames[i], f"video frame {i}")) for i in plan.sampling.indices.tolist()]
-             for plan in plans],
-            self.max_video_pixels,
-        )
+        sampled = []
+        for plan in plans:
+            indices = plan.sampling.indices.tolist()
+            # a frame sampled many times (num_frames past the frames given) counts each time, its header read once
+            sizes = {i: self._announced_size(plan.frames[i], f"video frame {i}") for i in dict.fromkeys(indices)}
+            sampled.append([(i, *sizes[i]) for i in indices])
+        check_video_pixels(sampled, self.max_video_pixels)
         return plans
 
     def videos(self, plans: Sequence[VideoPlan]) -> list[PreparedVideo]:
