@@ -293,7 +293,12 @@ def preprocess_sampled_frames(
         min_pixels=config.min_pixels,
         max_pixels=effective_max_pixels(n, config),
     )
-    resized = np.stack([resize_rgb(im, new_h, new_w) for im in rgb])  # [F, H, W, 3] uint8
+    # a frame sampled several times is one image in `rgb` (`decode_sampled_frames`): resized once
+    once: dict[int, np.ndarray] = {}
+    for im in rgb:
+        if id(im) not in once:
+            once[id(im)] = resize_rgb(im, new_h, new_w)
+    resized = np.stack([once[id(im)] for im in rgb])  # [F, H, W, 3] uint8
     if pad := -n % config.temporal_patch_size:
         resized = np.concatenate([resized, np.repeat(resized[-1:], pad, axis=0)])
     pixels = normalize(resized, config.image_mean, config.image_std, config.rescale_factor)
