@@ -11,7 +11,8 @@ before the review of session 35, 300-digit timestamps). Never another exception:
 
 A frame count is sampled as HF samples it up to the processor's `max_frames`, the most frames it samples a video to
 at any fps; a larger one is a `VideoError` naming that limit, refused before anything is sampled (HF samples any
-count: 10**12 asked it for a 7 TiB array of indices, the review of session 35).
+count: 10**12 asked it for a 7 TiB array of indices, the review of session 35). A count below a temporal patch is a
+`VideoError` as it is sampled (HF samples it, then refuses it at its resize, once the frames are decoded).
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def spec_a_frame_count_is_sampled_as_hf_up_to_max_frames(total, num_frames, vide
     try:
         sampling = sample_video(total, video_fps, FEW, num_frames=num_frames)
     except VideoError as error:
+        if num_frames < FEW.temporal_patch_size:  # HF samples it, then refuses it at its resize
+            assert f"at least {FEW.temporal_patch_size}" in str(error), str(error)
+            return
         assert num_frames > FEW.max_frames, f"num_frames={num_frames} of {total} frames refused: {error}"
         assert f"max_frames={FEW.max_frames}" in str(error), str(error)
         return
