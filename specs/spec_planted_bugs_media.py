@@ -365,6 +365,24 @@ def test_too_few_frames_refused_after_decoding_are_caught(monkeypatch: pytest.Mo
                 "decoded 1 frames of videos it refused|the server accepted videos")
 
 
+def test_a_checkpoints_frame_count_past_max_frames_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 36: a checkpoint's video config with `num_frames=10**9` loaded, and the engine then refused
+    every video, blaming a `num_frames` the request never gave. Planted: the config's count unbounded."""
+    from prism.media.config import VideoProcessorConfig
+    from specs import spec_video_sampling
+
+    checked = VideoProcessorConfig.__post_init__
+
+    def unbounded(self):
+        count = self.num_frames
+        object.__setattr__(self, "num_frames", None)
+        checked(self)
+        object.__setattr__(self, "num_frames", count)
+
+    monkeypatch.setattr(VideoProcessorConfig, "__post_init__", unbounded)
+    _spec_fails(spec_video_sampling.spec_a_checkpoints_frame_count_loads_iff_within_max_frames, "loaded, past")
+
+
 def test_an_engines_pixel_limit_refused_as_the_servers_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by session 34's review: the server refuses at the lower of its own and the engine config's pixel
     limits, and a 413 at the engine's (2**27 for video frames, whatever `PRISM_MAX_VIDEO_PIXELS` said) did not say
