@@ -24,8 +24,8 @@ def chunk(kind: bytes, data: bytes) -> bytes:
 frame = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 9500, 9500, 8, 0, 0, 0, 0))
          + chunk(b"IDAT", zlib.compress(bytes(16))) + chunk(b"IEND", b""))
 url = "data:image/png;base64," + base64.b64encode(frame).decode()
-messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [
-    {"type": "video", "video": {"frames": [url], "fps": 2.0}}]}]}).messages
+messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [  # (two frames: one alone is
+    {"type": "video", "video": {"frames": [url, url], "fps": 2.0}}]}]}).messages  # refused for its sampling first)
 try:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)

@@ -300,24 +300,87 @@ def test_video_budget_judged_after_the_images_are_decoded_is_caught(monkeypatch:
 def test_a_frame_past_its_own_limit_blamed_on_the_budget_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by session 34's review: the server refused a video frame past one frame's limit (89,478,485 pixels) as
     exceeding `max_video_pixels`, even when the request had more than that left. Planted: that message again."""
-    from prism.media.errors import DecompressionBombError
-    from prism.media.image import DEFAULT_LIMITS, DecodeLimits, decode_image
-    from prism.serving.media_urls import MediaResolver, MediaTooLarge
+    from prism.serving import video_frames
+    from prism.serving.media_urls import MediaTooLarge
     from specs import spec_image_decoding
 
-    def blamed_on_the_budget(self, data, param, budget):
-        limit = min(budget.pixels_left, DEFAULT_LIMITS.max_pixels)
-        try:
-            frame = decode_image(data, DecodeLimits(max_pixels=limit, max_bytes=self.settings.max_media_bytes))
-        except DecompressionBombError as exc:
-            raise MediaTooLarge(f"the decoded video frames of this request exceed max_video_pixels="
-                                f"{self.max_video_pixels} ({exc})", param=param) from exc
-        budget.pixels_left -= frame.width * frame.height
-        return frame
-
-    monkeypatch.setattr(MediaResolver, "_decode_frame", blamed_on_the_budget)
+    monkeypatch.setattr(video_frames, "_frame_limit_error", lambda exc, limits, param: MediaTooLarge(
+        f"the decoded video frames of this request exceed max_video_pixels ({exc})", param=param))
     _spec_fails(spec_image_decoding.spec_a_video_frame_refused_names_the_limit_it_crossed,
                 "within the .* its request has left")
+
+
+def test_a_video_sampling_refused_only_by_the_engine_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 36: the server fetched and decoded every frame of a request, and cached its data URLs, before
+    the engine refused the video's fps (64 frames of 640 x 480 at fps=1e-300). Planted: the server does not settle the
+    sampling."""
+    from prism.serving import media_urls
+    from specs import spec_server_video_refusals
+
+    monkeypatch.setattr(media_urls, "check_sampling", lambda part, where, config: None)
+    _spec_fails(spec_server_video_refusals.spec_a_servers_video_refusals_come_before_any_frame_is_decoded,
+                "the server accepted videos")
+
+
+def test_frames_decoded_before_the_pixels_are_judged_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 36: the server decoded a request's frames as it fetched them, each judged against what the
+    budget had left, so a request past `max_video_pixels` had its frames decoded up to the one that crossed it.
+    Planted: the frames decoded before their pixels are judged."""
+    from prism.serving import media_urls, video_frames
+    from specs import spec_server_video_refusals
+
+    judge = video_frames.check_frame_pixels
+
+    def decoded_first(videos, max_video_pixels, max_bytes, whose_limit=""):
+        video_frames.decode_frames(videos, max_bytes)
+        judge(videos, max_video_pixels, max_bytes, whose_limit)
+
+    monkeypatch.setattr(media_urls, "check_frame_pixels", decoded_first)
+    _spec_fails(spec_server_video_refusals.spec_a_servers_video_refusals_come_before_any_frame_is_decoded,
+                "the server decoded")
+
+
+def test_too_few_frames_refused_after_decoding_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 36: a video sampling fewer frames than a temporal patch (one frame) was refused only by the
+    smart resize, after the server and the engine had decoded its frames. Planted: the sampling without that check."""
+    import numpy as np
+
+    from prism.engine import media_preparation
+    from prism.media import video
+    from prism.serving import video_frames
+    from specs import spec_server_video_refusals
+
+    def unchecked(total_frames, video_fps, config, *, fps=None, num_frames=None, sample=None):
+        video_fps = video._check_fps(video_fps, "video_fps")
+        if config.do_sample_frames if sample is None else sample:
+            indices = video.sample_frame_indices(total_frames, video_fps, config, fps=fps, num_frames=num_frames)
+        else:
+            indices = np.arange(total_frames, dtype=np.int64)
+        stamps = video.frame_group_timestamps(indices, video_fps, config.temporal_patch_size)
+        return video.VideoSampling(indices=indices, timestamps=tuple(stamps), video_fps=video_fps)
+
+    monkeypatch.setattr(video_frames, "sample_video", unchecked)
+    monkeypatch.setattr(media_preparation, "sample_video", unchecked)
+    _spec_fails(spec_server_video_refusals.spec_a_servers_video_refusals_come_before_any_frame_is_decoded,
+                "decoded 1 frames of videos it refused|the server accepted videos")
+
+
+def test_a_checkpoints_frame_count_past_max_frames_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 36: a checkpoint's video config with `num_frames=10**9` loaded, and the engine then refused
+    every video, blaming a `num_frames` the request never gave. Planted: the config's count unbounded."""
+    from prism.media.config import VideoProcessorConfig
+    from specs import spec_video_sampling
+
+    checked = VideoProcessorConfig.__post_init__
+
+    def unbounded(self):
+        count = self.num_frames
+        object.__setattr__(self, "num_frames", None)
+        checked(self)
+        object.__setattr__(self, "num_frames", count)
+
+    monkeypatch.setattr(VideoProcessorConfig, "__post_init__", unbounded)
+    _spec_fails(spec_video_sampling.spec_a_checkpoints_frame_count_loads_iff_within_max_frames, "loaded, past")
 
 
 def test_an_engines_pixel_limit_refused_as_the_servers_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,14 @@ before the review of session 35, 300-digit timestamps). Never another exception:
 
 A frame count is sampled as HF samples it up to the processor's `max_frames`, the most frames it samples a video to
 at any fps; a larger one is a `VideoError` naming that limit, refused before anything is sampled (HF samples any
-count: 10**12 asked it for a 7 TiB array of indices, the review of session 35).
+count: 10**12 asked it for a 7 TiB array of indices, the review of session 35). A count below a temporal patch is a
+`VideoError` as it is sampled (HF samples it, then refuses it at its resize, once the frames are decoded).
+
+A checkpoint's own frame count (its video processor config's `num_frames`, which every video is sampled to) loads
+exactly when it is at most the config's `max_frames`, and then every video is sampled as HF samples it to that count;
+a larger one is a `MediaConfigError` naming the value and the limit, so that the engine does not start (session 36:
+`num_frames=10**9` loaded, and every video request was then refused, blamed on a `num_frames` the request never gave).
+HF refuses a config whose `num_frames` and `fps` are both set ("mutually exclusive"); here the count wins.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from prism.media.config import VideoProcessorConfig
-from prism.media.errors import VideoError
+from prism.media.errors import MediaConfigError, VideoError
 from prism.media.video import preprocess_video, sample_video
 
 CFG = VideoProcessorConfig(min_pixels=2 * 32 * 32, max_pixels=16 * 32 * 32)
@@ -94,6 +101,9 @@ def spec_a_frame_count_is_sampled_as_hf_up_to_max_frames(total, num_frames, vide
     try:
         sampling = sample_video(total, video_fps, FEW, num_frames=num_frames)
     except VideoError as error:
+        if num_frames < FEW.temporal_patch_size:  # HF samples it, then refuses it at its resize
+            assert f"at least {FEW.temporal_patch_size}" in str(error), str(error)
+            return
         assert num_frames > FEW.max_frames, f"num_frames={num_frames} of {total} frames refused: {error}"
         assert f"max_frames={FEW.max_frames}" in str(error), str(error)
         return
@@ -105,3 +115,32 @@ def spec_a_frame_count_is_sampled_as_hf_up_to_max_frames(total, num_frames, vide
     assert sampling.indices.tolist() == indices, f"sampled {sampling.indices.tolist()}, HF {indices}"
     stamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), video_fps, FEW.temporal_patch_size)
     assert list(sampling.timestamps) == stamps, f"timestamps {sampling.timestamps}, HF {stamps}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_frames=st.integers(1, 2**40), max_frames=st.integers(2, 48), with_fps=st.booleans(),
+       total=st.integers(1, 24), video_fps=st.floats(0.5, 60.0))
+@example(num_frames=10**9, max_frames=768, with_fps=False, total=4, video_fps=2.0)  # session 36's checkpoint
+@example(num_frames=13, max_frames=12, with_fps=True, total=4, video_fps=2.0)  # one past max_frames
+@example(num_frames=12, max_frames=12, with_fps=False, total=4, video_fps=2.0)  # max_frames, three times the frames
+def spec_a_checkpoints_frame_count_loads_iff_within_max_frames(num_frames, max_frames, with_fps, total,
+                                                               video_fps) -> None:
+    raw = {"num_frames": num_frames, "max_frames": max_frames, "min_frames": 2} | ({} if with_fps else {"fps": None})
+    try:
+        config = VideoProcessorConfig.from_dict(raw)
+    except MediaConfigError as error:
+        assert num_frames > max_frames, f"a checkpoint's num_frames={num_frames} refused, max_frames={max_frames}: " \
+                                        f"{error}"
+        assert f"num_frames={num_frames}" in str(error) and f"max_frames={max_frames}" in str(error), str(error)
+        return
+    assert num_frames <= max_frames, f"a checkpoint's num_frames={num_frames} loaded, past max_frames={max_frames}"
+    stub = types.SimpleNamespace(fps=None, min_frames=2, max_frames=max_frames)
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+    indices = np.asarray(Qwen3VLVideoProcessor.sample_frames(stub, meta, num_frames=num_frames)).tolist()
+    try:
+        sampling = sample_video(total, video_fps, config)
+    except VideoError as error:
+        assert num_frames < config.temporal_patch_size, \
+            f"{total} frames refused under a checkpoint's num_frames={num_frames} (HF samples {indices}): {error}"
+        return
+    assert sampling.indices.tolist() == indices, f"sampled {sampling.indices.tolist()}, HF {indices}"

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from prism.serving import video_frames
 from prism.serving.data_url_cache import DecodedDataURLs
 from prism.serving.media_urls import (
     ForbiddenMedia,
     InvalidMediaData,
     InvalidMediaURL,
+    InvalidVideo,
     MediaFetchError,
     MediaFetchTimeout,
     MediaNotFound,
@@ -508,13 +510,43 @@ def test_video_frames_are_decoded_with_a_pixel_budget():
         MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 3)).resolve_messages(user(part))
     assert info.value.param == "messages[0].content[0].video.frames[3]"
     # The engine's lower budget (the server state passes the lower of the two) is the one refused at, and named.
-    with pytest.raises(MediaTooLarge, match=f"max_video_pixels={16 * 12 * 3} ") as info:
+    with pytest.raises(MediaTooLarge, match=f"max_video_pixels={16 * 12 * 3}, crossed at video 0's frame 3") as info:
         MediaResolver(ServerSettings(), max_video_pixels=16 * 12 * 3).resolve_messages(user(part))
     assert info.value.param == "messages[0].content[0].video.frames[3]"
     bad = {"type": "video", "video": {"frames": [frames[0], data_url(b"not an image")], "fps": 1.0}}
     with pytest.raises(InvalidMediaData, match="not a decodable image") as info:
         MediaResolver(ServerSettings()).resolve_messages(user(bad))
     assert info.value.param == "messages[0].content[0].video.frames[1]"
+
+
+@pytest.mark.parametrize("frames, fps, words", [
+    (4, 1e-300, r"must stay below 2\*\*49 seconds"),  # its timestamps past what a float tells apart
+    (4, 5e-324, "last longer than a float holds"),  # its frame count past the floats
+    (1, 2.0, "at least 2 are needed"),  # fewer frames than a temporal patch
+])
+def test_a_video_the_engines_sampling_refuses_is_refused_before_any_frame_is_fetched(frames, fps, words):
+    remote = MediaResolver(ServerSettings(allow_remote_media=True), transport=httpx.MockTransport(no_network))
+    fine = {"type": "video", "video": {"frames": ["http://x/f"] * 4, "fps": 2.0}}
+    refused = {"type": "video", "video": {"frames": ["http://x/f"] * frames, "fps": fps}}
+    with pytest.raises(InvalidVideo, match=words) as info:
+        remote.resolve_messages(user(fine, refused))  # the first video's frames not fetched either
+    assert info.value.status == 400 and info.value.param == "messages[0].content[1].video"
+
+
+def test_the_frames_of_a_request_past_its_budget_are_all_judged_before_any_is_decoded(monkeypatch):
+    """The second video's frame crosses max_video_pixels: the first video's frames are not decoded either, and the
+    413 names the request's total and the frame that crosses it."""
+    frames = [data_url(png(16, 12, seed=i)) for i in range(3)]
+    parts = [{"type": "video", "video": {"frames": frames[:2], "fps": 2.0}},
+             {"type": "video", "video": {"frames": frames, "fps": 2.0}}]
+    resolver = MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 4))
+    decoded, decode = [], video_frames.decode_image
+    monkeypatch.setattr(video_frames, "decode_image", lambda data, limits: decoded.append(data) or decode(data, limits))
+    with pytest.raises(MediaTooLarge, match=r"announce 960 pixels in all; the limit is max_video_pixels=768, "
+                                            r"crossed at video 1's frame 2 \(16x12\)") as info:
+        resolver.resolve_messages(user(*parts))
+    assert info.value.param == "messages[0].content[1].video.frames[2]"
+    assert not decoded and resolver._decoded.nbytes == 0
 
 
 def test_images_past_max_image_pixels_are_refused_from_their_headers_and_cache_nothing():

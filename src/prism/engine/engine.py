@@ -31,7 +31,7 @@ from . import async_steps, decision_forks, lost_steps
 from .config import EngineConfig
 from .detokenize import TextStream
 from .inflight import InflightStep
-from .inputs import InputProcessor, PreparedPrompt
+from .inputs import InputProcessor, PreparedPrompt, read_processor_configs
 from .penalty_counts import PenaltyCounts, PenaltyTableOutOfMemory
 from .rank import build_rank_runner, check_rank_devices
 from .request import (
@@ -81,6 +81,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         model_id = self.config.model_id or str(self.model_dir.resolve())
+        read_processor_configs(self.model_dir)  # before the weights load: a bad setting fails the start at once
         self._followers: Followers | None = None
         if self.config.tensor_parallel_size > 1:
             self._followers = launch_followers(self.model_dir, self.config)

@@ -72,6 +72,16 @@ _HEAD_MARGIN = 16
 
 
 # ------------------------------------------------------------------------------------------ processor
+def read_processor_configs(root: Path) -> tuple[ImageProcessorConfig, VideoProcessorConfig]:
+    """A checkpoint's image and video processor settings (`preprocessor_config.json`; `video_preprocessor_config.json`,
+    or Qwen3-VL's video defaults without one); a bad setting is a `MediaConfigError` naming its file and value. The
+    engine reads them before it loads the model, so that a bad one fails its start at once."""
+    image_config = ImageProcessorConfig.from_json_file(root / "preprocessor_config.json")
+    video_file = root / "video_preprocessor_config.json"
+    video_config = VideoProcessorConfig.from_json_file(video_file) if video_file.is_file() else VideoProcessorConfig()
+    return image_config, video_config
+
+
 class InputProcessor:
     """Turns requests into `PreparedPrompt`s for one checkpoint directory.
 
@@ -120,15 +130,9 @@ class InputProcessor:
         if not isinstance(self.model_id, str) or not self.model_id:
             raise InputError(f"model_id must be a non-empty string, got {model_id!r}")
         self.config = Qwen3VLConfig.from_pretrained(root)
-        self.image_config = ImageProcessorConfig.from_json_file(root / "preprocessor_config.json")
+        self.image_config, self.video_config = read_processor_configs(root)
         if max_image_tokens is not None:  # larger images are downscaled to what one step computes, not refused
             self.image_config = self.image_config.within_tokens(max_image_tokens)
-        video_file = root / "video_preprocessor_config.json"
-        self.video_config = (
-            VideoProcessorConfig.from_json_file(video_file)
-            if video_file.is_file()
-            else VideoProcessorConfig()
-        )
         vision = self.config.vision
         for cfg, what in (
             (self.image_config, "preprocessor_config"),

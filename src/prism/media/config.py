@@ -11,7 +11,9 @@ Qwen3-VL checkpoint value.
   those are REQUIRED. temporal_patch_size=2, merge_size=2 and rescale_factor=1/255 are shared defaults.
 - Video (`Qwen3VLVideoProcessor` defaults are Qwen3-VL's own): patch 16, temporal 2, merge 2, mean/std 0.5,
   min/max pixels 128*32*32 / 768*32*32 (total over the sampled frames), fps 2, min_frames 4,
-  max_frames 768, max_video_tokens 768, and cap_pixels_per_frame False (5.17's effective default).
+  max_frames 768, max_video_tokens 768, and cap_pixels_per_frame False (5.17's effective default). A `num_frames`
+  (a frame count every video is sampled to) past `max_frames` is refused, as a request's is (`media.video`): HF
+  would sample any count, 10**9 filling the memory at the first video.
 """
 
 from __future__ import annotations
@@ -238,6 +240,10 @@ class VideoProcessorConfig:
             object.__setattr__(self, "fps", float(self.fps))
         if self.num_frames is not None:
             _positive_int("num_frames", self.num_frames)
+            if self.num_frames > self.max_frames:  # (HF samples any count; a request's past it is a VideoError)
+                raise MediaConfigError(
+                    f"num_frames={self.num_frames} is more frames than max_frames={self.max_frames}, the most this "
+                    "video processor samples a video to")
         for name in ("do_sample_frames", "cap_pixels_per_frame"):
             if not isinstance(getattr(self, name), bool):
                 raise MediaConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -259,7 +265,11 @@ class VideoProcessorConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> VideoProcessorConfig:
-        return cls.from_dict(_load_json(path))
+        raw = _load_json(path)
+        try:
+            return cls.from_dict(raw)
+        except MediaConfigError as exc:
+            raise MediaConfigError(f"{path}: {exc}") from exc
 
     def fingerprint(self) -> str:
         return _fingerprint("video", self)

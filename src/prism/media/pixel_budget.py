@@ -15,8 +15,8 @@ prompt is prepared); the refusal is an `ImagePixelBudgetError`, an `ImageTooLarg
 
 Video frames have a budget of their own, `max_video_pixels` (2**27 by default: 64 frames of 1920 x 1080): the frames
 a request's videos are made of, width x height each, summed over all of its videos, judged from what each frame
-announces before any is decoded. The server counts every frame a request sends (it decodes them all); the engine
-counts the frames each video samples (those it decodes and resizes; a frame sampled twice counts twice), so a video
+announces before any is decoded. The server counts every frame a request sends (it decodes them all, once every
+frame's header is judged: `serving.video_frames`); the engine counts the frames each video samples (those it decodes and resizes; a frame sampled twice counts twice), so a video
 handed over whole as decoded frames costs what its sampled frames cost. The server's resolver refuses at the lower of
 its own and the engine's limits, so that it refuses first. The refusal is a `VideoPixelBudgetError`, an
 `ImagePixelBudgetError` (a 413 over HTTP).
@@ -57,16 +57,18 @@ def check_image_pixels(sizes: Sequence[tuple[int, int] | None], limit: int) -> N
     )
 
 
-def check_video_pixels(videos: Sequence[Sequence[tuple[int, int, int]]], limit: int) -> None:
+def check_video_pixels(videos: Sequence[Sequence[tuple[int, int, int]]], limit: int,
+                       counted: str = "the frames this request's videos sample") -> None:
     """`VideoPixelBudgetError` naming the limit, the total and the frame that crosses it when the frames of a
-    request's videos, in order, each (its index among the frames given, width, height), sum to more than `limit`."""
+    request's videos, in order, each (its index among the frames given, width, height), sum to more than `limit`
+    (`counted`: which frames they are, for the message)."""
     flat = [(video, frame, w, h) for video, frames in enumerate(videos) for frame, w, h in frames]
     running, crossing = _crossing([(w, h) for _, _, w, h in flat], limit)
     if crossing is None:
         return
     video, frame, w, h = flat[crossing]
     raise VideoPixelBudgetError(
-        f"the frames this request's videos sample announce {running} pixels in all; the limit is "
+        f"{counted} announce {running} pixels in all; the limit is "
         f"max_video_pixels={limit}, crossed at video {video}'s frame {frame} ({w}x{h}): refused before decoding any",
         total=running, limit=limit, index=video, frame=frame,
     )

@@ -17,8 +17,9 @@ Owns: the video pixel layout and the timestamps, following HF transformers 5.17
   million years) or more is a `VideoError`: from there a float64 no longer tells tenths of a second apart, so the
   text's digits are the float's artefacts (a video_fps of 1e-300 made 300-digit timestamps, HF's too); below it
   the timestamps are HF's, so no frame rate a real video has (or a time-lapse's, at a frame a year) is refused.
-- the sampling and the timestamps are settled (`sample_video`) before any frame is decoded; the frames sampled are
-  then decoded once each (`preprocess_sampled_frames` takes them decoded).
+- the sampling and the timestamps are settled (`sample_video`) before any frame is decoded, and so is every refusal
+  they decide (the rates and counts above, fewer sampled frames than a temporal patch); the frames sampled are then
+  decoded once each (`preprocess_sampled_frames` takes them decoded).
 - pixel rows in the same order as images (see image.patchify); grid_thw = (frames / T, gh, gw).
 
 Two known differences: HF resizes video frames with torchvision (bicubic, antialias, on tensors); torchvision
@@ -229,7 +230,7 @@ def sample_video(
 ) -> VideoSampling:
     """The frames of a `total_frames`-frame video at `video_fps` that are encoded (`sample_frame_indices`; every
     frame with `sample=False`, or when the config does not sample) and their timestamps; a `VideoError` for rates or
-    counts it refuses."""
+    counts it refuses, fewer sampled frames than a temporal patch among them."""
     video_fps = _check_fps(video_fps, "video_fps")
     do_sample = config.do_sample_frames if sample is None else sample
     if do_sample:
@@ -238,6 +239,8 @@ def sample_video(
         raise VideoError("video has no frames")
     else:
         indices = np.arange(total_frames, dtype=np.int64)
+    if len(indices) < config.temporal_patch_size:  # (HF's smart resize refuses it, once the frames are decoded)
+        raise VideoError(f"video has {len(indices)} sampled frames; at least {config.temporal_patch_size} are needed")
     stamps = frame_group_timestamps(indices, video_fps, config.temporal_patch_size)
     return VideoSampling(indices=indices, timestamps=tuple(stamps), video_fps=video_fps)
 

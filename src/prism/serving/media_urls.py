@@ -11,12 +11,18 @@ answers before memory or time is spent:
   the server's network neighbours are trusted.
 - counts: at most `max_media_per_request` items (images + videos), `max_video_frames` frames per video, and
   `max_request_bytes` of media bytes in all (whatever their source);
-- pixels: the images at most `max_image_pixels` in all (`media.pixel_budget`), read from their headers once every
-  source is read and before any image is decoded (an image named by its uuid alone carries none); the video frames
-  at most `max_video_pixels` (below).
+- videos: each one's frame count and rate within what the engine's sampling takes, before any frame is fetched
+  (`video_frames.check_sampling`);
+- pixels: the images at most `max_image_pixels` in all (`media.pixel_budget`), the video frames at most
+  `max_video_pixels` in all (`video_frames.check_frame_pixels`), each read from its header once every source is read
+  and before any image or frame is decoded (an image named by its uuid alone carries none).
 
-A refused request leaves nothing behind: the data URLs it decoded join the decoded-URL cache only once all of its
-media are resolved within these limits.
+A request refused here leaves nothing behind: the data URLs it decoded join the decoded-URL cache only once all of its
+media are resolved within these limits, and no frame is decoded before then. One resolved here and refused by the
+engine afterwards (a prompt too long, an image body that does not decode, a full server) leaves its data URLs cached:
+an entry is found only by the whole URL and the cache is bounded by its bytes (`data_url_cache_bytes`), so a later
+request that finds one gets the bytes its URL decodes to, judged by the same limits: its verdict and its answer are a
+miss's (and a client that sends the request again skips the base64 decode).
 
 Status codes (`MediaURLError.status`): 403 for a source this server refuses (local file outside or without
 `media_root`, remote media switched off, unreadable file), 413 for too many bytes or pixels, 400 for the rest
@@ -25,7 +31,7 @@ frame).
 
 `video_url` (an encoded video file) is refused with 400: no video decoder is installed; send decoded
 frames as `{"type": "video", "video": {"frames": [...], "fps": ...}}`. Those frames are decoded here
-(`prepare_chat` takes decoded frames), under a per-request pixel budget checked from each image header.
+(`prepare_chat` takes decoded frames), last (`video_frames`).
 The resolver is synchronous and holds no per-request state: run it on worker threads.
 """
 
@@ -40,12 +46,25 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
-from PIL import Image
 
-from ..media.errors import DecompressionBombError, ImagePixelBudgetError, ImageTooLargeError, MediaError
-from ..media.image import DEFAULT_LIMITS, DecodeLimits, decode_image, header_size
+from ..media.config import VideoProcessorConfig
+from ..media.errors import ImagePixelBudgetError, ImageTooLargeError, MediaError
+from ..media.image import DecodeLimits, header_size
 from ..media.pixel_budget import check_image_pixels
 from .data_url_cache import DecodedDataURLs
+from .media_url_errors import (  # noqa: F401 - the resolver's refusals, importable from here
+    ForbiddenMedia,
+    InvalidMediaData,
+    InvalidMediaURL,
+    InvalidVideo,
+    MediaFetchError,
+    MediaFetchTimeout,
+    MediaNotFound,
+    MediaTooLarge,
+    MediaURLError,
+    TooManyMedia,
+    UnsupportedMedia,
+)
 from .protocol import (
     ChatMessage,
     ImageURLPart,
@@ -55,58 +74,7 @@ from .protocol import (
     VideoURLPart,
 )
 from .settings import ServerSettings
-
-
-class MediaURLError(ValueError):
-    """A media URL of a request cannot be served; `status` is the HTTP status, `param` the field."""
-
-    status = 400
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.message = message
-        self.param = param
-
-
-class InvalidMediaURL(MediaURLError):
-    """Malformed URL, unsupported scheme, non-image data URL, bad base64, not a regular file."""
-
-
-class MediaNotFound(MediaURLError):
-    """A local file (inside media_root) does not exist."""
-
-
-class ForbiddenMedia(MediaURLError):
-    """The source is not allowed here: local files outside / without media_root, remote media switched off."""
-
-    status = 403
-
-
-class MediaTooLarge(MediaURLError):
-    """An item exceeds max_media_bytes, the request's media exceed max_request_bytes, its images max_image_pixels or
-    its video frames max_video_pixels."""
-
-    status = 413
-
-
-class TooManyMedia(MediaURLError):
-    """More than max_media_per_request items, or more than max_video_frames frames in one video."""
-
-
-class UnsupportedMedia(MediaURLError):
-    """A media kind this server cannot take (video_url: no video decoder)."""
-
-
-class MediaFetchError(MediaURLError):
-    """A remote fetch failed: HTTP error status, connection error, too many redirects."""
-
-
-class MediaFetchTimeout(MediaFetchError):
-    """A remote fetch did not finish within remote_media_timeout_s."""
-
-
-class InvalidMediaData(MediaURLError):
-    """An image's or a video frame's bytes are not a decodable image."""
+from .video_frames import SentVideo, check_frame_pixels, check_sampling, decode_frames
 
 
 def _shown(url: str) -> str:
@@ -114,13 +82,13 @@ def _shown(url: str) -> str:
 
 
 class _Budget:
-    """Media bytes and decoded video pixels left to one request; its images so far (bytes and field, None for one
-    named by its uuid alone) and the data URLs it decoded, kept for the decoded-URL cache until it is resolved."""
+    """Media bytes left to one request; its images (bytes and field, None for one named by its uuid alone) and
+    videos so far, and the data URLs it decoded, kept for the decoded-URL cache until it is resolved."""
 
-    def __init__(self, max_bytes: int, max_pixels: int) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.bytes_left = max_bytes
-        self.pixels_left = max_pixels
         self.images: list[tuple[bytes, str] | None] = []
+        self.videos: list[SentVideo] = []
         self.decoded: dict[str, bytes] = {}
 
     def take_bytes(self, n: int, param: str | None) -> None:
@@ -160,14 +128,17 @@ class MediaResolver:
     `transport` (an `httpx.BaseTransport`, e.g. `httpx.MockTransport`) replaces the network for remote URLs.
     `max_image_pixels` and `max_video_pixels` (the engine's, where they are lower) replace the settings' own: the
     server then refuses here whatever the engine would, before anything is cached (it counts every frame sent, the
-    engine the frames each video samples, never more).
+    engine the frames each video samples, never more). `video_config`: the engine's video processor settings, which
+    videos are sampled by (Qwen3-VL's defaults, an engine's whose checkpoint has no video config, when None).
     """
 
     def __init__(self, settings: ServerSettings, *, transport: httpx.BaseTransport | None = None,
-                 max_image_pixels: int | None = None, max_video_pixels: int | None = None) -> None:
+                 max_image_pixels: int | None = None, max_video_pixels: int | None = None,
+                 video_config: VideoProcessorConfig | None = None) -> None:
         self.settings = settings
         self.max_image_pixels = settings.max_image_pixels if max_image_pixels is None else max_image_pixels
         self.max_video_pixels = settings.max_video_pixels if max_video_pixels is None else max_video_pixels
+        self.video_config = VideoProcessorConfig() if video_config is None else video_config
         self._transport = transport
         self._decoded = DecodedDataURLs(settings.data_url_cache_bytes)
 
@@ -178,9 +149,9 @@ class MediaResolver:
         alone), videos as decoded frames
         (`{"type": "video", "video": [PIL.Image, ...], "fps": fps}`); "developer" becomes "system". `field`: the
         request's name for these messages in error locations (a decide's are its "material")."""
-        self._check_counts(messages, field)
+        self._check_before_fetching(messages, field)
         s = self.settings
-        budget = _Budget(s.max_request_bytes, self.max_video_pixels)
+        budget = _Budget(s.max_request_bytes)
         fetcher = _Fetcher(s, self._transport)
         try:
             out = []
@@ -193,9 +164,12 @@ class MediaResolver:
                         for j, part in enumerate(content)
                     ]
                 out.append({"role": role, "content": content})
-            self._check_image_pixels(budget.images)
         finally:
             fetcher.close()
+        self._check_image_pixels(budget.images)
+        check_frame_pixels(budget.videos, self.max_video_pixels, s.max_media_bytes,
+                           self._engines_limit("max_video_pixels"))
+        decode_frames(budget.videos, s.max_media_bytes)
         self._keep_decoded(budget)
         return out
 
@@ -203,7 +177,7 @@ class MediaResolver:
         """The bytes behind one media URL (data:, file://, absolute path, http(s)://) under the limits."""
         s = self.settings
         fetcher = _Fetcher(s, self._transport)
-        budget = _Budget(s.max_request_bytes, self.max_video_pixels)
+        budget = _Budget(s.max_request_bytes)
         try:
             data = self._fetch(url, param, budget, fetcher)
         finally:
@@ -243,8 +217,10 @@ class MediaResolver:
         for url, data in budget.decoded.items():
             self._decoded.put(url, data)
 
-    def _check_counts(self, messages: Sequence[ChatMessage], field: str = "messages") -> None:
-        items = 0
+    def _check_before_fetching(self, messages: Sequence[ChatMessage], field: str = "messages") -> None:
+        """What the request's parts alone decide: no video_url, the counts of items and frames, each video's sampling
+        (`video_frames.check_sampling`)."""
+        items, videos = 0, []
         for i, message in enumerate(messages):
             if not isinstance(message.content, list):
                 continue
@@ -262,12 +238,16 @@ class MediaResolver:
                         f"got {len(part.video.frames)}",
                         param=f"{where}.video.frames",
                     )
+                if isinstance(part, VideoPart):
+                    videos.append((part, where))
                 items += not isinstance(part, TextPart)
         if items > self.settings.max_media_per_request:
             raise TooManyMedia(
                 f"a request may carry at most {self.settings.max_media_per_request} images and videos, got {items}",
                 param="messages",
             )
+        for part, where in videos:
+            check_sampling(part, where, self.video_config)
 
     def _resolve_part(self, part: Any, where: str, budget: _Budget, fetcher: _Fetcher) -> dict[str, Any]:
         if isinstance(part, TextPart):
@@ -280,32 +260,14 @@ class MediaResolver:
             image = self._fetch(part.image_url.url, param, budget, fetcher)
             budget.images.append((image, param))
             return {"type": "image", "image": image} | ({"uuid": part.uuid} if part.uuid is not None else {})
-        if isinstance(part, VideoPart):
-            frames = []
+        if isinstance(part, VideoPart):  # its frames decoded once the request's pixels are judged (`decode_frames`)
+            video = SentVideo({"type": "video", "video": None, "fps": part.video.fps})
             for k, url in enumerate(part.video.frames):
                 param = f"{where}.video.frames[{k}]"
-                frames.append(self._decode_frame(self._fetch(url, param, budget, fetcher), param, budget))
-            return {"type": "video", "video": frames, "fps": part.video.fps}
+                video.frames.append((self._fetch(url, param, budget, fetcher), param))
+            budget.videos.append(video)
+            return video.part
         raise TypeError(f"{where}: not a validated content part: {type(part).__name__}")
-
-    def _decode_frame(self, data: bytes, param: str, budget: _Budget) -> Image.Image:
-        limit = min(budget.pixels_left, DEFAULT_LIMITS.max_pixels)
-        try:
-            frame = decode_image(
-                data, DecodeLimits(max_pixels=limit, max_bytes=self.settings.max_media_bytes)
-            )
-        except DecompressionBombError as exc:
-            if limit < budget.pixels_left:  # the frame's own limit, not the request's budget, refused it
-                raise MediaTooLarge(f"a video frame may have at most {limit} pixels ({exc})", param=param) from exc
-            raise MediaTooLarge(
-                f"the decoded video frames of this request exceed max_video_pixels={self.max_video_pixels} "
-                f"({exc}){self._engines_limit('max_video_pixels')}",
-                param=param,
-            ) from exc
-        except MediaError as exc:
-            raise InvalidMediaData(f"video frame is not a decodable image: {exc}", param=param) from exc
-        budget.pixels_left -= frame.width * frame.height
-        return frame
 
     # ---------------------------------------------------------------------------------- sources
     def _fetch(self, url: str, param: str | None, budget: _Budget, fetcher: _Fetcher) -> bytes:

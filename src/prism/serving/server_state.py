@@ -28,10 +28,12 @@ class ServerState:
             engine, max_in_flight=settings.max_waiting_requests, preprocess_workers=settings.preprocess_workers
         )
         self.metrics = ServingMetrics(engine)
-        # The lower of the server's and the engine's pixel budgets, so that the resolver refuses first.
+        # The lower of the server's and the engine's pixel budgets, and the engine's video sampling, so that the
+        # resolver refuses first.
         self.resolver = MediaResolver(
             settings, max_image_pixels=min(settings.max_image_pixels, engine.inputs.max_image_pixels),
-            max_video_pixels=min(settings.max_video_pixels, engine.inputs.max_video_pixels))
+            max_video_pixels=min(settings.max_video_pixels, engine.inputs.max_video_pixels),
+            video_config=engine.inputs.video_config)
         self.token_bytes = byte_level_vocab(engine.inputs.tokenizer)
         self.created = int(time.time())
 
