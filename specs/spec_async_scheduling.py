@@ -11,6 +11,7 @@ tiny checkpoint, so it checks once it ends that it reached them). Checked after 
 - the KV manager's accounting is exact (`check_invariants` on every step);
 - each request's events are one stream: nothing after its terminal event, tokens that are its outputs.
 At the end: exactly one terminal event per request, finish reasons that match the tokens, nothing leaked.
+Each example starts on an engine holding nothing of another (`engine`): its verdict is its own.
 
 And with every request added up front (no more than run at once), the tokens and finish reasons must be
 those of the engine with async scheduling off, the logprobs within rounding: a continuation fed the wrong
@@ -20,7 +21,6 @@ row's token, or a stopped request's logits row taken for another's, changes them
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 
 from hypothesis import given, settings
@@ -52,12 +52,36 @@ def chat(text: int, with_image: bool) -> list[dict]:
     return [{"role": "user", "content": [*content, {"type": "text", "text": TEXTS[text]}]}]
 
 
-@functools.cache
+_ENGINES: dict[tuple[bool, bool, bool], LLM] = {}
+
+
 def engine(async_scheduling: bool, chunks: bool = False, admissions: bool = False) -> LLM:
     """`chunks`: the packed graphs too, prompts interleaved 8 tokens at a time beside the decodes and a step
     budget smaller than a few prompts, so a later prompt's chunks go beside the decode rows (a continuation
     carries the next chunk of the one request still in its prompt). `admissions`: the packed graphs, and the
-    scheduler runs while a step is in flight when requests wait (`async_admissions`)."""
+    scheduler runs while a step is in flight when requests wait (`async_admissions`).
+
+    Each is built once and shared by the examples, as long as it holds nothing of the last one: an engine that
+    a failed example (its failure already reported) left requests or pages in is built anew, so that the next
+    example neither steps them beside its own, nor has its own ids refused as already in use (its requests are
+    named r0, r1, ... again), nor runs on a smaller pool: while Hypothesis shrinks, each example fails for its own
+    reasons only."""
+    key = (async_scheduling, chunks, admissions)
+    llm = _ENGINES.get(key)
+    if llm is None or not _holds_nothing(llm.engine):
+        llm = _ENGINES[key] = _built(*key)
+    return llm
+
+
+def _holds_nothing(eng) -> bool:
+    """No request known (live, or its events not taken), no sequence, no page held but by the prefix cache."""
+    kv = eng.kv
+    if eng.requests or eng.has_unfinished_requests() or kv.seqs:
+        return False
+    return all(kv.gpu.refcount[p] == kv.entries.entry_refs.get(p, 0) for p in range(kv.gpu.num_pages))
+
+
+def _built(async_scheduling: bool, chunks: bool, admissions: bool) -> LLM:
     if admissions:
         return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=16, num_gpu_pages=24, max_num_seqs=4,
                    max_num_batched_tokens=256, graph_rows_without_cuda=True, cuda_graph_max_batch=4,

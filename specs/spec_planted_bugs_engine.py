@@ -15,6 +15,7 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from prism.engine.request import RequestError
 from prism.kv.manager import KVCacheManager, SequenceError
 from specs import spec_failed_steps
 from specs.planted import _spec_fails
@@ -183,6 +184,25 @@ def test_an_async_tour_past_its_landmarks_is_caught(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(spec_async_scheduling, "params_of", never_stopping)
     with pytest.raises(AssertionError, match="the tour no longer reaches: r1 stopped on a stop token"):
+        spec_async_scheduling.tour(spec_async_scheduling.AsyncSchedulingMachine)
+
+
+def test_an_engine_a_failed_example_left_requests_in_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review of the stateful specs: the async machine's examples share an engine and each names its
+    requests r0, r1, ... again, so an example that failed with a request left in the engine failed the ones after it
+    too (their r3 refused as already in use, or the leftover stepped beside their own requests): a request the
+    scheduler never saw was reported as Hypothesis's "Inconsistent data generation", not as itself. Planted: the engine shared whatever an
+    example left in it; a tour that fails leaving r3 (the scheduler never sees it) must fail the next tour."""
+    from prism.engine.scheduler import Scheduler
+    from specs import spec_async_scheduling
+
+    monkeypatch.setattr(spec_async_scheduling, "_holds_nothing", lambda eng: True)
+    add = Scheduler.add
+    with monkeypatch.context() as lost:
+        lost.setattr(Scheduler, "add", lambda self, request: None if request.request_id == "r3" else add(self, request))
+        with pytest.raises(AssertionError, match="r3: 0 terminal events"):
+            spec_async_scheduling.tour(spec_async_scheduling.AsyncSchedulingMachine)
+    with pytest.raises(RequestError, match="request id 'r3' is already in use"):
         spec_async_scheduling.tour(spec_async_scheduling.AsyncSchedulingMachine)
 
 

@@ -461,7 +461,9 @@ def test_a_tokenizer_that_is_not_byte_level_is_refused_at_load(ckpt, tmp_path):
         (_user({"type": "video", "video": b"mp4 bytes", "fps": 2.0}), "not one encoded file"),
         (_user({"type": "video", "video": [], "fps": 2.0}), "no frames"),
         (_user({"type": "video", "video": [np.zeros((32, 32, 3), np.uint8)] * 4, "fps": -1}), "fps"),
-        (_user({"type": "image", "image": "a/path.png"}), "must be bytes"),
+        (_user({"type": "image", "image": "a/path.png"}), "^image must be bytes, a PIL image or a uint8"),
+        (_user({"type": "video", "video": [np.zeros((32, 32, 3), np.uint8), "b.png"], "fps": 2.0}),
+         "^video frame 1 must be bytes, a PIL image or a uint8"),
         (_user({"type": "text", "text": "sneaky <|image_pad|>"}), "must not contain the image placeholder"),
     ],
 )

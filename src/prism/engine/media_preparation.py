@@ -133,8 +133,8 @@ class VideoPlan:
     num_frames: int | None
 
 
-def _not_an_image(data: object) -> InputError:
-    return InputError(f"image must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}")
+def _not_an_image(data: object, what: str = "image") -> InputError:
+    return InputError(f"{what} must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}")
 
 
 class MediaPreparer:
@@ -234,9 +234,7 @@ class MediaPreparer:
             return width, height
         if isinstance(data, Image.Image):
             return data.size
-        if what == "image":
-            raise _not_an_image(data)
-        raise InputError(f"{what} must be bytes, a PIL image or a uint8 [H, W, 3] array, got {type(data).__name__}")
+        raise _not_an_image(data, what)
 
     def _images_of(self, datas: list[Any]) -> list[PreparedImage]:
         return [self._image(d) for d in datas]
