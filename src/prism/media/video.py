@@ -41,7 +41,7 @@ import torch
 from PIL import Image
 
 from .config import VideoProcessorConfig
-from .errors import ImageTooSmallError, VideoError
+from .errors import ImageTooSmallError, MediaDecodeError, VideoError
 from .image import (
     DEFAULT_LIMITS,
     DecodeLimits,
@@ -272,7 +272,10 @@ def decode_sampled_frames(frames: Sequence[Frame | bytes], indices: np.ndarray,
     rgb: dict[int, Image.Image] = {}
     for i in indices.tolist():
         if i not in rgb:
-            rgb[i] = to_rgb_image(frames[i], limits, what=f"video frame {i}")  # type: ignore[arg-type]
+            try:
+                rgb[i] = to_rgb_image(frames[i], limits, what=f"video frame {i}")  # type: ignore[arg-type]
+            except MediaDecodeError as exc:  # (encoded bytes: say which frame, as the other refusals do)
+                raise MediaDecodeError(f"video frame {i} is not a decodable image: {exc}") from exc
     return [rgb[i] for i in indices.tolist()]
 
 
