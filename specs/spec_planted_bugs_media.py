@@ -453,3 +453,34 @@ def test_the_servers_engine_ignoring_the_servers_pixel_budgets_is_caught(monkeyp
     monkeypatch.setattr(server_state, "engine_config_of", lambda settings: (
         EngineConfig.from_json(settings.engine_config_path) if settings.engine_config_path else EngineConfig()))
     _spec_fails(spec_image_decoding.spec_the_engine_a_server_builds_takes_the_servers_pixel_budgets, "the engine's")
+
+
+def _old_config_rate(value, name, error):
+    """The video processor config's check of its fps before session 37: any positive number, inf included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise error(f"{name} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def test_a_checkpoints_infinite_sampling_rate_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 37: a checkpoint's video config with `fps` of inf loaded, and every video was then refused
+    ("target fps must be a positive finite number"). Planted: the config's old check (any positive number)."""
+    from prism.media import config
+    from specs import spec_video_sampling
+
+    monkeypatch.setattr(config, "checked_sampling_rate", _old_config_rate)
+    _spec_fails(spec_video_sampling.spec_a_checkpoints_sampling_rate_loads_iff_every_video_is_sampled_as_hf,
+                "fps=inf loaded, then refused two frames")
+
+
+def test_a_checkpoints_sampling_rate_past_the_floats_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 37: a checkpoint's video config with `fps` of 1e300 loaded, and then refused any video longer
+    than 1.8e8 seconds of frames, blamed on its `video_fps` (the frame count to sample overflowed). Planted: the
+    config's rate checked as a request's only (positive and finite), without the sampling rate's bound (the sampling
+    then refuses the config's rate, as every rate it samples at is checked)."""
+    from prism.media import config, rates
+    from specs import spec_video_sampling
+
+    monkeypatch.setattr(config, "checked_sampling_rate", rates.checked_rate)
+    _spec_fails(spec_video_sampling.spec_a_checkpoints_sampling_rate_loads_iff_every_video_is_sampled_as_hf,
+                r"fps=1e\+300 loaded, then refused two frames")

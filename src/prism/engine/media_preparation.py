@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ from ..media.pixel_budget import (
 )
 from ..media.placeholders import ExpandedPrompt
 from ..media.prepare import PreparedImage, media_namespace, prepare_image
+from ..media.rates import checked_rate
 from ..media.video import (
     PreprocessedVideo,
     VideoSampling,
@@ -357,9 +357,7 @@ class MediaPreparer:
             raise InputError(f"video frames must be a list or a uint8 array, got {type(frames).__name__}")
         if not frame_list:
             raise InputError("video has no frames")
-        fps = video.fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
-            raise InputError(f"video fps must be a positive finite number, got {fps!r}")
+        fps = checked_rate(video.fps, "video fps", InputError)
         num_frames = video.num_frames
         if num_frames is not None and (
             isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0
@@ -369,7 +367,7 @@ class MediaPreparer:
             raise InputError(
                 "video num_frames needs frame sampling, which this checkpoint's processor disables"
             )
-        return VideoPlan(frame_list, sample_video(len(frame_list), float(fps), cfg, num_frames=num_frames), num_frames,
+        return VideoPlan(frame_list, sample_video(len(frame_list), fps, cfg, num_frames=num_frames), num_frames,
                          frames)
 
     def _video(self, frame_list: list[Any], sampling: VideoSampling, num_frames: int | None) -> PreparedVideo:
