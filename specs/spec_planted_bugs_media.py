@@ -292,7 +292,7 @@ def test_video_budget_judged_after_the_images_are_decoded_is_caught(monkeypatch:
 
     plan, prepare = MediaPreparer.plan_videos, MediaPreparer.videos
     monkeypatch.setattr(MediaPreparer, "plan_videos", lambda self, videos: videos)
-    monkeypatch.setattr(MediaPreparer, "videos", lambda self, videos: prepare(self, plan(self, videos)))
+    monkeypatch.setattr(MediaPreparer, "videos", lambda self, videos, memo=None: prepare(self, plan(self, videos), memo))
     _spec_fails(spec_image_decoding.spec_a_prompts_video_frames_are_accepted_iff_their_sampled_pixels_fit_the_budget,
                 "a refused prompt decoded")
 
@@ -313,11 +313,15 @@ def test_a_frame_past_its_own_limit_blamed_on_the_budget_is_caught(monkeypatch: 
 def test_a_video_sampling_refused_only_by_the_engine_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found in session 36: the server fetched and decoded every frame of a request, and cached its data URLs, before
     the engine refused the video's fps (64 frames of 640 x 480 at fps=1e-300). Planted: the server does not settle the
-    sampling."""
+    sampling (it counts every frame sent, as it did then)."""
+    import numpy as np
+
+    from prism.media.video import VideoSampling
     from prism.serving import media_urls
     from specs import spec_server_video_refusals
 
-    monkeypatch.setattr(media_urls, "check_sampling", lambda part, where, config: None)
+    monkeypatch.setattr(media_urls, "check_sampling", lambda part, where, config: VideoSampling(
+        np.arange(len(part.video.frames)), (), part.video.fps))
     _spec_fails(spec_server_video_refusals.spec_a_servers_video_refusals_come_before_any_frame_is_decoded,
                 "the server accepted videos")
 
@@ -332,12 +336,57 @@ def test_frames_decoded_before_the_pixels_are_judged_are_caught(monkeypatch: pyt
     judge = video_frames.check_frame_pixels
 
     def decoded_first(videos, max_video_pixels, max_bytes, whose_limit=""):
-        video_frames.decode_frames(videos, max_bytes)
+        _decode_every_frame(videos, max_bytes)
         judge(videos, max_video_pixels, max_bytes, whose_limit)
 
     monkeypatch.setattr(media_urls, "check_frame_pixels", decoded_first)
     _spec_fails(spec_server_video_refusals.spec_a_servers_video_refusals_come_before_any_frame_is_decoded,
                 "the server decoded")
+
+
+def _decode_every_frame(videos, max_bytes: int) -> None:
+    """The server's frame decoding of session 36: every frame sent decoded into its video's part."""
+    from prism.media.image import DecodeLimits, decode_image
+
+    for video in videos:
+        video.part["video"] = [decode_image(data, DecodeLimits(max_bytes=max_bytes)) for data, _ in video.frames]
+
+
+def test_a_server_decoding_every_frame_sent_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 37: the server decoded every frame of a video it accepted and handed them over decoded; the
+    engine sampled them and used only those (4 of a 30 fps video's 64 frames). Planted: every frame decoded again once
+    the pixels are judged."""
+    from prism.serving import media_urls, video_frames
+    from specs import spec_server_video_frames
+
+    judge = video_frames.check_frame_pixels
+
+    def then_decoded(videos, max_video_pixels, max_bytes, whose_limit=""):
+        judge(videos, max_video_pixels, max_bytes, whose_limit)
+        _decode_every_frame(videos, max_bytes)
+
+    monkeypatch.setattr(media_urls, "check_frame_pixels", then_decoded)
+    _spec_fails(spec_server_video_frames.spec_a_video_sent_to_the_server_is_prepared_as_its_frames_decoded_whole,
+                "frames decoded for the")
+
+
+def test_a_server_handing_over_only_the_sampled_frames_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plausible shortcut to decoding only the sampled frames: the server hands the engine just those, at the
+    video's rate, and the engine samples them again as a video of their own (other frames, other timestamps).
+    Planted: that shortcut."""
+    from prism.serving import media_urls, video_frames
+    from specs import spec_server_video_frames
+
+    judge = video_frames.check_frame_pixels
+
+    def then_cut(videos, max_video_pixels, max_bytes, whose_limit=""):
+        judge(videos, max_video_pixels, max_bytes, whose_limit)
+        for video in videos:
+            video.part["video"] = [video.frames[i][0] for i in dict.fromkeys(video.sampling.indices.tolist())]
+
+    monkeypatch.setattr(media_urls, "check_frame_pixels", then_cut)
+    _spec_fails(spec_server_video_frames.spec_a_video_sent_to_the_server_is_prepared_as_its_frames_decoded_whole,
+                "differs from their frames decoded whole")
 
 
 def test_too_few_frames_refused_after_decoding_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,3 +453,34 @@ def test_the_servers_engine_ignoring_the_servers_pixel_budgets_is_caught(monkeyp
     monkeypatch.setattr(server_state, "engine_config_of", lambda settings: (
         EngineConfig.from_json(settings.engine_config_path) if settings.engine_config_path else EngineConfig()))
     _spec_fails(spec_image_decoding.spec_the_engine_a_server_builds_takes_the_servers_pixel_budgets, "the engine's")
+
+
+def _old_config_rate(value, name, error):
+    """The video processor config's check of its fps before session 37: any positive number, inf included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise error(f"{name} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def test_a_checkpoints_infinite_sampling_rate_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 37: a checkpoint's video config with `fps` of inf loaded, and every video was then refused
+    ("target fps must be a positive finite number"). Planted: the config's old check (any positive number)."""
+    from prism.media import config
+    from specs import spec_video_sampling
+
+    monkeypatch.setattr(config, "checked_sampling_rate", _old_config_rate)
+    _spec_fails(spec_video_sampling.spec_a_checkpoints_sampling_rate_loads_iff_every_video_is_sampled_as_hf,
+                "fps=inf loaded, then refused two frames")
+
+
+def test_a_checkpoints_sampling_rate_past_the_floats_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in session 37: a checkpoint's video config with `fps` of 1e300 loaded, and then refused any video longer
+    than 1.8e8 seconds of frames, blamed on its `video_fps` (the frame count to sample overflowed). Planted: the
+    config's rate checked as a request's only (positive and finite), without the sampling rate's bound (the sampling
+    then refuses the config's rate, as every rate it samples at is checked)."""
+    from prism.media import config, rates
+    from specs import spec_video_sampling
+
+    monkeypatch.setattr(config, "checked_sampling_rate", rates.checked_rate)
+    _spec_fails(spec_video_sampling.spec_a_checkpoints_sampling_rate_loads_iff_every_video_is_sampled_as_hf,
+                r"fps=1e\+300 loaded, then refused two frames")

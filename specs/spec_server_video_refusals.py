@@ -7,16 +7,18 @@ subnormal and huge ones included), under a `max_video_pixels`:
   float tells apart, frame counts past the floats, fewer sampled frames than a temporal patch) as a 400 carrying the
   engine's reason, and accepts every video the engine takes (the engine's own pixel budget out of the way: it is the
   image-decoding spec's);
-- otherwise the server refuses the request exactly when the frames it sends announce more than `max_video_pixels`
-  (a 413 naming the limit);
-- a request the server refuses has had none of its frames decoded and leaves nothing in the decoded-URL cache; one it
-  accepts has each frame decoded once, and the engine prepares it; a video the engine refuses for its sampling, the
-  engine decodes none of.
+- otherwise the server refuses the request exactly when the frames its videos sample (as HF's `sample_frames` samples
+  them) announce more than `max_video_pixels` (a 413 naming the limit and saying that it counts the sampled frames),
+  as the engine counts them;
+- the server decodes no frame: a request it refuses leaves nothing in the decoded-URL cache; one it accepts, the
+  engine prepares, decoding each frame its videos sample once and no other; a video the engine refuses for its
+  sampling, the engine decodes none of.
 
 (Found in session 36: the server decoded all of a request's frames, then the engine refused its fps: 64 frames of
 640 x 480 at fps=1e-300 were decoded, and their data URLs cached, for a 400; a request's frames past its pixel
 budget were decoded up to the frame that crossed it; a one-frame video was decoded by the server and again by the
-engine before its refusal.)
+engine before its refusal. Session 37: the server decoded every frame of a video it accepted, the engine then using
+only the sampled ones, 17 of a 30 fps video's 256.)
 """
 
 from __future__ import annotations
@@ -25,18 +27,18 @@ import base64
 import functools
 import io
 import itertools
+import types
 from contextlib import contextmanager
-from unittest import mock
 
 import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageFile
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.video_utils import VideoMetadata
 
 from prism.engine.inputs import InputProcessor
-from prism.media import image as media_image
 from prism.media.errors import VideoError
-from prism.serving import video_frames
 from prism.serving.media_urls import MediaResolver, MediaURLError
 from prism.serving.protocol import parse_chat_request
 from prism.serving.settings import ServerSettings
@@ -58,17 +60,31 @@ def _png(arr: np.ndarray) -> bytes:
 
 
 @contextmanager
-def _recording_decodes():
-    """The encoded images decoded meanwhile, by the server (`video_frames`) or the engine (`media.image`)."""
-    decoded: dict[str, list[bytes]] = {"server": [], "engine": []}
-    server, engine = video_frames.decode_image, media_image.decode_image
+def recording_decodes():
+    """The sizes of the encoded images decoded meanwhile, by whoever decodes them (each load of an opened image's
+    pixels, which reading its header does not do; Pillow asks for a load again once it has them: not counted)."""
+    decoded: list[tuple[int, int]] = []
+    load = ImageFile.ImageFile.load
 
-    def by(who, decode):
-        return lambda data, limits=media_image.DEFAULT_LIMITS: decoded[who].append(data) or decode(data, limits)
+    def recorded(self):
+        if self.tile:  # pixels not loaded yet
+            decoded.append(self.size)
+        return load(self)
 
-    with mock.patch.object(video_frames, "decode_image", by("server", server)), \
-            mock.patch.object(media_image, "decode_image", by("engine", engine)):
+    ImageFile.ImageFile.load = recorded
+    try:
         yield decoded
+    finally:
+        ImageFile.ImageFile.load = load
+
+
+def hf_sampled(total: int, video_fps: float, proc: InputProcessor) -> list[int]:
+    """The frames HF's `Qwen3VLVideoProcessor.sample_frames` samples of `total` at `video_fps` under `proc`'s video
+    processor settings."""
+    cfg = proc.video_config
+    stub = types.SimpleNamespace(fps=cfg.fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames)
+    meta = VideoMetadata(total_num_frames=total, fps=video_fps)
+    return np.asarray(Qwen3VLVideoProcessor.sample_frames(stub, meta)).tolist()
 
 
 def _engines_verdict(proc: InputProcessor, videos: list[tuple[list[bytes], float]]) -> tuple[VideoError | None, int]:
@@ -76,12 +92,12 @@ def _engines_verdict(proc: InputProcessor, videos: list[tuple[list[bytes], float
     decoded."""
     chat = [{"role": "user", "content": [*({"type": "video", "video": frames, "fps": fps} for frames, fps in videos),
                                          {"type": "text", "text": "What happens?"}]}]
-    with _recording_decodes() as decoded:
+    with recording_decodes() as decoded:
         try:
             proc.prepare_chat(chat)
-            return None, len(decoded["engine"])
+            return None, len(decoded)
         except VideoError as error:
-            return error, len(decoded["engine"])
+            return error, len(decoded)
 
 
 _requests = itertools.count()
@@ -100,6 +116,7 @@ _video = st.tuples(st.integers(1, 6), st.integers(8, 24), st.integers(8, 24), _r
 @example(videos=[(4, 24, 24, 2.0), (2, 24, 24, 1e-300)])  # the second video refused: the first's frames not decoded
 @example(videos=[(5, 24, 24, 2.0)])  # exactly the budget
 @example(videos=[(5, 24, 24, 2.0), (2, 8, 8, 2.0)])  # past it by the second video's last frame
+@example(videos=[(6, 24, 24, 30.0)])  # the 6 frames sent past it, the 4 sampled within it
 def spec_a_servers_video_refusals_come_before_any_frame_is_decoded(videos) -> None:
     rng = np.random.default_rng(next(_requests))
     given_frames = [([_png(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for _ in range(count)], fps)
@@ -113,28 +130,33 @@ def spec_a_servers_video_refusals_come_before_any_frame_is_decoded(videos) -> No
                                                     for p in frames], "fps": fps}} for frames, fps in given_frames]
     messages = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": parts}]}).messages
     resolver = MediaResolver(ServerSettings(max_video_pixels=BUDGET), video_config=proc.video_config)
-    with _recording_decodes() as decoded:
+    with recording_decodes() as decoded:
         try:
             resolved, refused = resolver.resolve_messages(messages), None
         except MediaURLError as error:
             resolved, refused = None, error
-    sent = sum(count * w * h for count, w, h, _ in videos)
     shown = [(count, f"{w}x{h}", fps) for count, w, h, fps in videos]
+    assert not decoded, f"the server decoded {len(decoded)} frames of videos {shown} ({refused or 'accepted'})"
     if engine_refused is not None:
         assert refused is not None, f"the server accepted videos {shown} that the engine refuses: {engine_refused}"
         assert refused.status == 400 and str(engine_refused) in refused.message, \
             f"videos {shown}: the engine refuses them for {engine_refused}; the server's {refused.status}: {refused}"
-    elif sent > BUDGET:
-        assert refused is not None, f"the server accepted video frames of {sent} pixels, max_video_pixels={BUDGET}"
-        assert refused.status == 413 and f"max_video_pixels={BUDGET}" in refused.message, refused.message
-    else:
-        assert refused is None, f"the server refused videos {shown} of {sent} pixels that the engine takes: {refused}"
-    if refused is not None:
-        assert not decoded["server"], f"the server decoded {len(decoded['server'])} frames of a request it refused " \
-                                      f"({refused})"
         assert resolver._decoded.nbytes == 0, "a refused request's data URLs were cached"
         return
-    assert len(decoded["server"]) == sum(count for count, *_ in videos), \
-        f"the server decoded {len(decoded['server'])} frames of {sum(c for c, *_ in videos)} sent (each once)"
-    prompt = proc.prepare_chat(resolved)
+    sampled = [hf_sampled(count, fps, proc) for count, _, _, fps in videos]
+    pixels = sum(len(indices) * w * h for indices, (_, w, h, _) in zip(sampled, videos, strict=True))
+    if pixels > BUDGET:
+        assert refused is not None, f"the server accepted videos {shown} sampling {pixels} pixels, " \
+                                    f"max_video_pixels={BUDGET}"
+        assert refused.status == 413 and f"the frames this request's videos sample announce {pixels} pixels in all; " \
+            f"the limit is max_video_pixels={BUDGET}" in refused.message, refused.message
+        assert resolver._decoded.nbytes == 0, "a refused request's data URLs were cached"
+        return
+    assert refused is None, f"the server refused videos {shown} sampling {pixels} pixels, which the engine takes: " \
+                            f"{refused}"
+    with recording_decodes() as decoded:
+        prompt = proc.prepare_chat(resolved)
     assert [m.kind for m in prompt.media] == ["video"] * len(videos)
+    distinct = sum(len(set(indices)) for indices in sampled)
+    assert len(decoded) == distinct, f"videos {shown}: {len(decoded)} frames decoded for the {distinct} they sample " \
+                                     "(each once, no other)"

@@ -19,12 +19,22 @@ exactly when it is at most the config's `max_frames`, and then every video is sa
 a larger one is a `MediaConfigError` naming the value and the limit, so that the engine does not start (session 36:
 `num_frames=10**9` loaded, and every video request was then refused, blamed on a `num_frames` the request never gave).
 HF refuses a config whose `num_frames` and `fps` are both set ("mutually exclusive"); here the count wins.
+
+A checkpoint's own sampling rate (its `fps`) loads exactly when it is a positive finite number of at most
+`media.rates.MAX_SAMPLING_FPS`, the check a request's rates get; then every video whose timestamps fit, the longest
+such too (two frames 2**50 seconds apart, less a tick), is sampled as HF samples it at that rate. Any other is a
+`MediaConfigError` naming the file and the value (session 37: `fps` of inf loaded and every video was then refused; one
+of 1e300 loaded and refused every video longer than 1.8e8 seconds of frames, 256 frames a fortnight apart, blamed on
+its `video_fps`; HF's sampling overflows for both).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
 import types
+from pathlib import Path
 
 import numpy as np
 from hypothesis import example, given, settings
@@ -35,25 +45,27 @@ from transformers.video_utils import VideoMetadata
 
 from prism.media.config import VideoProcessorConfig
 from prism.media.errors import MediaConfigError, VideoError
+from prism.media.rates import MAX_SAMPLING_FPS
 from prism.media.video import preprocess_video, sample_video
 
 CFG = VideoProcessorConfig(min_pixels=2 * 32 * 32, max_pixels=16 * 32 * 32)
 
 
-def _hf(total: int, video_fps: float, sample: bool) -> tuple[list[int], list[float]] | None:
-    """HF's sampled indices and timestamps for `total` frames at `video_fps`; None where HF fails or would not make
-    the video (fewer frames than a temporal patch; a timestamp that is not finite)."""
-    stub = types.SimpleNamespace(fps=CFG.fps, min_frames=CFG.min_frames, max_frames=CFG.max_frames)
+def _hf(total: int, video_fps: float, sample: bool, cfg: VideoProcessorConfig = CFG
+        ) -> tuple[list[int], list[float]] | None:
+    """HF's sampled indices and timestamps for `total` frames at `video_fps` under `cfg`; None where HF fails or would
+    not make the video (fewer frames than a temporal patch; a timestamp that is not finite)."""
+    stub = types.SimpleNamespace(fps=cfg.fps, min_frames=cfg.min_frames, max_frames=cfg.max_frames)
     try:
         if sample:
             meta = VideoMetadata(total_num_frames=total, fps=video_fps)
             indices = np.asarray(Qwen3VLVideoProcessor.sample_frames(stub, meta)).tolist()
         else:
             indices = list(range(total))
-        stamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), video_fps, CFG.temporal_patch_size)
+        stamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), video_fps, cfg.temporal_patch_size)
     except (OverflowError, ValueError):
         return None
-    if len(indices) < CFG.temporal_patch_size or not all(map(math.isfinite, stamps)):
+    if len(indices) < cfg.temporal_patch_size or not all(map(math.isfinite, stamps)):
         return None
     if any(np.spacing(t) > 0.1 for t in stamps):  # HF makes it, but its text shows digits the float does not hold
         return None
@@ -144,3 +156,48 @@ def spec_a_checkpoints_frame_count_loads_iff_within_max_frames(num_frames, max_f
             f"{total} frames refused under a checkpoint's num_frames={num_frames} (HF samples {indices}): {error}"
         return
     assert sampling.indices.tolist() == indices, f"sampled {sampling.indices.tolist()}, HF {indices}"
+
+
+LONGEST_RATE = float(np.nextafter(2.0**-50, 1))  # two frames at it: one timestamp, the last below 2**49 s
+_config_rates = st.one_of(
+    st.floats(), st.integers(-2, 10**6), st.booleans(),
+    st.sampled_from([math.inf, 1e300, MAX_SAMPLING_FPS, float(np.nextafter(MAX_SAMPLING_FPS, math.inf)), 2.0, 1e-300]),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(fps=_config_rates, total=st.integers(2, 300),
+       video_fps=st.floats(min_value=0.0, exclude_min=True, allow_infinity=False, allow_nan=False))
+@example(fps=math.inf, total=64, video_fps=30.0)  # every video refused, blamed on "target fps"
+@example(fps=1e300, total=256, video_fps=1e-6)  # a frame every 11.6 days, blamed on its video_fps
+@example(fps=MAX_SAMPLING_FPS, total=2, video_fps=1.0)  # the most: loads
+@example(fps=float(np.nextafter(MAX_SAMPLING_FPS, math.inf)), total=2, video_fps=1.0)  # one past it
+@example(fps=True, total=4, video_fps=2.0)
+def spec_a_checkpoints_sampling_rate_loads_iff_every_video_is_sampled_as_hf(fps, total, video_fps) -> None:
+    rate_ok = (not isinstance(fps, bool) and math.isfinite(fps) and 0 < fps <= MAX_SAMPLING_FPS)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "video_preprocessor_config.json"
+        path.write_text(json.dumps({"fps": fps}))  # (inf and nan as JSON's Infinity and NaN, as Python writes them)
+        try:
+            config = VideoProcessorConfig.from_json_file(path)
+        except MediaConfigError as error:
+            assert not rate_ok, f"a checkpoint's fps={fps!r} refused: {error}"
+            assert str(path) in str(error) and repr(fps) in str(error), f"fps={fps!r} refused as: {error}"
+            return
+    try:
+        longest = sample_video(2, LONGEST_RATE, config)
+    except VideoError as error:
+        raise AssertionError(f"a checkpoint's fps={fps!r} loaded, then refused two frames {1 / LONGEST_RATE:.6g} s apart, "
+                             f"whose timestamp fits: {error}") from error
+    assert longest.indices.tolist() == [0, 1] and longest.timestamps == ((0 / LONGEST_RATE + 1 / LONGEST_RATE) / 2,)
+    assert rate_ok and config.fps == fps, f"a checkpoint's fps={fps!r} loaded as {config.fps!r}"
+    expected = _hf(total, video_fps, True, config)
+    try:
+        sampled = sample_video(total, video_fps, config)
+    except VideoError as error:
+        assert expected is None, f"a checkpoint's fps={fps!r} loaded, then {total} frames at {video_fps!r} fps " \
+                                 f"refused ({error}) but HF samples {expected}"
+        return
+    assert expected is not None, f"fps={fps!r}: {total} frames at {video_fps!r} fps made a video HF does not make"
+    assert (sampled.indices.tolist(), list(sampled.timestamps)) == expected, \
+        f"fps={fps!r}: {total} frames at {video_fps!r} fps sampled {sampled.indices.tolist()}, HF {expected[0]}"

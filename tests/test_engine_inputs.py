@@ -593,6 +593,32 @@ def test_a_media_memo_prepares_each_image_object_once(proc, monkeypatch):
         assert a.token_ids == b.token_ids and [m.digest for m in a.media] == [m.digest for m in b.media]
 
 
+def test_a_media_memo_decodes_a_videos_sampled_frames_once(proc, monkeypatch):
+    """The server hands a video over as its frames' bytes: a decision's questions on that material decode the frames
+    it samples once for all of them (not once per question), and get the prompts prepared without the memo. The same
+    frames object at another rate is another video, not the memo's."""
+    from prism.media import image as media_image
+
+    frames = [_png(im) for im in random_images([(32, 24)] * 12, seed=13)]  # 30 fps: 4 of the 12 sampled
+    material = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 30.0}]}]
+    questions = ["What happens?", "Is it day?", "Who moves?"]
+    decoded, decode = [], media_image.decode_image
+    monkeypatch.setattr(media_image, "decode_image", lambda data, limits: decoded.append(data) or decode(data, limits))
+    memo: dict = {}
+    with_memo = [proc.prepare_chat([*material, {"role": "user", "content": q}], media_memo=memo) for q in questions]
+    assert sorted(map(id, decoded)) == sorted(id(frames[i]) for i in (0, 4, 7, 11))
+    decoded.clear()
+    without = [proc.prepare_chat([*material, {"role": "user", "content": q}]) for q in questions]
+    assert len(decoded) == 4 * len(questions)
+    for a, b in zip(with_memo, without, strict=True):
+        assert a.token_ids == b.token_ids and [m.digest for m in a.media] == [m.digest for m in b.media]
+        assert torch.equal(a.media[0].pixels, b.media[0].pixels)
+    slower = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 2.0}]}]  # every frame sampled
+    decoded.clear()
+    prompt = proc.prepare_chat([*slower, {"role": "user", "content": questions[0]}], media_memo=memo)
+    assert len(decoded) == 12 and prompt.media[0].grid_thw[0] == 6 and with_memo[0].media[0].grid_thw[0] == 2
+
+
 def test_an_image_sent_with_a_uuid_can_then_be_named_by_it_alone(ckpt):
     """vLLM's convention: a part's `uuid` names its image; later prompts may send the uuid without the image
     (no decoding, no hashing) and get the same prepared media. An unknown uuid, a uuid re-pointed at another
@@ -807,3 +833,15 @@ def test_pictures_and_arrays_count_their_size_and_a_memo_reads_no_header_again(c
         InputProcessor(ckpt, max_image_pixels=0)
     with pytest.raises(InputError, match="max_video_pixels must be a positive int"):
         InputProcessor(ckpt, max_video_pixels=2.0**27)
+
+
+def test_a_sampled_frame_whose_body_does_not_decode_is_named(proc):
+    """Frames come encoded from the server, which read only their headers: a sampled frame whose pixels are cut short
+    is a MediaDecodeError (a 400) naming it; one the video does not sample is never decoded, so it costs nothing."""
+    frames = [_png(im) for im in random_images([(32, 24)] * 12, seed=17)]  # 30 fps: frames 0, 4, 7 and 11 sampled
+    cut = frames[5][: len(frames[5]) // 2]
+    chat = [{"role": "user", "content": [{"type": "video", "video": [*frames[:5], cut, *frames[6:]], "fps": 30.0}]}]
+    assert len(proc.prepare_chat(chat).media) == 1
+    chat[0]["content"][0]["video"] = [*frames[:4], cut, *frames[5:]]
+    with pytest.raises(MediaDecodeError, match="^video frame 4 is not a decodable image: image data is truncated"):
+        proc.prepare_chat(chat)

@@ -17,9 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
-from prism.serving import video_frames
 from prism.serving.data_url_cache import DecodedDataURLs
 from prism.serving.media_urls import (
     ForbiddenMedia,
@@ -497,16 +496,14 @@ def test_video_url_is_unsupported():
     assert info.value.param == "messages[0].content[0]"
 
 
-def test_video_frames_are_decoded_with_a_pixel_budget():
+def test_video_frames_are_handed_over_encoded_with_a_pixel_budget():
     frames = [data_url(png(16, 12, seed=i)) for i in range(4)]
     part = {"type": "video", "video": {"frames": frames, "fps": 2.0}}
     out = MediaResolver(ServerSettings()).resolve_messages(user({"type": "text", "text": "v"}, part))
     video = out[0]["content"][1]
-    assert video["type"] == "video" and video["fps"] == 2.0
-    assert [f.size for f in video["video"]] == [(16, 12)] * 4 and all(f.mode == "RGB" for f in video["video"])
-    expected = np.asarray(Image.open(io.BytesIO(png(16, 12, seed=2))).convert("RGB"))
-    assert np.array_equal(np.asarray(video["video"][2]), expected)
-    with pytest.raises(MediaTooLarge, match="max_video_pixels") as info:
+    assert video == {"type": "video", "video": [png(16, 12, seed=i) for i in range(4)], "fps": 2.0}
+    with pytest.raises(MediaTooLarge, match="the frames this request's videos sample announce 768 pixels in all; "
+                                            "the limit is max_video_pixels=576") as info:
         MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 3)).resolve_messages(user(part))
     assert info.value.param == "messages[0].content[0].video.frames[3]"
     # The engine's lower budget (the server state passes the lower of the two) is the one refused at, and named.
@@ -540,13 +537,33 @@ def test_the_frames_of_a_request_past_its_budget_are_all_judged_before_any_is_de
     parts = [{"type": "video", "video": {"frames": frames[:2], "fps": 2.0}},
              {"type": "video", "video": {"frames": frames, "fps": 2.0}}]
     resolver = MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 4))
-    decoded, decode = [], video_frames.decode_image
-    monkeypatch.setattr(video_frames, "decode_image", lambda data, limits: decoded.append(data) or decode(data, limits))
+    decoded, load = [], ImageFile.ImageFile.load  # every pixel load of an opened image
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or load(self))
     with pytest.raises(MediaTooLarge, match=r"announce 960 pixels in all; the limit is max_video_pixels=768, "
                                             r"crossed at video 1's frame 2 \(16x12\)") as info:
         resolver.resolve_messages(user(*parts))
     assert info.value.param == "messages[0].content[1].video.frames[2]"
     assert not decoded and resolver._decoded.nbytes == 0
+
+
+def test_the_video_budget_counts_the_frames_sampled_and_every_frame_sent_is_judged(monkeypatch):
+    """30 fps: 16 frames sent, 4 sampled (Qwen3-VL's 2 fps, at least min_frames=4). The budget takes the 4 (a 413
+    saying it counts the sampled frames past them); a frame not sampled is still read from its header, and one that
+    is not an image is a 400 naming it. Nothing is decoded here."""
+    sent = [data_url(png(16, 12, seed=i)) for i in range(16)]
+    part = {"type": "video", "video": {"frames": sent, "fps": 30.0}}
+    decoded, load = [], ImageFile.ImageFile.load  # every pixel load of an opened image
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or load(self))
+    out = MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 4)).resolve_messages(user(part))
+    assert len(out[0]["content"][0]["video"]) == 16 and not decoded
+    with pytest.raises(MediaTooLarge, match=r"the frames this request's videos sample announce 768 pixels in all; the "
+                                            r"limit is max_video_pixels=767, crossed at video 0's frame 15") as info:
+        MediaResolver(ServerSettings(max_video_pixels=16 * 12 * 4 - 1)).resolve_messages(user(part))
+    assert info.value.param == "messages[0].content[0].video.frames[15]"
+    unsampled = {"type": "video", "video": {"frames": [*sent[:3], data_url(b"not an image"), *sent[4:]], "fps": 30.0}}
+    with pytest.raises(InvalidMediaData, match="not a decodable image") as info:
+        MediaResolver(ServerSettings()).resolve_messages(user(unsampled))
+    assert info.value.param == "messages[0].content[0].video.frames[3]" and not decoded
 
 
 def test_images_past_max_image_pixels_are_refused_from_their_headers_and_cache_nothing():

@@ -126,7 +126,7 @@ def plan_decision(decision_id: str, material: list[dict], questions: list[Questi
                                 "prism.decision.questions.Question objects")
     if thinking is not None and not isinstance(thinking, ThinkingConfig):
         raise QuestionError(f"thinking is a {type(thinking).__name__}: pass a prism.decision.thinking.ThinkingConfig")
-    media_memo: dict = {}  # the material's images are hashed and looked up once, not once per question
+    media_memo: dict = {}  # the material's images and videos are prepared once, not once per question
 
     def branch(request_id: str, question: Question) -> Branch:
         prompt = inputs.prepare_chat([*material, {"role": "user", "content": question.render()}],

@@ -46,7 +46,7 @@ from .chat import (
 )
 from .detokenize import DetokenizeError, byte_level_vocab
 from .image_names import ImageNameConflict, ImageNames
-from .media_preparation import MediaPreparer, place_media
+from .media_preparation import MediaMemo, MediaPreparer, place_media
 from .prompt import PreparedMedia, PreparedPrompt
 
 __all__ = [
@@ -293,12 +293,13 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-        media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
+        media_memo: MediaMemo | None = None,
         on_image: Callable[[PreparedImage], None] | None = None,
         bind_names: bool = True,
     ) -> PreparedPrompt:
         """`media_memo`: prompts built from the same message objects (a decision's material asked several
-        questions) pass one dict, and each image object is hashed and looked up once for all of them.
+        questions) pass one dict, and each image object, and each video's frames object, is decoded, hashed and looked
+        up once for all of them.
         `on_image`: called on this thread with each image as soon as it is prepared, while the others still are
         (the engine starts encoding it). `bind_names`: bind the uuids the images are sent with now; the engine and
         the server pass False and bind them when the engine accepts the prompt (`bind_names`), so a refused
@@ -367,7 +368,7 @@ class InputProcessor:
     # ---------------------------------------------------------------------------------- internals
     def _prepare(
         self, text: str, images: list[ImageInput], videos: list[VideoInput], *, from_chat: bool,
-        media_memo: dict[int, tuple[Any, PreparedImage]] | None = None,
+        media_memo: MediaMemo | None = None,
         on_image: Callable[[PreparedImage], None] | None = None,
     ) -> PreparedPrompt:
         self._refuse_texts_past_the_limit(text)
@@ -393,7 +394,7 @@ class InputProcessor:
         # The videos' sampling and pixel budget first: a prompt they refuse decodes (and encodes) no image either.
         video_plans = self.media.plan_videos(videos)
         prepared_images, names = self.media.images(images, {} if media_memo is None else media_memo, on_image)
-        prepared_videos = self.media.videos(video_plans)
+        prepared_videos = self.media.videos(video_plans, media_memo)
         expanded = expand_placeholders(
             ids,
             special=self.special,

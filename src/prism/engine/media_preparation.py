@@ -12,7 +12,9 @@ Owns the media identity rules:
   them is decoded: a prompt over it leaves nothing in the cache and binds no name. The frames its videos sample
   announce at most `max_video_pixels` in all, judged once every video's sampling is settled (`plan_videos`) and
   before any of the prompt's images or frames is decoded: a prompt refused for its videos leaves no image decoded,
-  cached or encoded either. Each sampled frame is decoded once (for the cache key and the pixels alike).
+  cached or encoded either. Each sampled frame is decoded once (for the cache key and the pixels alike), and a
+  frame not sampled never (the server hands frames over encoded, so this is where a video's frames are decoded);
+  prompts sharing one `MediaMemo` (a decision's questions) prepare each image and video object once for all.
 
 Preprocessing goes through the shared `PreprocessCache` when one is given: file bytes are keyed by their
 raw digest (the same key the HTTP path uses, `media.prepare.prepare_image`), decoded pixels by a digest of
@@ -23,8 +25,8 @@ locks); its methods may run on worker threads concurrently.
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -39,9 +41,15 @@ from ..media.cache import CacheKey, PreprocessCache
 from ..media.config import ImageProcessorConfig, VideoProcessorConfig
 from ..media.digest import hash_field, hash_rgb, image_digest, new_hash, pixels_digest, video_digest
 from ..media.image import DecodeLimits, checked_rgb_array, header_size, preprocess_image, to_rgb_image
-from ..media.pixel_budget import DEFAULT_MAX_VIDEO_PIXELS, check_image_pixels, check_video_pixels
+from ..media.pixel_budget import (
+    DEFAULT_MAX_VIDEO_PIXELS,
+    check_image_pixels,
+    check_video_pixels,
+    sampled_frame_sizes,
+)
 from ..media.placeholders import ExpandedPrompt
 from ..media.prepare import PreparedImage, media_namespace, prepare_image
+from ..media.rates import checked_rate
 from ..media.video import (
     PreprocessedVideo,
     VideoSampling,
@@ -60,6 +68,10 @@ _MEDIA_THREADS = max(1, min(8, os.cpu_count() or 1))
 # W1's preparation (8 new images, three rounds): 8 tasks 5.9-6.3 ms, 4 tasks 4.8-5.4, 2 tasks 6.0-7.2.
 _MEDIA_TASKS = min(4, _MEDIA_THREADS)
 _SPAN_SCHEME = b"prism.video-span.v3"
+# The media of prompts built from the same message objects (a decision's material asked several questions), each
+# prepared once for all of them: an image object's id -> (the object, its PreparedImage); ("video", a frames object's
+# id) -> (the object, ((frame count, rate, num_frames), its PreparedVideo)). Holding the object keeps its id unused.
+MediaMemo = dict[Any, tuple[Any, Any]]
 _FRAMES_SCHEME = b"prism.video-frames.v3"
 
 
@@ -131,6 +143,14 @@ class VideoPlan:
     frames: list[Any]
     sampling: VideoSampling
     num_frames: int | None
+    given: Any = None  # the frames object the prompt was given (a `MediaMemo` finds the video by it)
+
+    def memo_key(self) -> tuple[str, int]:
+        return ("video", id(self.given))
+
+    def timing(self) -> tuple[int, float, int | None]:
+        """What, beside the frames object, the video prepared from it depends on."""
+        return len(self.frames), self.sampling.video_fps, self.num_frames
 
 
 def _not_an_image(data: object, what: str = "image") -> InputError:
@@ -169,7 +189,7 @@ class MediaPreparer:
             return compute()[0]
         return self._cache.get_or_compute(key, compute)
 
-    def images(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]],
+    def images(self, images: list[ImageInput], memo: MediaMemo,
                on_image: Callable[[PreparedImage], None] | None = None
                ) -> tuple[list[PreparedImage], tuple[tuple[str, CacheKey, bytes], ...]]:
         """Each image prepared once per memo (keyed by object identity; the memo holds the object, so its id
@@ -209,7 +229,7 @@ class MediaPreparer:
                else sent[im.uuid][2] if im.uuid in sent else self._image_by_uuid(im.uuid) for im in images]
         return out, tuple((uuid, key, digest) for uuid, (key, digest, _) in sent.items())
 
-    def _check_pixel_budget(self, images: list[ImageInput], memo: dict[int, tuple[Any, PreparedImage]]) -> None:
+    def _check_pixel_budget(self, images: list[ImageInput], memo: MediaMemo) -> None:
         """Each image sent with pixels counts what it announces (`media.pixel_budget`; one this memo prepared, the
         size it was decoded at: a decide's questions do not read their material's headers again); one named by its
         uuid alone carries none."""
@@ -299,18 +319,29 @@ class MediaPreparer:
         in all (`media.pixel_budget`, from what each frame announces), nothing decoded: the prompt calls it before
         it prepares its images, so that a prompt refused for its videos decodes nothing (`videos` prepares them)."""
         plans = [self._video_plan(v) for v in videos]
-        sampled = []
-        for plan in plans:
-            indices = plan.sampling.indices.tolist()
-            # a frame sampled many times (num_frames past the frames given) counts each time, its header read once
-            sizes = {i: self._announced_size(plan.frames[i], f"video frame {i}") for i in dict.fromkeys(indices)}
-            sampled.append([(i, *sizes[i]) for i in indices])
-        check_video_pixels(sampled, self.max_video_pixels)
+        # a frame sampled many times (num_frames past the frames given) counts each time, its header read once
+        check_video_pixels([sampled_frame_sizes(plan.sampling.indices.tolist(), functools.partial(
+            self._frame_size, plan.frames)) for plan in plans], self.max_video_pixels)
         return plans
 
-    def videos(self, plans: Sequence[VideoPlan]) -> list[PreparedVideo]:
-        """The videos `plan_videos` settled, each prepared, its sampled frames decoded once."""
-        return [self._video(plan.frames, plan.sampling, plan.num_frames) for plan in plans]
+    def _frame_size(self, frames: list[Any], i: int) -> tuple[int, int]:
+        return self._announced_size(frames[i], f"video frame {i}")
+
+    def videos(self, plans: Sequence[VideoPlan], memo: MediaMemo | None = None) -> list[PreparedVideo]:
+        """The videos `plan_videos` settled, each prepared, its sampled frames decoded once; one whose frames object
+        (with the same rate and count) `memo` holds is taken from it, neither decoded nor hashed again (a decision's
+        questions on one material: the frames the server hands over encoded are decoded once for all of them)."""
+        out = []
+        for plan in plans:
+            entry = memo.get(plan.memo_key()) if memo is not None else None
+            if entry is not None and entry[0] is plan.given and entry[1][0] == plan.timing():
+                out.append(entry[1][1])
+                continue
+            prepared = self._video(plan.frames, plan.sampling, plan.num_frames)
+            if memo is not None:
+                memo[plan.memo_key()] = (plan.given, (plan.timing(), prepared))
+            out.append(prepared)
+        return out
 
     def _video_plan(self, video: VideoInput) -> VideoPlan:
         """A video's frames as a list, its sampling (the config's fps or the video's `num_frames`) and `num_frames`."""
@@ -326,9 +357,7 @@ class MediaPreparer:
             raise InputError(f"video frames must be a list or a uint8 array, got {type(frames).__name__}")
         if not frame_list:
             raise InputError("video has no frames")
-        fps = video.fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
-            raise InputError(f"video fps must be a positive finite number, got {fps!r}")
+        fps = checked_rate(video.fps, "video fps", InputError)
         num_frames = video.num_frames
         if num_frames is not None and (
             isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0
@@ -338,7 +367,8 @@ class MediaPreparer:
             raise InputError(
                 "video num_frames needs frame sampling, which this checkpoint's processor disables"
             )
-        return VideoPlan(frame_list, sample_video(len(frame_list), float(fps), cfg, num_frames=num_frames), num_frames)
+        return VideoPlan(frame_list, sample_video(len(frame_list), fps, cfg, num_frames=num_frames), num_frames,
+                         frames)
 
     def _video(self, frame_list: list[Any], sampling: VideoSampling, num_frames: int | None) -> PreparedVideo:
         cfg = self.video_config

@@ -13,7 +13,9 @@ Qwen3-VL checkpoint value.
   min/max pixels 128*32*32 / 768*32*32 (total over the sampled frames), fps 2, min_frames 4,
   max_frames 768, max_video_tokens 768, and cap_pixels_per_frame False (5.17's effective default). A `num_frames`
   (a frame count every video is sampled to) past `max_frames` is refused, as a request's is (`media.video`): HF
-  would sample any count, 10**9 filling the memory at the first video.
+  would sample any count, 10**9 filling the memory at the first video. An `fps` that is not a positive finite number
+  at most `media.rates.MAX_SAMPLING_FPS` is refused, by the check a request's rates get (`media.rates`): inf loaded,
+  and every video was then refused, blamed on its `video_fps`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MediaConfigError
+from .rates import checked_sampling_rate
 
 PIL_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC; the only resample HF's Qwen processors use
 
@@ -234,10 +237,8 @@ class VideoProcessorConfig:
             _positive_int(name, getattr(self, name))
         if self.min_frames > self.max_frames:
             raise MediaConfigError(f"min_frames {self.min_frames} > max_frames {self.max_frames}")
-        if self.fps is not None:
-            if isinstance(self.fps, bool) or not isinstance(self.fps, (int, float)) or not self.fps > 0:
-                raise MediaConfigError(f"fps must be a positive number or null, got {self.fps!r}")
-            object.__setattr__(self, "fps", float(self.fps))
+        if self.fps is not None:  # (a request's rates are checked alike: media.rates)
+            object.__setattr__(self, "fps", checked_sampling_rate(self.fps, "fps", MediaConfigError))
         if self.num_frames is not None:
             _positive_int("num_frames", self.num_frames)
             if self.num_frames > self.max_frames:  # (HF samples any count; a request's past it is a VideoError)

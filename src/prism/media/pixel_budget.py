@@ -14,17 +14,19 @@ server's `ServerSettings.max_image_pixels` in its media resolver, the engine's `
 prompt is prepared); the refusal is an `ImagePixelBudgetError`, an `ImageTooLargeError`: a 413 over HTTP.
 
 Video frames have a budget of their own, `max_video_pixels` (2**27 by default: 64 frames of 1920 x 1080): the frames
-a request's videos are made of, width x height each, summed over all of its videos, judged from what each frame
-announces before any is decoded. The server counts every frame a request sends (it decodes them all, once every
-frame's header is judged: `serving.video_frames`); the engine counts the frames each video samples (those it decodes and resizes; a frame sampled twice counts twice), so a video
-handed over whole as decoded frames costs what its sampled frames cost. The server's resolver refuses at the lower of
-its own and the engine's limits, so that it refuses first. The refusal is a `VideoPixelBudgetError`, an
-`ImagePixelBudgetError` (a 413 over HTTP).
+a request's videos sample (`media.video.sample_video`: those that are decoded and resized; a frame sampled twice counts
+twice), width x height each, summed over all of its videos, judged from what each frame announces before any is
+decoded. The server and the engine count alike (`serving.video_frames` reads every frame's header, counts the sampled
+ones and hands the frames over encoded; the engine decodes only those), so a video sent whole costs what its sampled
+frames cost, and the frames sent but not sampled cost a header read each (bounded by the server's frame count and
+byte limits). The server's resolver refuses at the lower of its own and the engine's limits, so that it refuses first.
+The refusal is a `VideoPixelBudgetError`, an `ImagePixelBudgetError` (a 413 over HTTP), whose message says it counts
+the frames the videos sample.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .errors import ImagePixelBudgetError, VideoPixelBudgetError
 
@@ -57,18 +59,27 @@ def check_image_pixels(sizes: Sequence[tuple[int, int] | None], limit: int) -> N
     )
 
 
-def check_video_pixels(videos: Sequence[Sequence[tuple[int, int, int]]], limit: int,
-                       counted: str = "the frames this request's videos sample") -> None:
-    """`VideoPixelBudgetError` naming the limit, the total and the frame that crosses it when the frames of a
-    request's videos, in order, each (its index among the frames given, width, height), sum to more than `limit`
-    (`counted`: which frames they are, for the message)."""
+def sampled_frame_sizes(indices: Sequence[int], size_of: Callable[[int], tuple[int, int]]
+                        ) -> list[tuple[int, int, int]]:
+    """(index, width, height) of each sampled frame, in sampling order, for `check_video_pixels`: `size_of(i)`, what
+    frame i announces, asked once per frame however often it is sampled."""
+    sizes: dict[int, tuple[int, int]] = {}
+    for i in indices:
+        if i not in sizes:
+            sizes[i] = size_of(i)
+    return [(i, *sizes[i]) for i in indices]
+
+
+def check_video_pixels(videos: Sequence[Sequence[tuple[int, int, int]]], limit: int) -> None:
+    """`VideoPixelBudgetError` naming the limit, the total and the frame that crosses it when the frames a request's
+    videos sample, in order, each (its index among the frames given, width, height), sum to more than `limit`."""
     flat = [(video, frame, w, h) for video, frames in enumerate(videos) for frame, w, h in frames]
     running, crossing = _crossing([(w, h) for _, _, w, h in flat], limit)
     if crossing is None:
         return
     video, frame, w, h = flat[crossing]
     raise VideoPixelBudgetError(
-        f"{counted} announce {running} pixels in all; the limit is "
+        f"the frames this request's videos sample announce {running} pixels in all; the limit is "
         f"max_video_pixels={limit}, crossed at video {video}'s frame {frame} ({w}x{h}): refused before decoding any",
         total=running, limit=limit, index=video, frame=frame,
     )

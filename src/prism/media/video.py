@@ -7,7 +7,9 @@ Owns: the video pixel layout and the timestamps, following HF transformers 5.17
   explicit frame count, n is used as is (HF's rule) up to the processor's own `max_frames` (the most frames it samples
   a video to at any fps; more is a `VideoError`, where HF would sample any count, a huge one filling the memory);
   indices = round(linspace(0, total - 1, n)). A video_fps so small that total / video_fps * fps leaves the floats
-  is a `VideoError` (HF's int() of it fails).
+  is a `VideoError` (HF's int() of it fails). Every rate is checked by `media.rates` (a request's as a checkpoint's):
+  a positive finite number, a sampling rate at most `MAX_SAMPLING_FPS`, so that only a video whose timestamps would
+  not fit can leave the floats.
 - smart resize of the Qwen3-VL video variant: min/max pixels bound the TOTAL over the sampled frames
   (t_bar * h * w), frames smaller than factor are first scaled up; fewer sampled frames than the temporal
   patch is an error. Optional per-frame cap (`cap_pixels_per_frame`, qwen-vl-utils behaviour).
@@ -41,7 +43,7 @@ import torch
 from PIL import Image
 
 from .config import VideoProcessorConfig
-from .errors import ImageTooSmallError, VideoError
+from .errors import ImageTooSmallError, MediaDecodeError, VideoError
 from .image import (
     DEFAULT_LIMITS,
     DecodeLimits,
@@ -51,11 +53,9 @@ from .image import (
     resize_rgb,
     to_rgb_image,
 )
+from .rates import MAX_TIMESTAMP_SECONDS, checked_rate, checked_sampling_rate
 
 Frame = Image.Image | np.ndarray
-# The first time whose float64 neighbours are more than a tenth of a second apart (spacing 2**(49 - 52)): the
-# `<t seconds>` text of a time from there on shows digits the float does not hold.
-MAX_TIMESTAMP_SECONDS = 2.0**49
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,7 @@ def effective_max_pixels(num_frames: int, config: VideoProcessorConfig) -> int:
 
 
 def _check_fps(value: float | None, name: str) -> float:
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise VideoError(f"{name} must be a positive number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise VideoError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
+    return checked_rate(value, name, VideoError)
 
 
 def _frames_at_fps(total_frames: int, video_fps: float, fps: float, config: VideoProcessorConfig) -> int:
@@ -160,7 +156,8 @@ def sample_frame_indices(
         num_frames = config.num_frames
         fps = config.fps if num_frames is None else None
     if num_frames is None and fps is not None:
-        n = _frames_at_fps(total_frames, _check_fps(video_fps, "video_fps"), _check_fps(fps, "target fps"), config)
+        n = _frames_at_fps(total_frames, _check_fps(video_fps, "video_fps"),
+                           checked_sampling_rate(fps, "target fps", VideoError), config)
     elif num_frames is None:
         n = min(max(total_frames, config.min_frames), config.max_frames)
     else:
@@ -272,7 +269,10 @@ def decode_sampled_frames(frames: Sequence[Frame | bytes], indices: np.ndarray,
     rgb: dict[int, Image.Image] = {}
     for i in indices.tolist():
         if i not in rgb:
-            rgb[i] = to_rgb_image(frames[i], limits, what=f"video frame {i}")  # type: ignore[arg-type]
+            try:
+                rgb[i] = to_rgb_image(frames[i], limits, what=f"video frame {i}")  # type: ignore[arg-type]
+            except MediaDecodeError as exc:  # (encoded bytes: say which frame, as the other refusals do)
+                raise MediaDecodeError(f"video frame {i} is not a decodable image: {exc}") from exc
     return [rgb[i] for i in indices.tolist()]
 
 

@@ -1,4 +1,4 @@
-"""Media URLs of a chat request -> the messages `InputProcessor.prepare_chat` takes (image bytes, video frames).
+"""Media URLs of a chat request -> the messages `InputProcessor.prepare_chat` takes (image and frame bytes).
 
 Owns where media may come from and how much of it a request may bring, so that hostile URLs become 4xx
 answers before memory or time is spent:
@@ -13,25 +13,26 @@ answers before memory or time is spent:
   `max_request_bytes` of media bytes in all (whatever their source);
 - videos: each one's frame count and rate within what the engine's sampling takes, before any frame is fetched
   (`video_frames.check_sampling`);
-- pixels: the images at most `max_image_pixels` in all (`media.pixel_budget`), the video frames at most
-  `max_video_pixels` in all (`video_frames.check_frame_pixels`), each read from its header once every source is read
-  and before any image or frame is decoded (an image named by its uuid alone carries none).
+- pixels: the images at most `max_image_pixels` in all (`media.pixel_budget`), the frames the videos sample at most
+  `max_video_pixels` in all (`video_frames.check_frame_pixels`; every frame sent is read from its header, each within
+  one frame's limit), each read from its header once every source is read and before any image or frame is decoded
+  (an image named by its uuid alone carries none).
 
 A request refused here leaves nothing behind: the data URLs it decoded join the decoded-URL cache only once all of its
-media are resolved within these limits, and no frame is decoded before then. One resolved here and refused by the
-engine afterwards (a prompt too long, an image body that does not decode, a full server) leaves its data URLs cached:
-an entry is found only by the whole URL and the cache is bounded by its bytes (`data_url_cache_bytes`), so a later
-request that finds one gets the bytes its URL decodes to, judged by the same limits: its verdict and its answer are a
-miss's (and a client that sends the request again skips the base64 decode).
+media are resolved within these limits, and nothing is decoded here. One resolved here and refused by the engine
+afterwards (a prompt too long, an image or sampled frame body that does not decode, a full server) leaves its data URLs
+cached: an entry is found only by the whole URL and the cache is bounded by its bytes (`data_url_cache_bytes`), so a
+later request that finds one gets the bytes its URL decodes to, judged by the same limits: its verdict and its answer
+are a miss's (and a client that sends the request again skips the base64 decode).
 
 Status codes (`MediaURLError.status`): 403 for a source this server refuses (local file outside or without
 `media_root`, remote media switched off, unreadable file), 413 for too many bytes or pixels, 400 for the rest
-(malformed URL or base64, missing file, remote error or timeout, too many items, an undecodable image header or
-frame).
+(malformed URL or base64, missing file, remote error or timeout, too many items, an undecodable image or frame
+header).
 
 `video_url` (an encoded video file) is refused with 400: no video decoder is installed; send decoded
-frames as `{"type": "video", "video": {"frames": [...], "fps": ...}}`. Those frames are decoded here
-(`prepare_chat` takes decoded frames), last (`video_frames`).
+frames as `{"type": "video", "video": {"frames": [...], "fps": ...}}`. Those frames go to `prepare_chat` encoded, as
+images do: the engine decodes the ones it samples, each once, and no other (`video_frames`).
 The resolver is synchronous and holds no per-request state: run it on worker threads.
 """
 
@@ -51,6 +52,7 @@ from ..media.config import VideoProcessorConfig
 from ..media.errors import ImagePixelBudgetError, ImageTooLargeError, MediaError
 from ..media.image import DecodeLimits, header_size
 from ..media.pixel_budget import check_image_pixels
+from ..media.video import VideoSampling
 from .data_url_cache import DecodedDataURLs
 from .media_url_errors import (  # noqa: F401 - the resolver's refusals, importable from here
     ForbiddenMedia,
@@ -74,7 +76,7 @@ from .protocol import (
     VideoURLPart,
 )
 from .settings import ServerSettings
-from .video_frames import SentVideo, check_frame_pixels, check_sampling, decode_frames
+from .video_frames import SentVideo, check_frame_pixels, check_sampling
 
 
 def _shown(url: str) -> str:
@@ -83,10 +85,12 @@ def _shown(url: str) -> str:
 
 class _Budget:
     """Media bytes left to one request; its images (bytes and field, None for one named by its uuid alone) and
-    videos so far, and the data URLs it decoded, kept for the decoded-URL cache until it is resolved."""
+    videos so far with the frames each samples, and the data URLs it decoded, kept for the decoded-URL cache until it
+    is resolved."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, samplings: Sequence[VideoSampling] = ()) -> None:
         self.bytes_left = max_bytes
+        self.samplings = samplings  # each video's, in the request's order (`video_frames.check_sampling`)
         self.images: list[tuple[bytes, str] | None] = []
         self.videos: list[SentVideo] = []
         self.decoded: dict[str, bytes] = {}
@@ -127,8 +131,8 @@ class MediaResolver:
 
     `transport` (an `httpx.BaseTransport`, e.g. `httpx.MockTransport`) replaces the network for remote URLs.
     `max_image_pixels` and `max_video_pixels` (the engine's, where they are lower) replace the settings' own: the
-    server then refuses here whatever the engine would, before anything is cached (it counts every frame sent, the
-    engine the frames each video samples, never more). `video_config`: the engine's video processor settings, which
+    server then refuses here whatever the engine would, before anything is cached (both count the frames each video
+    samples). `video_config`: the engine's video processor settings, which
     videos are sampled by (Qwen3-VL's defaults, an engine's whose checkpoint has no video config, when None).
     """
 
@@ -146,12 +150,12 @@ class MediaResolver:
     def resolve_messages(self, messages: Sequence[ChatMessage], field: str = "messages") -> list[dict[str, Any]]:
         """Protocol messages -> `prepare_chat` messages: text kept, images as encoded bytes
         (`{"type": "image", "image": bytes}`, with the part's `uuid` if any; `"image": None` when named by uuid
-        alone), videos as decoded frames
-        (`{"type": "video", "video": [PIL.Image, ...], "fps": fps}`); "developer" becomes "system". `field`: the
+        alone), videos as their frames' encoded bytes (`{"type": "video", "video": [bytes, ...], "fps": fps}`: the
+        engine decodes the frames it samples); "developer" becomes "system". `field`: the
         request's name for these messages in error locations (a decide's are its "material")."""
-        self._check_before_fetching(messages, field)
+        samplings = self._check_before_fetching(messages, field)
         s = self.settings
-        budget = _Budget(s.max_request_bytes)
+        budget = _Budget(s.max_request_bytes, samplings)
         fetcher = _Fetcher(s, self._transport)
         try:
             out = []
@@ -169,7 +173,6 @@ class MediaResolver:
         self._check_image_pixels(budget.images)
         check_frame_pixels(budget.videos, self.max_video_pixels, s.max_media_bytes,
                            self._engines_limit("max_video_pixels"))
-        decode_frames(budget.videos, s.max_media_bytes)
         self._keep_decoded(budget)
         return out
 
@@ -217,9 +220,10 @@ class MediaResolver:
         for url, data in budget.decoded.items():
             self._decoded.put(url, data)
 
-    def _check_before_fetching(self, messages: Sequence[ChatMessage], field: str = "messages") -> None:
+    def _check_before_fetching(self, messages: Sequence[ChatMessage], field: str = "messages"
+                               ) -> list[VideoSampling]:
         """What the request's parts alone decide: no video_url, the counts of items and frames, each video's sampling
-        (`video_frames.check_sampling`)."""
+        (`video_frames.check_sampling`; returned in the request's order)."""
         items, videos = 0, []
         for i, message in enumerate(messages):
             if not isinstance(message.content, list):
@@ -246,8 +250,7 @@ class MediaResolver:
                 f"a request may carry at most {self.settings.max_media_per_request} images and videos, got {items}",
                 param="messages",
             )
-        for part, where in videos:
-            check_sampling(part, where, self.video_config)
+        return [check_sampling(part, where, self.video_config) for part, where in videos]
 
     def _resolve_part(self, part: Any, where: str, budget: _Budget, fetcher: _Fetcher) -> dict[str, Any]:
         if isinstance(part, TextPart):
@@ -260,11 +263,13 @@ class MediaResolver:
             image = self._fetch(part.image_url.url, param, budget, fetcher)
             budget.images.append((image, param))
             return {"type": "image", "image": image} | ({"uuid": part.uuid} if part.uuid is not None else {})
-        if isinstance(part, VideoPart):  # its frames decoded once the request's pixels are judged (`decode_frames`)
-            video = SentVideo({"type": "video", "video": None, "fps": part.video.fps})
+        if isinstance(part, VideoPart):  # its frames judged once the request's sources are all read
+            video = SentVideo({"type": "video", "video": [], "fps": part.video.fps},
+                              budget.samplings[len(budget.videos)])
             for k, url in enumerate(part.video.frames):
                 param = f"{where}.video.frames[{k}]"
                 video.frames.append((self._fetch(url, param, budget, fetcher), param))
+                video.part["video"].append(video.frames[-1][0])
             budget.videos.append(video)
             return video.part
         raise TypeError(f"{where}: not a validated content part: {type(part).__name__}")

@@ -17,7 +17,7 @@ exist at all (local files only under one root; remote URLs only when switched on
 | max_media_bytes            | PRISM_MAX_MEDIA_BYTES            | 20 MiB per item (encoded bytes)        |
 | max_media_per_request      | PRISM_MAX_MEDIA_PER_REQUEST      | 16 (images + videos)                   |
 | max_video_frames           | PRISM_MAX_VIDEO_FRAMES           | 256 frames per video                   |
-| max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 decoded frame pixels per request |
+| max_video_pixels           | PRISM_MAX_VIDEO_PIXELS           | 2**27 sampled frame pixels per request |
 | max_image_pixels           | PRISM_MAX_IMAGE_PIXELS           | 2**28 image pixels per request         |
 | max_request_bytes          | PRISM_MAX_REQUEST_BYTES          | 64 MiB (HTTP body; also all media)     |
 | body_read_timeout_s        | PRISM_BODY_READ_TIMEOUT_S        | 30.0 (+1 s per 128 KiB of body read)   |
@@ -62,7 +62,7 @@ class ServerSettings:
     max_media_bytes: int = 20 * MIB
     max_media_per_request: int = 16
     max_video_frames: int = 256
-    # The decoded frames of a request's videos in all (media.pixel_budget); also the budget of the engine the server
+    # The frames a request's videos sample in all (media.pixel_budget); also the budget of the engine the server
     # builds, unless PRISM_CONFIG's file names its own (then the lower applies: server_state.engine_config_of).
     max_video_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
     # The pixels a request's images may announce in all (their headers, before any is decoded; media.pixel_budget):
