@@ -47,6 +47,25 @@ def test_partial_hits_with_a_tail_copy_one_row_short_are_caught(monkeypatch: pyt
     _hit_equals_miss_fails("spec_partial_hits_give_the_logits_of_misses", "a prefix hit changed")
 
 
+def test_an_example_without_graph_rows_after_one_with_them_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review of the specs sharing engines: the hit == miss spec checked that the graphs ran by its shared
+    engine's counts since it was built, so once one example had run graph rows, every later one passed that check
+    whether it ran any or not. Planted: after a first example, the row graphs never fit (every decode eager)."""
+    from prism.engine.cuda_graphs import RowGraphs
+    from specs import spec_hit_equals_miss
+
+    case = dict(images=[0], questions=["What is it?", "Why?"], page_size=4, budget=512, deterministic=False,
+                graphs="rows")
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        spec_hit_equals_miss.check(**case)
+        monkeypatch.setattr(RowGraphs, "fits", lambda self, num_rows, max_context: False)
+        with pytest.raises(AssertionError, match="no decode ran as graph rows"):
+            spec_hit_equals_miss.check(**case)
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()
+
+
 def _copy_tail_pages_one_row_short(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted in the runner's transfer plans: every tail copy (`copy_prefix`) one row short."""
     from prism.engine import runner
