@@ -13,11 +13,11 @@ from prism.engine.llm import LLM  # noqa: E402
 from prism.testing.checkpoints import ensure_tiny_checkpoint  # noqa: E402
 
 llm = LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256)
-usage = engine_usage(llm)
-answers = llm.decide([{"role": "user", "content": "The lamp is on."}],
-                     [Question("yes_no", "Is the lamp on?"),
-                      Question("choice", "Which word fits?", tuple(f"word {k}" for k in range(30)))],
-                     ThinkingConfig(gate=1.0, max_tokens=6))
+with engine_usage(llm) as usage:
+    answers = llm.decide([{"role": "user", "content": "The lamp is on."}],
+                         [Question("yes_no", "Is the lamp on?"),
+                          Question("choice", "Which word fits?", tuple(f"word {k}" for k in range(30)))],
+                         ThinkingConfig(gate=1.0, max_tokens=6))
 reported = {i: {key: getattr(a, key, 0) for key in USAGE} for i, a in enumerate(answers)}
 _common.verdict(reported == usage, f"each answer's usage is its engine requests': {reported}",
                 f"the answers report {reported}, their engine requests used {dict(usage)}")

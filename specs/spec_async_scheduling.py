@@ -40,6 +40,7 @@ from prism.engine.sampling import SamplingParams
 from prism.kv.manager import PENDING_TOKEN
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
+from prism.testing.shared_engines import reused_while_clean
 from specs.tours import Chosen
 
 IMAGE = random_images([(64, 64)], seed=31)[0]
@@ -52,36 +53,15 @@ def chat(text: int, with_image: bool) -> list[dict]:
     return [{"role": "user", "content": [*content, {"type": "text", "text": TEXTS[text]}]}]
 
 
-_ENGINES: dict[tuple[bool, bool, bool], LLM] = {}
-
-
+@reused_while_clean
 def engine(async_scheduling: bool, chunks: bool = False, admissions: bool = False) -> LLM:
     """`chunks`: the packed graphs too, prompts interleaved 8 tokens at a time beside the decodes and a step
     budget smaller than a few prompts, so a later prompt's chunks go beside the decode rows (a continuation
     carries the next chunk of the one request still in its prompt). `admissions`: the packed graphs, and the
     scheduler runs while a step is in flight when requests wait (`async_admissions`).
 
-    Each is built once and shared by the examples, as long as it holds nothing of the last one: an engine that
-    a failed example (its failure already reported) left requests or pages in is built anew, so that the next
-    example neither steps them beside its own, nor has its own ids refused as already in use (its requests are
-    named r0, r1, ... again), nor runs on a smaller pool: while Hypothesis shrinks, each example fails for its own
-    reasons only."""
-    key = (async_scheduling, chunks, admissions)
-    llm = _ENGINES.get(key)
-    if llm is None or not _holds_nothing(llm.engine):
-        llm = _ENGINES[key] = _built(*key)
-    return llm
-
-
-def _holds_nothing(eng) -> bool:
-    """No request known (live, or its events not taken), no sequence, no page held but by the prefix cache."""
-    kv = eng.kv
-    if eng.requests or eng.has_unfinished_requests() or kv.seqs:
-        return False
-    return all(kv.gpu.refcount[p] == kv.entries.entry_refs.get(p, 0) for p in range(kv.gpu.num_pages))
-
-
-def _built(async_scheduling: bool, chunks: bool, admissions: bool) -> LLM:
+    Each is built once and shared by the examples while it holds nothing of the last one: the examples name their
+    requests r0, r1, ... again, so an engine a failed example left requests in would refuse their ids as in use."""
     if admissions:
         return LLM(ensure_tiny_checkpoint(), kv_dtype="fp8", page_size=16, num_gpu_pages=24, max_num_seqs=4,
                    max_num_batched_tokens=256, graph_rows_without_cuda=True, cuda_graph_max_batch=4,

@@ -24,7 +24,6 @@ short, and answered as if the question had thought (found by review, session 33)
 
 from __future__ import annotations
 
-import functools
 import re
 
 from hypothesis import event, example, given, settings
@@ -37,15 +36,17 @@ from prism.engine.engine import RequestError
 from prism.engine.llm import LLM
 from prism.engine.request import RequestOutput
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.shared_engines import reused_while_clean
 
 MAX_MODEL_LEN = 256
 MAX_STEPS = 60  # a decide here takes a handful of steps; a waiting branch never ends
 MATERIAL = [{"role": "user", "content": "Read this note carefully: the lamp is on and the door is shut."}]
 
 
-@functools.cache
+@reused_while_clean
 def engine_under_test() -> LLM:
-    """One engine for every example (built once: a few seconds), its pool exactly max_model_len tokens."""
+    """One engine for the examples (built once: a few seconds) while it holds nothing of the last one (a decide's
+    requests are named spec/material, spec/q0, ... in every example), its pool exactly max_model_len tokens."""
     return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=MAX_MODEL_LEN // 4,
                max_model_len=MAX_MODEL_LEN, check_invariants=True)
 
@@ -90,11 +91,6 @@ def spec_every_decide_is_answered_or_refused_before_it_runs(padding: list[int]) 
     else:
         assert max(lengths) < MAX_MODEL_LEN, f"answered with a prompt of {max(lengths)} tokens past max_model_len"
         assert all(abs(sum(a.probabilities.values()) - 1) < 1e-5 for a in answers)
-    finally:
-        for request_id in list(llm.engine.requests):  # what a failed example left: gone for the next one
-            llm.engine.abort(request_id)
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
     assert not llm.engine.requests and not llm.engine.kv.seqs, "a decide left requests or sequences behind"
 
 
@@ -178,10 +174,10 @@ STAGES = {"material": "/material", "readout": "/q{i}", "group": "/q{i}g1", "fina
 QUESTION_ID = re.compile(r"/q(\d+)")  # a question's engine requests: <decide>/q<i>, /q<i>g<g>, /q<i>final, /q<i>/...
 
 
-@functools.cache
+@reused_while_clean
 def engine_with_failures() -> LLM:
-    """Thinking decides on one engine; steps go through `runner.execute` alone (no steps launched ahead), where a
-    failure is planted."""
+    """Thinking decides on one engine (while it holds nothing of the last one); steps go through `runner.execute`
+    alone (no steps launched ahead), where a failure is planted."""
     return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256, async_scheduling=False,
                check_invariants=True)
 

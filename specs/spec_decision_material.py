@@ -28,6 +28,7 @@ from prism.engine.llm import LLM
 from prism.engine.request import Branch
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.hf_reference import random_images
+from prism.testing.shared_engines import reused_while_clean
 
 PICTURES = random_images([(32, 32)] * 3, seed=11)  # one size: equal pad tokens for all three
 QUESTIONS = [Question("yes_no", "Is it red?"), Question("yes_no", "Is it dark?")]
@@ -151,8 +152,10 @@ def reference_probabilities(question: Question) -> tuple[float, ...]:
     return tuple(torch.softmax(logits[list(candidates)] / question.temperature, 0).tolist())
 
 
-@functools.cache
+@reused_while_clean
 def oracle_llm() -> LLM:
+    """Shared by the examples while it holds nothing of the last one: a sequence a failed decide left would fail the
+    next one's checks that none is left and that the cleared cache frees every page."""
     return new_llm()
 
 

@@ -24,6 +24,7 @@ from prism.decision.questions import Question
 from prism.decision.thinking import ThinkingConfig
 from prism.engine.llm import LLM
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.shared_engines import reused_while_clean
 
 MATERIAL = [{"role": "user", "content": "Read this note carefully: the lamp is on and the door is shut."}]
 POOL = (Question("yes_no", "Is the lamp on?"), Question("score", "How bright is it?", levels=(1, 2, 3)),
@@ -31,8 +32,10 @@ POOL = (Question("yes_no", "Is the lamp on?"), Question("score", "How bright is 
 MAX_TOKENS = 4
 
 
-@functools.cache
+@reused_while_clean
 def engine_under_test() -> LLM:
+    """Shared by the examples while it holds nothing of the last one: what a decide that failed for leaving requests
+    or sequences behind left would fail the next one's check the same way."""
     return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256, deterministic=True,
                check_invariants=True)
 
@@ -72,4 +75,4 @@ def spec_a_thinking_answer_is_the_questions_own(picks, gate, warm, seed) -> None
     for i, mine, theirs in zip(picks, got, expected, strict=True):
         assert mine == theirs, (f"question {i} ({'warm' if warm else 'cold'}, with {picks}, gate {config.gate!r}) "
                                 f"answered {mine} where alone it answers {theirs}")
-    assert not llm.engine.requests and not llm.engine.kv.seqs
+    assert not llm.engine.requests and not llm.engine.kv.seqs, "a decide left requests or sequences behind"

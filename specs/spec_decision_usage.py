@@ -14,9 +14,10 @@ first readout's.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from prism.decision.questions import Question
 from prism.decision.thinking import ThinkingConfig
 from prism.engine.llm import LLM
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.shared_engines import reused_while_clean
 
 MATERIAL = [{"role": "user", "content": "Read this note carefully: the lamp is on and the door is shut."}]
 POOL = (Question("yes_no", "Is the lamp on?"), Question("score", "How bright is it?", levels=(1, 2, 3)),
@@ -34,9 +36,11 @@ QUESTION_ID = re.compile(r"/q(\d+)")  # a question's engine requests: <decide>/q
 USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens")
 
 
-def engine_usage(llm: LLM) -> dict[int | None, dict[str, int]]:
-    """Wraps `llm.engine.step`: from then on, the usage of the requests the engine ends, by the question index in their
-    id (None: not a question's), by their own events; a decision's material (`.../material`) is counted nowhere."""
+@contextlib.contextmanager
+def engine_usage(llm: LLM) -> Iterator[dict[int | None, dict[str, int]]]:
+    """Wraps `llm.engine.step` while open: the usage of the requests the engine ends meanwhile, by the question index
+    in their id (None: not a question's), by their own events; a decision's material (`.../material`) is counted
+    nowhere."""
     usage: dict[int | None, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE, 0))
     step = llm.engine.step
 
@@ -54,29 +58,33 @@ def engine_usage(llm: LLM) -> dict[int | None, dict[str, int]]:
         return events
 
     llm.engine.step = counted_step
-    return usage
+    try:
+        yield usage
+    finally:
+        del llm.engine.step
 
 
-@functools.cache
-def engine_under_test() -> tuple[LLM, dict]:
-    llm = LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256, check_invariants=True)
-    return llm, engine_usage(llm)
+@reused_while_clean
+def engine_under_test() -> LLM:
+    """Shared by the examples while it holds nothing of the last one: the terminal events of a failed example's
+    requests (aborted as its decide failed) would come out of the next one's first step, counted as its questions'."""
+    return LLM(ensure_tiny_checkpoint(), kv_dtype="fp32", page_size=4, num_gpu_pages=256, check_invariants=True)
 
 
 @settings(max_examples=15, deadline=None)
 @given(picks=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=3),
        gate=st.none() | st.sampled_from([0.0, 0.6, 1.0]), warm=st.booleans(), seed=st.integers(0, 3))
 def spec_each_answer_counts_every_request_of_its_question(picks, gate, warm, seed) -> None:
-    llm, usage = engine_under_test()
+    llm = engine_under_test()
     if not warm:
         llm.engine.kv.clear_cache()
-    usage.clear()
     thinking = None if gate is None else ThinkingConfig(gate=gate, max_tokens=4, seed=seed)
-    answers = llm.decide(MATERIAL, [POOL[p] for p in picks], thinking)
+    with engine_usage(llm) as usage:
+        answers = llm.decide(MATERIAL, [POOL[p] for p in picks], thinking)
     assert set(usage) <= set(range(len(picks))), f"requests of no question: {usage.get(None)}"
     for i, answer in enumerate(answers):
         reported = {key: getattr(answer, key) for key in USAGE}
         assert reported == usage[i], (f"question {i} ({POOL[picks[i]].text!r}, thought: {answer.thought}) reports "
                                       f"{reported}; its engine requests used {usage[i]}")
         assert answer.completion_tokens == answer.thinking_tokens
-    assert not llm.engine.requests and not llm.engine.kv.seqs
+    assert not llm.engine.requests and not llm.engine.kv.seqs, "a decide left requests or sequences behind"

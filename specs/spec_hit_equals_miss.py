@@ -92,18 +92,20 @@ def check(images, questions, page_size: int, budget: int, deterministic: bool, g
     shared = not (images and isinstance(images[0], list))
     per_prompt = [images] * len(questions) if shared else images
     prompts = [chat(imgs, q) for imgs, q in zip(per_prompt, questions, strict=False)]
-    hit, cached = logits_of_each(engine(page_size, budget, True, deterministic, graphs), prompts)
+    cached_engine = engine(page_size, budget, True, deterministic, graphs)
+    stats = cached_engine.engine.runner.stats
+    graph_steps, packed_graph_steps = stats.graph_steps, stats.packed_graph_steps  # (the engine served examples before)
+    hit, cached = logits_of_each(cached_engine, prompts)
     # The miss is the plain reference: the cache off and every step an eager forward, whatever `graphs` says.
     miss, uncached = logits_of_each(engine(page_size, budget, False, deterministic), prompts)
     assert not any(uncached), "the cache-off engine reported cached tokens"
-    stats = engine(page_size, budget, True, deterministic, graphs).engine.runner.stats
     if graphs != "off":
-        assert stats.graph_steps > 0, "no decode ran as graph rows"
+        assert stats.graph_steps > graph_steps, "no decode ran as graph rows"
     if graphs == "packed":
-        assert stats.packed_graph_steps > 0, "no prefill ran through the packed graphs"
+        assert stats.packed_graph_steps > packed_graph_steps, "no prefill ran through the packed graphs"
     assert not shared or any(cached[1:]), f"prompts sharing their images must hit (cached tokens {cached})"
     if not shared:  # a prompt whose first image an earlier prompt began with must hit into that image
-        inputs = engine(page_size, budget, True, deterministic, graphs).engine.inputs
+        inputs = cached_engine.engine.inputs
         for j in range(1, len(prompts)):
             if any(per_prompt[i][0] == per_prompt[j][0] for i in range(j)):
                 first = inputs.prepare_chat(prompts[j]).media[0]

@@ -25,7 +25,6 @@ preempted requests wait beside requests that run): after every step the requests
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import Counter
 from types import SimpleNamespace
@@ -43,6 +42,7 @@ from prism.engine.penalty_counts import PenaltyCounts
 from prism.engine.request import FinishReason, Request, RequestState
 from prism.engine.sampling import SamplingParams
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.shared_engines import reused_while_clean
 from specs.spec_sampling_penalties import reference_adjusted
 
 VOCAB = 11
@@ -227,11 +227,12 @@ PENALTIES = ({"presence_penalty": 1.5}, {"frequency_penalty": 1.0}, {"repetition
 MAX_NUM_SEQS = 2
 
 
-@functools.cache
+@reused_while_clean
 def engine(pool_pages: int, preemption: str, async_scheduling: bool) -> Engine:
     """Two requests at a time over 96-token sequences; 24 pages of 4 tokens cannot hold two of the long ones. A
     running prefill of a shared prefix defers the requests sharing it (`defer_shared_prefill_tokens`), and the
-    request behind them runs first."""
+    request behind them runs first. Shared by the examples while it holds nothing of the last one: requests a failed
+    example left would run beside the next one's, their events taken for those of its requests of the same index."""
     swap = dict(preemption="swap", num_cpu_pages=64) if preemption == "swap" else {}
     return Engine(ensure_tiny_checkpoint(), EngineConfig(
         page_size=4, num_gpu_pages=pool_pages, max_model_len=96, kv_dtype="fp32", max_num_seqs=MAX_NUM_SEQS,

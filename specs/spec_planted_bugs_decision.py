@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from prism.engine.engine import RequestError
 from prism.kv.manager import KVCacheManager, SequenceError
 from specs import spec_decision_material
-from specs.planted import _spec_fails
+from specs.planted import _spec_fails, _the_next_example_fails_for_what_one_left
 
 
 def test_a_material_of_common_token_ids_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,3 +223,66 @@ def test_options_only_in_lists_ranges_and_arrays_are_caught(monkeypatch: pytest.
     monkeypatch.setattr(questions, "listed_values", lists_ranges_and_arrays)
     _spec_fails(spec_decision_questions.spec_options_and_levels_come_in_any_ordered_container,
                 "must be a list", questions.QuestionError)
+
+
+# -- engines shared by the examples: each example gets one that holds nothing of another (`shared_engines`) ------------
+def test_a_liveness_example_after_a_failed_one_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The liveness spec's decides are named spec/material, spec/q0, ... in every example, on one shared engine: an
+    example that failed with its requests in the engine made the next one's decide refused as in use, reported as a
+    refusal of prompts that fit. Planted: the engine shared whatever it holds."""
+    from specs import spec_decision_liveness
+
+    spec = spec_decision_liveness.spec_every_decide_is_answered_or_refused_before_it_runs
+    _the_next_example_fails_for_what_one_left(monkeypatch, spec, dict(padding=[0]), "a step fails", "already in use")
+
+
+def test_a_failing_work_example_after_one_that_leaked_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failing-work liveness spec's examples share an engine: work one left for good (the leak its last check is
+    for) would fail every later one's check. Planted: the engine shared whatever it holds."""
+    from specs import spec_decision_liveness
+
+    spec = spec_decision_liveness.spec_a_decide_whose_work_fails_is_never_answered
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(picks=[0], stage="readout", which=0), "sequences leak", "left work behind")
+
+
+def test_a_thinking_example_after_one_that_leaked_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thinking spec's examples share an engine: requests or sequences one left for good would fail every later
+    one's last check. Planted: the engine shared whatever it holds."""
+    from specs import spec_decision_thinking
+
+    spec = spec_decision_thinking.spec_a_thinking_answer_is_the_questions_own
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(picks=[0], gate=0.0, warm=False, seed=0), "sequences leak",
+        "left requests or sequences behind")
+
+
+def test_a_reference_softmax_example_after_one_that_leaked_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference softmax spec's examples share an engine: a sequence one left for good would fail every later one's
+    check that a decide leaves none. Planted: the engine shared whatever it holds."""
+    spec = spec_decision_material.spec_each_answer_is_the_reference_softmax
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(picks=[1], twice=False), "sequences leak", "left a sequence or a request")
+
+
+def test_a_usage_example_after_a_failed_one_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usage spec's examples share an engine: a decide that failed (its requests aborted) left their terminal events
+    unread, and the next example's first step gave them out, counted as its own questions' usage. Planted: the engine
+    shared whatever it holds."""
+    from specs import spec_decision_usage
+
+    spec = spec_decision_usage.spec_each_answer_counts_every_request_of_its_question
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(picks=[0], gate=None, warm=False, seed=0), "a step fails", "its engine requests used")
+
+
+def test_an_unforked_questions_example_after_a_failed_one_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unforked questions spec's examples share an engine and name their decide d<serial>, which Hypothesis shrinks
+    to d0: an example that failed with its decide in the engine had the next one's refused as in use. Planted: the
+    engine shared whatever it holds."""
+    from specs import spec_unforked_questions
+
+    spec = spec_unforked_questions.spec_every_question_ends_once
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(questions=2, ending="material fails", at_step=3, which=0, serial=0), "a step fails",
+        "already in use", RequestError)

@@ -18,7 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from prism.engine.request import RequestError
 from prism.kv.manager import KVCacheManager, SequenceError
 from specs import spec_failed_steps
-from specs.planted import _spec_fails
+from specs.planted import _engines_shared_whatever, _spec_fails, _the_next_example_fails_for_what_one_left
 
 
 def _hit_equals_miss_fails(spec_name: str, match: str) -> None:
@@ -45,6 +45,25 @@ def test_partial_hits_with_a_tail_copy_one_row_short_are_caught(monkeypatch: pyt
     check): the copy one row short."""
     _copy_tail_pages_one_row_short(monkeypatch)
     _hit_equals_miss_fails("spec_partial_hits_give_the_logits_of_misses", "a prefix hit changed")
+
+
+def test_an_example_without_graph_rows_after_one_with_them_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review of the specs sharing engines: the hit == miss spec checked that the graphs ran by its shared
+    engine's counts since it was built, so once one example had run graph rows, every later one passed that check
+    whether it ran any or not. Planted: after a first example, the row graphs never fit (every decode eager)."""
+    from prism.engine.cuda_graphs import RowGraphs
+    from specs import spec_hit_equals_miss
+
+    case = dict(images=[0], questions=["What is it?", "Why?"], page_size=4, budget=512, deterministic=False,
+                graphs="rows")
+    spec_hit_equals_miss.engine.cache_clear()
+    try:
+        spec_hit_equals_miss.check(**case)
+        monkeypatch.setattr(RowGraphs, "fits", lambda self, num_rows, max_context: False)
+        with pytest.raises(AssertionError, match="no decode ran as graph rows"):
+            spec_hit_equals_miss.check(**case)
+    finally:
+        spec_hit_equals_miss.engine.cache_clear()
 
 
 def _copy_tail_pages_one_row_short(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,12 +210,13 @@ def test_an_engine_a_failed_example_left_requests_in_is_not_shared_on(monkeypatc
     """Found by a review of the stateful specs: the async machine's examples share an engine and each names its
     requests r0, r1, ... again, so an example that failed with a request left in the engine failed the ones after it
     too (their r3 refused as already in use, or the leftover stepped beside their own requests): a request the
-    scheduler never saw was reported as Hypothesis's "Inconsistent data generation", not as itself. Planted: the engine shared whatever an
-    example left in it; a tour that fails leaving r3 (the scheduler never sees it) must fail the next tour."""
+    scheduler never saw was reported as Hypothesis's "Inconsistent data generation", not as itself. Planted: the
+    engine shared whatever an example left in it; a tour that fails leaving r3 (the scheduler never sees it) must fail
+    the next tour."""
     from prism.engine.scheduler import Scheduler
     from specs import spec_async_scheduling
 
-    monkeypatch.setattr(spec_async_scheduling, "_holds_nothing", lambda eng: True)
+    _engines_shared_whatever(monkeypatch)
     add = Scheduler.add
     with monkeypatch.context() as lost:
         lost.setattr(Scheduler, "add", lambda self, request: None if request.request_id == "r3" else add(self, request))
@@ -339,6 +359,28 @@ def test_a_call_keeping_only_its_own_events_is_caught(monkeypatch: pytest.Monkey
         _spec_fails(spec_llm_event_routing.spec_each_call_gets_all_of_its_own_events, "read|will never get")
     finally:
         spec_llm_event_routing.engine_under_test.cache_clear()  # a planted run leaves requests behind
+
+
+def test_an_event_routing_example_after_one_that_leaked_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event routing spec's examples share an engine: a request or sequence one left for good (the leak its check
+    is for) would fail every later one's check, and Hypothesis would shrink to an example that fails only after
+    another. Planted: the engine shared whatever it holds."""
+    from specs import spec_llm_event_routing
+
+    spec = spec_llm_event_routing.spec_each_call_gets_all_of_its_own_events
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(ops=[("open", "Hi", 2)]), "sequences leak", "left behind")
+
+
+def test_a_stop_string_example_after_one_that_leaked_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop string spec's examples share an engine: a request or sequence one left for good would fail every later
+    one's check that nothing is left behind. Planted: the engine shared whatever it holds."""
+    from specs import spec_stop_at_flush
+
+    tokens = spec_stop_at_flush.engine_under_test().engine.inputs.tokenizer.encode("ab k.").ids
+    spec = spec_stop_at_flush.spec_a_stop_string_ends_the_request_wherever_it_completes
+    _the_next_example_fails_for_what_one_left(
+        monkeypatch, spec, dict(script=(tokens, len(tokens), ("zzz",))), "sequences leak", "left behind")
 
 
 def test_a_stop_string_completed_by_the_last_flush_left_as_length_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from prism.engine.penalties import TokenHistory
 from prism.engine.penalty_counts import PenaltyTableFull
 from prism.engine.request import Request, RequestState
 from specs import spec_penalty_counts, spec_sampling_penalties
-from specs.planted import _spec_fails
+from specs.planted import _spec_fails, _the_next_example_fails_for_what_one_left
 
 
 def _plant_histories(monkeypatch: pytest.MonkeyPatch, change) -> None:
@@ -184,3 +184,13 @@ def test_a_released_slot_not_refilled_is_caught_on_the_engine(monkeypatch: pytes
     _plant_a_released_slot_still_used(monkeypatch)
     _engine_spec_fails(spec_penalty_counts.spec_a_preempted_request_samples_as_undisturbed,
                        "in a pool that preempted it")
+
+
+def test_a_preempted_sampling_example_after_a_failed_one_is_not_shared_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine specs of the count table share their engines: the requests of an example that failed mid-run ran
+    beside the next one's, their events taken for those of its requests of the same index. Planted: the engine shared
+    whatever it holds."""
+    scenario = ("recompute", False, [(0, 24, spec_penalty_counts.PENALTIES[0], 0),
+                                     (1, 24, spec_penalty_counts.PENALTIES[3], 1)])
+    spec = spec_penalty_counts.spec_a_preempted_request_samples_as_undisturbed
+    _the_next_example_fails_for_what_one_left(monkeypatch, spec, dict(scenario=scenario), "a step fails", "request 0 ")

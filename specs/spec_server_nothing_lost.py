@@ -15,9 +15,10 @@ Invariant, once the server is idle after each rule:
   OpenAI error body; a request a step failed under, a 500 naming only a request id (streamed: that error event last
   before [DONE]), and beside another, as many such answers as the lost step held requests; a known image name is
   served and hits the prefix cache, an unknown one is a 400 asking for the image that makes no engine request;
-- nothing is held for a request: no handler running, no request in the engine (running, waiting, swapped, a question
-  not forked, an unread event, a detokenizer) or in the async engine (streams, admission slots), no KV sequence, and
-  every KV page in use is only the prefix cache's (evictable); the KV refcounts are exact;
+- nothing is held for a request: no handler running, nothing in the async engine (streams, admission slots), and
+  the engine holds nothing (`prism.testing.shared_engines.holdings`: no request running, waiting or swapped, no
+  question not forked, no unread event, no detokenizer, no step in flight, no penalty count slot, no KV sequence or
+  planned move, no swap page, every KV page in use only the prefix cache's, evictable); the KV refcounts are exact;
 - the Prometheus counters grew by exactly what the clients' actions made: a choice by its finish reason, a client that
   left by "abort" (as vLLM counts it), a failed request by "error", a decide answered with its questions, one whose
   client left by "abandoned" (its questions each ended by abort), a refusal by its status.
@@ -61,6 +62,7 @@ from prism.serving.responses import error_body, sse
 from prism.serving.settings import ServerSettings
 from prism.serving.stream import ChatCompletionStream
 from prism.testing.serving import failing_at, open_request, replaced, serve_in_thread
+from prism.testing.shared_engines import holdings
 from specs.server_clients import (
     DECIDE,
     IMAGES,
@@ -93,20 +95,14 @@ def served():
 
 # -- what the server holds --------------------------------------------------------------------------------------------
 def held_for_requests(server) -> dict[str, int]:
-    """What the server holds for requests, counted (nothing, once idle)."""
-    engine, async_engine = server.engine, server.app.state.prism.async_engine
-    kv, scheduler = engine.kv, engine.scheduler
+    """What the server holds for requests, counted (nothing, once idle): its handlers and async engine's, and its
+    engine's (`shared_engines.holdings`)."""
+    async_engine = server.app.state.prism.async_engine
     return {
         "request handlers running": len(server.server.server_state.tasks),
-        "engine requests": len(engine.requests),
-        "questions not forked": len(engine._unspawned),
-        "engine requests unfinished": scheduler.num_unfinished,
-        "engine events unread": len(engine._events),
-        "detokenizers": len(engine._streams),
         "streams of the async engine": async_engine.num_in_flight,
         "admission slots taken": async_engine._slots_taken,
-        "KV sequences": len(kv.seqs),
-        "KV pages held not only by the prefix cache": kv.gpu.num_used - kv.entries.num_reclaimable(),
+        **holdings(server.engine),
     }
 
 

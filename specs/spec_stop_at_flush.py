@@ -10,8 +10,6 @@ after the whole budget). A stop string completed by the flush ended the request 
 
 from __future__ import annotations
 
-import functools
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,13 +18,16 @@ from prism.engine.request import FinishReason
 from prism.engine.sampling import SamplingParams
 from prism.testing.checkpoints import ensure_tiny_checkpoint
 from prism.testing.scripted_tokens import scripted_tokens
+from prism.testing.shared_engines import reused_while_clean
 
 # Characters of one to four UTF-8 bytes, which byte-level BPE splits across tokens.
 CHARACTERS = st.sampled_from(list("ab k.") + ["é", "你", "好", "쀍", "€", "😀", "𝔘"])
 
 
-@functools.lru_cache(maxsize=1)
+@reused_while_clean
 def engine_under_test() -> LLM:
+    """Shared by the examples while it holds nothing of the last one: a request a failed example left would fail the
+    next one's check that nothing is left behind."""
     return LLM(ensure_tiny_checkpoint(), dtype="float32", num_gpu_pages=64, check_invariants=True)
 
 

@@ -12,8 +12,6 @@ the server kept their in-flight slots for good.)
 
 from __future__ import annotations
 
-import functools
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,12 +19,15 @@ from prism.decision.plan import Readouts, advance, plan_decision
 from prism.decision.questions import Question
 from prism.engine.llm import LLM
 from prism.testing.checkpoints import ensure_tiny_checkpoint
+from prism.testing.shared_engines import reused_while_clean
 
 MATERIAL = [{"role": "user", "content": "Read this note carefully: the lamp is on and the door is shut, twice over."}]
 
 
-@functools.lru_cache(maxsize=1)
+@reused_while_clean
 def engine_under_test() -> LLM:
+    """Shared by the examples while it holds nothing of the last one: a failed example's requests would run beside
+    the next one's (their decide named d<serial> again while Hypothesis shrinks: its ids refused as in use)."""
     # Small steps: the material takes several, so an ending can fall before the fork.
     return LLM(ensure_tiny_checkpoint(), dtype="float32", page_size=4, num_gpu_pages=64, max_num_batched_tokens=16,
                check_invariants=True)
