@@ -269,7 +269,7 @@ class MediaResolver:
             for k, url in enumerate(part.video.frames):
                 param = f"{where}.video.frames[{k}]"
                 video.frames.append((self._fetch(url, param, budget, fetcher), param))
-                video.part["video"].append(video.frames[-1][0])
+            video.part["video"] = [data for data, _ in video.frames]
             budget.videos.append(video)
             return video.part
         raise TypeError(f"{where}: not a validated content part: {type(part).__name__}")
